@@ -1,0 +1,383 @@
+"""Trainer side of the weight sync: `WeightSender`.
+
+Design choices (where the spec is silent):
+- The manifest needs every (name, shape, dtype) before the first byte moves, so `sync`
+  reads the whole iterable first. To stream a model that does not fit twice on the trainer
+  GPU, pass DTensors (or `ipc.LazyTensor`s) instead of full tensors: their shape and dtype
+  are known without gathering, and `full_tensor()` is then called bucket by bucket, in the
+  manifest's order (every rank must pass the same sequence: it is a collective). A plain
+  generator of full tensors works too, but then all of them are alive at once.
+- Manifest, bucket plan and chunk tables are cached while the (name, shape, dtype) list stays
+  the same, which it does step after step; per sync only source addresses move to the GPU.
+- Failures: a reject or a local problem found before the begin message -> stage
+  "pre-write"; anything after the receiver accepted (including no answer to begin) ->
+  "post-write". The sender never advances anything itself: the caller keeps its version and
+  retries the same number.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ipc import _kernels
+from ipc._copyplan import CopyPlan, fold_lanes
+from ipc.checksum import combine, digest_header
+from ipc.protocol import (PeerGone, SyncStats, Timeout, WeightSyncError, dtype_name, itemsize,
+                          manifest_hash, numel, parse_dtype, pid_alive, plan_buckets,
+                          recv_until, send)
+from ipc.transport import (CudaMemory, IpcEvent, ShmMemory, local_device_by_uuid,
+                           wait_event_host)
+
+
+@dataclass
+class _Manifest:
+    key: list
+    names: list[str]
+    shapes: list[tuple[int, ...]]
+    src_dtypes: list[torch.dtype]
+    entries: list[tuple]
+    header: dict
+    digest: tuple
+    plan: CopyPlan | None = None
+    release_after: list[list[int]] | None = None
+
+
+class _WriteFailure(Exception):
+    pass
+
+
+class WeightSender:
+    """Pushes full tensors into one `WeightReceiver`.
+
+    Args:
+        conn: the sender end of `ipc.channel_pair()`.
+        backend: "auto" (whatever the receiver exports), "shm" or "cuda".
+        bucket_bytes: wire bytes per bucket: the unit of kernel launches and of lazy
+            gathering (at most one bucket of DTensor/LazyTensor values is alive at a time).
+        timeout_s: bound on each wait for the receiver or the GPU within a sync.
+        copy_impl: "auto" (Triton for CUDA, torch for CPU), "triton" or "torch".
+    """
+
+    def __init__(self, conn, *, backend: str = "auto", bucket_bytes: int = 512 << 20,
+                 timeout_s: float = 60.0, copy_impl: str = "auto"):
+        problems = []
+        if backend not in ("auto", "shm", "cuda"):
+            problems.append(f"backend must be 'auto', 'shm' or 'cuda', not {backend!r}")
+        if not isinstance(bucket_bytes, int) or bucket_bytes < (1 << 16):
+            problems.append(f"bucket_bytes must be an int >= 65536, got {bucket_bytes!r}")
+        if not timeout_s or timeout_s <= 0:
+            problems.append(f"timeout_s must be > 0, got {timeout_s!r}")
+        if copy_impl not in ("auto", "triton", "torch"):
+            problems.append(f"copy_impl must be 'auto', 'triton' or 'torch', not {copy_impl!r}")
+        if problems:
+            raise ValueError("WeightSender: " + "; ".join(problems))
+        self._conn = conn
+        self._backend_arg = backend
+        self.bucket_bytes = bucket_bytes
+        self._timeout = float(timeout_s)
+        self._copy_impl = copy_impl
+        self._seq = 0
+        self._layout: dict[str, tuple] | None = None
+        self._verify = ""
+        self.backend = ""
+        self._peer_pid: int | None = None
+        self._mem = None
+        self._device = torch.device("cpu")
+        self._free_event: IpcEvent | None = None
+        self._written_event: IpcEvent | None = None
+        self._event_exported = False
+        self.handle_opens = 0
+        self._manifest: _Manifest | None = None
+        self._sent_hashes: set[str] = set()
+
+    # ---------------------------------------------------------------- public
+    def sync(self, version: int, tensors, *, mode: str = "full") -> SyncStats:
+        """Write `tensors` (dict or iterable of (name, tensor)) as weight version `version`.
+        Returns SyncStats; raises WeightSyncError naming every problem on failure."""
+        t0 = time.perf_counter()
+        opens0 = self.handle_opens
+        items = _items(tensors)
+        local = [] if isinstance(version, int) and version >= 0 else [
+            f"version must be a non-negative int, got {version!r}"]
+        local += [f"{n!r}: not a tensor ({type(v).__name__})" for n, v in items
+                  if not _is_tensorish(v)]
+        if local:
+            raise WeightSyncError("pre-write", local, version)
+        try:
+            problems = self._connect(t0 + self._timeout)
+        except (PeerGone, Timeout) as exc:
+            problems = [f"receiver did not answer hello: {_why(exc)}"]
+        if problems:
+            raise WeightSyncError("pre-write", problems, version)
+        m = self._get_manifest(items)
+        local = self._device_problems(items)
+        if local:
+            raise WeightSyncError("pre-write", local, version)
+        seq = self._next_seq()
+        t_begin = time.perf_counter()
+        reply = self._begin(seq, version, mode, m)
+        if reply[0] == "reject":
+            raise WeightSyncError("pre-write", reply[2], version)
+        t_write = time.perf_counter()
+        try:
+            lanes, launches = self._write(m, items, t_write + self._timeout)
+        except _WriteFailure as exc:
+            self._abort(seq, str(exc))
+            raise WeightSyncError("post-write", [str(exc)], version) from None
+        checksum = combine(m.digest, lanes)
+        report = {"count": len(m.names), "nbytes": m.header["nbytes"],
+                  "buckets": len(m.plan.buckets), "checksum": checksum,
+                  "lanes": lanes.astype("<u4").tobytes()}
+        t_end = time.perf_counter()
+        try:
+            send(self._conn, ("end", seq, version, report))
+            reply = recv_until(self._conn, t_end + self._timeout, self._peer_pid, seq=seq)
+        except (PeerGone, Timeout) as exc:
+            raise WeightSyncError("post-write", [f"no commit from the receiver: {_why(exc)}"],
+                                  version) from None
+        if reply[0] != "committed":
+            raise WeightSyncError("post-write", list(reply[2]) if len(reply) > 2 else
+                                  [f"unexpected reply {reply[0]!r}"], version)
+        if reply[2] != checksum:
+            raise WeightSyncError("post-write", [f"receiver committed checksum {reply[2]}, "
+                                                 f"sender computed {checksum}"], version)
+        t1 = time.perf_counter()
+        return SyncStats(
+            version=version, mode=mode, tensors=len(m.names), bytes=m.header["nbytes"],
+            seconds=t1 - t0, buckets=len(m.plan.buckets), launches=launches,
+            handle_opens=self.handle_opens - opens0, checksum=checksum, backend=self.backend,
+            verify=self._verify,
+            timings={"prepare": t_begin - t0, "begin": t_write - t_begin,
+                     "write": t_end - t_write, "commit": t1 - t_end})
+
+    def close(self) -> None:
+        """Say goodbye and close the opened handles (the receiver's weights stay valid)."""
+        try:
+            send(self._conn, ("bye", self._next_seq()))
+        except PeerGone:
+            pass
+        if self._mem is not None and self.backend == "cuda":
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self._device))
+            wait_event_host(done, time.perf_counter() + 5.0, lambda: True)
+        for ev in (self._free_event, self._written_event):
+            if ev is not None:
+                ev.close()
+        self._free_event = self._written_event = None
+        self._mem = None  # the last reference closes the IPC memory handle
+        self._layout = None
+
+    # ---------------------------------------------------------------- connection
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _connect(self, deadline: float) -> list[str]:
+        """First sync only: fetch the layout, open memory and events. Returns problems."""
+        if self._layout is not None:
+            return []
+        seq = self._next_seq()
+        send(self._conn, ("hello", seq, {"pid": os.getpid()}))
+        layout = recv_until(self._conn, deadline, None, seq=seq)[2]
+        problems = []
+        backend = layout["backend"]
+        if self._backend_arg not in ("auto", backend):
+            problems.append(f"sender wants backend {self._backend_arg!r}, the receiver "
+                            f"exports {backend!r}")
+        export = layout["export"]
+        if not problems and backend == "cuda":
+            index = local_device_by_uuid(export["uuid"])
+            if index is None:
+                problems.append(f"the engine's GPU {export['uuid']} is not visible to the "
+                                "sender (check CUDA_VISIBLE_DEVICES)")
+            else:
+                self._device = torch.device("cuda", index)
+                self._mem = CudaMemory.open(export, index)
+                self._free_event = IpcEvent.open(layout["free_event"], index)
+                self._written_event = IpcEvent.create(index)
+                self.handle_opens += 2
+        elif not problems:
+            try:
+                self._mem = ShmMemory.open(export)
+                self.handle_opens += 1
+            except (OSError, RuntimeError) as exc:
+                problems.append(f"cannot open the receiver's shared memory: {exc}")
+        if problems:
+            return problems
+        self.backend = backend
+        self._verify = layout["verify"]
+        self._peer_pid = layout["pid"]
+        self._layout = {n: (off, tuple(shape), parse_dtype(dt))
+                        for n, off, shape, dt in layout["entries"]}
+        return []
+
+    def _begin(self, seq: int, version: int, mode: str, m: _Manifest) -> tuple:
+        header = dict(m.header)
+        if self.backend == "cuda" and not self._event_exported:
+            header["written_event"] = self._written_event.handle
+            header["uuid"] = self._mem.export()["uuid"]
+        entries = None if m.header["hash"] in self._sent_hashes else m.entries
+        deadline = time.perf_counter() + self._timeout
+        try:
+            for _ in range(2):
+                send(self._conn, ("begin", seq, version, mode, header, entries))
+                reply = recv_until(self._conn, deadline, self._peer_pid, seq=seq)
+                if reply[0] == "reject" and len(reply) > 3 and reply[3] and entries is None:
+                    entries = m.entries  # the receiver forgot this manifest: send it again
+                    continue
+                break
+        except (PeerGone, Timeout) as exc:
+            # The receiver may have accepted (and marked itself dirty) before we lost it.
+            raise WeightSyncError("post-write", [f"no answer to begin: {_why(exc)}"],
+                                  version) from None
+        self._sent_hashes.add(m.header["hash"])
+        if "written_event" in header and reply[0] == "accept":
+            self._event_exported = True
+        return reply
+
+    def _abort(self, seq: int, reason: str) -> None:
+        try:
+            send(self._conn, ("abort", seq, reason))
+            recv_until(self._conn, time.perf_counter() + min(self._timeout, 5.0),
+                       self._peer_pid, seq=seq)
+        except (PeerGone, Timeout):
+            pass
+
+    # ---------------------------------------------------------------- manifest
+    def _get_manifest(self, items) -> _Manifest:
+        key = [(n, v.shape, v.dtype) for n, v in items]
+        m = self._manifest
+        if m is not None and m.key == key:
+            return m
+        names = [n for n, _ in items]
+        shapes = [tuple(int(d) for d in v.shape) for _, v in items]
+        src = [v.dtype for _, v in items]
+        wire = [self._layout[n][2] if n in self._layout else d for n, d in zip(names, src)]
+        entries = [(n, s, dtype_name(a), dtype_name(b))
+                   for n, s, a, b in zip(names, shapes, src, wire)]
+        nbytes = sum(numel(s) * itemsize(w) for s, w in zip(shapes, wire))
+        header = {"count": len(entries), "nbytes": nbytes, "hash": manifest_hash(entries)}
+        self._manifest = _Manifest(key, names, shapes, src, entries, header,
+                                   digest_header(names, wire, shapes))
+        return self._manifest
+
+    def _plan(self, m: _Manifest) -> CopyPlan:
+        if m.plan is None:
+            offsets = [self._layout[n][0] for n in m.names]
+            dst = [self._layout[n][2] for n in m.names]
+            numels = [numel(s) for s in m.shapes]
+            buckets = plan_buckets(numels, [itemsize(d) for d in dst], self.bucket_bytes)
+            use_kernel = _kernels.triton_available() and (
+                self._copy_impl == "triton" or (self._copy_impl == "auto"
+                                                and self.backend == "cuda"))
+            m.plan = CopyPlan(buckets, offsets, numels, m.src_dtypes, dst, self._device,
+                              use_kernel)
+            last = {}
+            for b, bucket in enumerate(buckets):
+                for k, _, _ in bucket:
+                    last[k] = b
+            m.release_after = [[] for _ in buckets]
+            for k, b in last.items():
+                m.release_after[b].append(k)
+        return m.plan
+
+    def _device_problems(self, items) -> list[str]:
+        if self.backend != "cuda":
+            return []
+        return [f"{n!r} is on {v.device}, the engine is on {self._device}"
+                for n, v in items if isinstance(v, torch.Tensor) and not _is_lazy(v)
+                and v.device.type == "cuda" and v.device != self._device]
+
+    # ---------------------------------------------------------------- writing
+    def _write(self, m: _Manifest, items, deadline: float) -> tuple[np.ndarray, int]:
+        plan = self._plan(m)
+        cuda = self.backend == "cuda"
+        stream = torch.cuda.current_stream(self._device) if cuda else None
+        if cuda:
+            self._free_event.wait(stream)  # GPU fence: the engine finished reading
+        mem = self._mem.tensor
+        sums = plan.new_sums()
+        extra: list = []
+        src_ptrs = np.zeros(len(items), dtype=np.int64)
+        sources: dict[int, torch.Tensor] = {}
+        try:
+            for b, bucket in enumerate(plan.buckets):
+                for k, _, _ in bucket:
+                    if k not in sources:
+                        sources[k] = self._source(m, k, items[k][1])
+                        src_ptrs[k] = sources[k].data_ptr()
+                plan.run_bucket(b, mem, src_ptrs, sources, sums, extra, store=True)
+                for k in m.release_after[b]:
+                    t = sources.pop(k)
+                    if cuda and t.device.type == "cuda":
+                        t.record_stream(stream)  # freed before the copy ran: keep it safe
+        except _WriteFailure:
+            raise
+        except Exception as exc:  # a failed gather or a device error, after writes began
+            raise _WriteFailure(f"writing failed: {type(exc).__name__}: {exc}") from exc
+        n = len(items)
+        if not cuda:
+            return fold_lanes(sums.numpy(), [(k, t.tolist()) for k, t in extra], n), \
+                plan.n_launches
+        self._written_event.record(stream)
+        host = torch.empty(sums.shape, dtype=torch.int32, pin_memory=True)
+        host.copy_(sums, non_blocking=True)
+        extra_host = []
+        for k, t in extra:
+            h = torch.empty(2, dtype=torch.int64, pin_memory=True)
+            h.copy_(t, non_blocking=True)
+            extra_host.append((k, h))
+        done = torch.cuda.Event()
+        done.record(stream)
+        if not wait_event_host(done, deadline, lambda: pid_alive(self._peer_pid)):
+            gone = not pid_alive(self._peer_pid)
+            raise _WriteFailure("the engine process exited while its fence was pending"
+                                if gone else f"GPU copy not finished within "
+                                f"{self._timeout:g} s (engine stuck or GPU hung)")
+        return fold_lanes(host.numpy(), [(k, h.tolist()) for k, h in extra_host], n), \
+            plan.n_launches
+
+    def _source(self, m: _Manifest, k: int, value: Any) -> torch.Tensor:
+        """Entry k's full tensor, on the right device, contiguous and 16-byte aligned."""
+        t = value.full_tensor() if _is_lazy(value) else value
+        if not isinstance(t, torch.Tensor):
+            raise _WriteFailure(f"{m.names[k]!r}: full_tensor() returned {type(t).__name__}")
+        if tuple(t.shape) != m.shapes[k] or t.dtype != m.src_dtypes[k]:
+            raise _WriteFailure(f"{m.names[k]!r}: produced {tuple(t.shape)} {t.dtype}, "
+                                f"declared {m.shapes[k]} {m.src_dtypes[k]}")
+        t = t.detach()
+        if t.device != self._device:
+            t = t.to(self._device)
+        if not t.is_contiguous() or t.data_ptr() % 16:
+            t = torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t)
+        return t
+
+
+def _items(tensors) -> list[tuple[str, Any]]:
+    if isinstance(tensors, dict):
+        return list(tensors.items())
+    items = list(tensors)
+    bad = [repr(x)[:40] for x in items if not (isinstance(x, tuple) and len(x) == 2)]
+    if bad:
+        raise WeightSyncError("pre-write", [f"expected (name, tensor) pairs, got {', '.join(bad)}"])
+    return items
+
+
+def _is_lazy(v) -> bool:
+    return callable(getattr(v, "full_tensor", None))
+
+
+def _is_tensorish(v) -> bool:
+    return isinstance(v, torch.Tensor) or (
+        _is_lazy(v) and hasattr(v, "shape") and hasattr(v, "dtype"))
+
+
+def _why(exc: Exception) -> str:
+    if isinstance(exc, Timeout):
+        return "timed out"
+    return f"the receiver went away ({exc})" if str(exc) else "the receiver went away"

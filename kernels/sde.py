@@ -1,0 +1,252 @@
+"""The SDE transition as the rollout engine and the actor call it: validation and backend dispatch.
+
+Contract between the two callers (this is what makes the first PPO ratio exactly 1):
+
+- The engine calls ``sde_step(x, v, sigma, sigma_next, eta=..., noise=n)`` and records
+  ``prev_sample`` and ``log_prob``. ``prev_sample`` is stored in ``x.dtype``, and ``log_prob`` is
+  the density of that stored (rounded) tensor, not of the fp32 value before rounding.
+- The actor calls ``sde_log_prob(x, v, prev_sample, sigma, sigma_next, eta=...)`` on the same
+  tensors. With the same backend and inputs the result is bitwise equal to the recorded
+  ``log_prob``: both run the same code on the same operands (the Triton backend launches the very
+  same kernel with a tiling that depends on the per-sample size only, so a sample's log-prob does
+  not even depend on the batch it is in; the torch backend uses the same functions, but torch's
+  own reductions may change order with the batch size).
+- ``backend="auto"`` resolves from the device alone (Triton on CUDA when importable, the torch
+  reference elsewhere), so the engine and the actor pick the same implementation on one device.
+
+Validation: every call checks shapes, dtypes and devices (cheap, no device sync). With
+``validate=True`` (the default) it also checks the sigma values; for sigma *tensors* that costs
+one host-device sync. A hot loop whose schedule was validated once may pass ``validate=False``;
+undefined samples then yield NaN instead of an error. Either way, all problems found are reported
+together in one ``ValueError``.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+from functools import lru_cache
+from typing import NamedTuple
+
+import torch
+
+from .sde_reference import (SDE_TYPES, is_deterministic, per_sample, sde_kl_ref, sde_log_prob_ref,
+                            sde_step_ref)
+
+BACKENDS = ("auto", "triton", "torch")
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_MAX_GRID_Y = 65535  # CUDA grid dimension y: the Triton kernels put the batch there
+
+
+class SDEStepOutput(NamedTuple):
+    """Result of one sampling step.
+
+    prev_sample: ``x'`` in ``x.dtype``, shaped like ``x``.
+    log_prob: ``[B]`` log-density of ``prev_sample`` (fp32, float64 for float64 inputs on the torch
+        backend); ``None`` for the deterministic ODE step; NaN for samples with no density
+        (``sde`` at sigma == 1, ``cps`` at sigma_next == 0).
+    mean: transition mean, shaped like ``x``, fp32 (float64 for float64 inputs on torch).
+    std: ``[B]`` noise standard deviation of the transition (0 for deterministic samples).
+    """
+    prev_sample: torch.Tensor
+    log_prob: torch.Tensor | None
+    mean: torch.Tensor
+    std: torch.Tensor
+
+
+@lru_cache(maxsize=None)
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """``"triton"`` or ``"torch"``; ``"auto"`` is Triton on CUDA devices, the reference elsewhere."""
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    return backend
+
+
+def _triton_module():
+    from . import sde_triton  # lazy: decorating the kernels reads TRITON_INTERPRET
+    return sde_triton
+
+
+def _sample_list(mask: torch.Tensor, values: torch.Tensor) -> str:
+    idx = mask.nonzero().flatten().tolist()
+    shown = ", ".join(f"{i} ({values[i].item():.6g})" for i in idx[:5])
+    return f"sample{'s' if len(idx) > 1 else ''} {shown}{' ...' if len(idx) > 5 else ''}"
+
+
+def _sigma_value_problems(sigma, sigma_next, batch: int, device, *, sde_type: str, eta: float,
+                          replay: bool) -> list[str]:
+    """Value checks of the sigmas. One host-device sync when either is a device tensor."""
+    on = device if any(isinstance(s, torch.Tensor) for s in (sigma, sigma_next)) else "cpu"
+    s = per_sample(sigma, batch, torch.float64, on)
+    sn = per_sample(sigma_next, batch, torch.float64, on)
+    stochastic = not is_deterministic(eta, sde_type)
+    masks = torch.stack([
+        ~torch.isfinite(s) | (s <= 0.0) | (s > 1.0),
+        ~torch.isfinite(sn) | (sn < 0.0) | (sn >= s),
+        (s >= 1.0) & (replay and stochastic and sde_type == "sde"),
+        (sn == 0.0) & (replay and stochastic and sde_type == "cps"),
+    ])
+    masks, s, sn = masks.cpu(), s.cpu(), sn.cpu()  # NOTE: host sync for device tensors
+    if not masks.any():
+        return []
+    problems = []
+    if masks[0].any():
+        problems.append(f"sigma must be finite and in (0, 1]; bad at {_sample_list(masks[0], s)}")
+    if masks[1].any():
+        problems.append("sigma_next must be finite with 0 <= sigma_next < sigma; bad at "
+                        f"{_sample_list(masks[1], sn)}")
+    if masks[2].any():
+        problems.append("sde_type='sde' is singular at sigma == 1 (std_dev_t = eta*sqrt(sigma/(1-sigma)) "
+                        "is infinite): the log-prob is undefined and this step cannot be trained "
+                        f"(train SDE steps after the first); at {_sample_list(masks[2], s)}")
+    if masks[3].any():
+        problems.append("sde_type='cps' has zero variance at sigma_next == 0: the log-prob is "
+                        f"undefined and this step cannot be trained; at {_sample_list(masks[3], sn)}")
+    return problems
+
+
+def check_step_inputs(op: str, named: list[tuple[str, object]], sigma, sigma_next, *, eta,
+                      sde_type, backend: str, replay: bool, validate: bool) -> str:
+    """Raise one ValueError listing every problem; return the resolved backend."""
+    problems: list[str] = []
+    if sde_type not in SDE_TYPES:
+        problems.append(f"sde_type must be one of {SDE_TYPES}, got {sde_type!r}")
+    if backend not in BACKENDS:
+        problems.append(f"backend must be one of {BACKENDS}, got {backend!r}")
+    eta_ok = isinstance(eta, (int, float)) and not isinstance(eta, bool) and math.isfinite(eta)
+    if not eta_ok or eta < 0:
+        problems.append(f"eta must be a finite python float >= 0, got {eta!r}")
+    elif sde_type == "cps" and eta > 1:
+        problems.append(f"sde_type='cps' needs eta in [0, 1] (std_dev_t = sigma_next*sin(eta*pi/2)), got {eta}")
+    if replay and eta_ok and sde_type in SDE_TYPES and is_deterministic(eta, sde_type):
+        problems.append("the log-prob is undefined for the deterministic ODE step (sde_type='ode' or "
+                        "eta == 0): there is no noise, hence no density")
+
+    ref_name, ref = named[0]
+    if not isinstance(ref, torch.Tensor) or ref.dim() < 1 or ref.numel() == 0:
+        problems.append(f"{ref_name} must be a non-empty tensor of shape [B, ...], got "
+                        f"{tuple(ref.shape) if isinstance(ref, torch.Tensor) else type(ref).__name__}")
+        raise ValueError(f"{op}: invalid input:\n  - " + "\n  - ".join(problems))
+    batch, device = ref.shape[0], ref.device
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            problems.append(f"{name} must be a tensor, got {type(t).__name__}")
+            continue
+        if t.dtype not in _FLOAT_DTYPES:
+            problems.append(f"{name} must be float32, bfloat16, float16 or float64, got {t.dtype}")
+        if t.shape != ref.shape:
+            problems.append(f"{name} has shape {tuple(t.shape)}, expected {tuple(ref.shape)} (like {ref_name})")
+        if t.device != device:
+            problems.append(f"{name} is on {t.device}, expected {device} (like {ref_name})")
+    sigmas_ok = True
+    for name, s in (("sigma", sigma), ("sigma_next", sigma_next)):
+        if isinstance(s, torch.Tensor):
+            if not s.is_floating_point() or s.shape not in ((), (1,), (batch,)):
+                sigmas_ok = False
+                problems.append(f"{name} must be a float or a floating tensor of shape [B]={batch} "
+                                f"(or 0-dim), got {s.dtype} {tuple(s.shape)}")
+            elif s.device != device:
+                sigmas_ok = False
+                problems.append(f"{name} is on {s.device}, expected {device}")
+        elif isinstance(s, bool) or not isinstance(s, (int, float)):
+            sigmas_ok = False
+            problems.append(f"{name} must be a python float or a tensor of shape [B], got {type(s).__name__}")
+
+    resolved = resolve_backend(backend, device) if backend in BACKENDS else backend
+    if resolved == "triton":
+        if not triton_available():
+            problems.append("backend='triton' but triton is not installed")
+        else:
+            if device.type != "cuda" and not _triton_module().INTERPRET:
+                problems.append(f"backend='triton' on {device.type} tensors needs TRITON_INTERPRET=1 in "
+                                "the environment before the first Triton kernel is used")
+            if any(isinstance(t, torch.Tensor) and t.dtype == torch.float64 for _, t in named):
+                problems.append("backend='triton' computes in fp32; use backend='torch' for float64 inputs")
+            if batch > _MAX_GRID_Y:
+                problems.append(f"backend='triton' supports at most {_MAX_GRID_Y} samples per call, got {batch}")
+
+    if not problems and sigmas_ok and validate and eta_ok:
+        problems += _sigma_value_problems(sigma, sigma_next, batch, device, sde_type=sde_type,
+                                          eta=eta, replay=replay)
+    if problems:
+        raise ValueError(f"{op}: invalid input:\n  - " + "\n  - ".join(problems))
+    return resolved
+
+
+def _flat(t: torch.Tensor, batch: int) -> torch.Tensor:
+    """``[B, N]`` contiguous and 16-byte aligned (see kernels/sde_triton.py on determinism)."""
+    t = t.reshape(batch, -1).contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def sde_step(x: torch.Tensor, v: torch.Tensor, sigma, sigma_next, *, eta: float, sde_type: str = "sde",
+             noise: torch.Tensor | None = None, generator: torch.Generator | None = None,
+             backend: str = "auto", validate: bool = True) -> SDEStepOutput:
+    """One sampling step ``x (at sigma) -> prev_sample (at sigma_next)`` and its log-prob.
+
+    Args:
+        x, v: latent and model velocity, ``[B, ...]``, fp32/bf16/fp16 (float64: torch backend).
+        sigma, sigma_next: python floats or ``[B]`` tensors (per-sample steps), ``0 <= sigma_next
+            < sigma <= 1``.
+        eta: noise level (``cps``: in [0, 1]). ``eta == 0`` or ``sde_type="ode"`` is the
+            deterministic Euler step of diffusers' FlowMatchEulerDiscreteScheduler; it draws no
+            noise and returns ``log_prob=None``.
+        sde_type: ``"sde"`` (Flow-GRPO), ``"dance"`` (DanceGRPO), ``"cps"`` or ``"ode"``.
+        noise: standard-normal noise shaped like ``x``; drawn as fp32 from ``generator`` if None.
+        backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+        validate: check the sigma values (one host sync for sigma tensors).
+
+    ``sde`` at sigma == 1 is singular: those samples take the deterministic Euler step (no clamp
+    of sigma is invented) and get a NaN log-prob; likewise ``cps`` at sigma_next == 0. Sampling is
+    not differentiable; replay with ``sde_log_prob`` to get gradients.
+    """
+    named = [("x", x), ("v", v)] + ([("noise", noise)] if noise is not None else [])
+    resolved = check_step_inputs("sde_step", named, sigma, sigma_next, eta=eta, sde_type=sde_type,
+                                 backend=backend, replay=False, validate=validate)
+    deterministic = is_deterministic(eta, sde_type)
+    if not deterministic and noise is None:
+        noise = torch.randn(x.shape, generator=generator, device=x.device, dtype=torch.float32)
+    if resolved == "torch":
+        return SDEStepOutput(*sde_step_ref(x, v, sigma, sigma_next, eta=eta, sde_type=sde_type,
+                                           noise=noise))
+    tri = _triton_module()
+    batch = x.shape[0]
+    prev, log_prob, mean, std = tri.sde_step(
+        _flat(x, batch), _flat(v, batch), None if deterministic else _flat(noise, batch),
+        sigma, sigma_next, tri.StepParams(sde_type, float(eta)), x.dtype)
+    return SDEStepOutput(prev.view(x.shape), log_prob, mean.view(x.shape), std)
+
+
+def sde_log_prob(x: torch.Tensor, v: torch.Tensor, prev_sample: torch.Tensor, sigma, sigma_next, *,
+                 eta: float, sde_type: str = "sde", backend: str = "auto",
+                 validate: bool = True) -> torch.Tensor:
+    """Replay: ``log p(prev_sample | x)`` per sample, ``[B]`` fp32, differentiable w.r.t. ``v`` only.
+
+    Arguments as in ``sde_step``. ``x`` and ``prev_sample`` are data: no gradient reaches them.
+    The Triton backward recomputes the mean instead of saving intermediates (it keeps references to
+    x, v and prev_sample only). Raises for the ODE step and for samples without a density.
+    """
+    resolved = check_step_inputs("sde_log_prob", [("x", x), ("v", v), ("prev_sample", prev_sample)],
+                                 sigma, sigma_next, eta=eta, sde_type=sde_type, backend=backend,
+                                 replay=True, validate=validate)
+    if resolved == "torch":
+        return sde_log_prob_ref(x, v, prev_sample, sigma, sigma_next, eta=eta, sde_type=sde_type)
+    tri = _triton_module()
+    batch = x.shape[0]
+    return tri.sde_log_prob(_flat(x.detach(), batch), _flat(v, batch), _flat(prev_sample.detach(), batch),
+                            sigma, sigma_next, tri.StepParams(sde_type, float(eta)))
+
+
+def sde_kl(v: torch.Tensor, v_ref: torch.Tensor, sigma, sigma_next, *, eta: float,
+           sde_type: str = "sde", validate: bool = True) -> torch.Tensor:
+    """Closed-form ``KL(pi_v || pi_ref)`` of two transitions from the same ``x``, ``[B]``.
+
+    Mean over non-batch elements (the log-prob's convention), differentiable w.r.t. ``v`` (and
+    ``v_ref`` if it requires grad). Plain torch: it is an optional regulariser, off in FlowGRPO.
+    """
+    check_step_inputs("sde_kl", [("v", v), ("v_ref", v_ref)], sigma, sigma_next, eta=eta,
+                      sde_type=sde_type, backend="torch", replay=True, validate=validate)
+    return sde_kl_ref(v, v_ref, sigma, sigma_next, eta=eta, sde_type=sde_type)

@@ -1,0 +1,378 @@
+"""Fused Triton kernels for the SDE sampling step and the replayed Gaussian log-prob (fwd + bwd).
+
+Imported lazily by ``kernels.sde`` the first time the Triton backend is used, so that
+``TRITON_INTERPRET=1`` (how CI runs these kernels on CPU) can still be set after ``import kernels``.
+The math is the ``a, b, var`` form of ``sde_reference.transition_coefficients_ref``; all of it is
+fp32 whatever the storage dtype of x, v, prev_sample and noise.
+
+Layout: the latents are viewed as ``[B, N]``; every kernel runs on a ``(chunks, B)`` grid, each
+program loading its sample's sigmas and computing the per-sample coefficients itself (no host
+math, no extra launches). Launches per call: log-prob forward 1, backward 1, sampling step 2
+(sample, then the log-prob forward on the stored ``prev_sample``).
+
+Design choices:
+
+- Determinism. ``sde_step`` records a log-prob that ``sde_log_prob`` must reproduce bit for bit,
+  possibly in another process and in a batch of another size. The forward reduction is therefore
+  a two-stage, fixed-order one: every program writes the sum of squared residuals of its chunk to a
+  workspace, and the last program of a sample (found with an atomic counter, which it resets)
+  adds the partials in index order. No float atomics. The chunking is a function of ``N`` only
+  (``reduction_config``), never of the batch size, the device or an autotuner's timing, so a
+  sample's log-prob does not depend on what it was batched with. For the same reason every tensor
+  reaches the kernels 16-byte aligned (misaligned views are copied): Triton specialises on pointer
+  alignment, and another specialisation could sum in another order.
+- The elementwise kernels (sampling, backward) are autotuned over a few BLOCK sizes on CUDA (their
+  result does not depend on the tiling); under the interpreter a single large BLOCK is used.
+- The backward saves nothing but the inputs: it recomputes ``mean`` from x, v and prev_sample and
+  writes ``dv = g * b * (prev - mean) / (var * N)`` in one pass.
+- The workspace (partials + counters) is cached per device and stream. The last program leaves
+  the counters at zero, so the workspace is never cleared between calls and the whole forward is
+  one launch (and stays valid inside a CUDA graph). Warm each shape up once before capturing.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .sde_reference import LOG_SQRT_2PI
+
+
+def _interpreting() -> bool:
+    """What triton.jit decides when this module's kernels are decorated (import time)."""
+    try:
+        from triton import knobs
+        return bool(knobs.runtime.interpret)
+    except ImportError:  # older triton: the environment variable is all there is
+        return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+INTERPRET = _interpreting()
+SDE_TYPE_CODES = {"ode": 0, "sde": 1, "dance": 2, "cps": 3}
+
+
+@dataclass(frozen=True)
+class ReductionConfig:
+    """Tiling of the log-prob forward. Must depend on N only (see the module docstring)."""
+    block: int            # elements per tile
+    tiles: int            # tiles per program; a chunk is block * tiles elements
+    num_warps: int
+    block_partials: int   # tile of the final, fixed-order sum over the chunk partials
+
+    def num_chunks(self, n: int) -> int:
+        return triton.cdiv(n, self.block * self.tiles)
+
+
+def reduction_config(n: int, block: int | None = None, tiles: int = 1,
+                     num_warps: int | None = None) -> ReductionConfig:
+    """Default forward tiling for ``N`` elements per sample.
+
+    A 4096-element tile keeps 16 fp32 accumulators per thread at 8 warps and gives 16,384
+    programs at 64 x 1,048,576 (enough to fill every SM several times) and 72 at 8 x 36,864.
+    ``bench/bench_kernels.py --sweep`` times alternatives on the device.
+    """
+    block = block or min(4096, max(16, triton.next_power_of_2(n)))
+    num_warps = num_warps or (8 if block >= 2048 else 4)
+    chunks = triton.cdiv(n, block * tiles)
+    return ReductionConfig(block, tiles, num_warps, min(1024, triton.next_power_of_2(chunks)))
+
+
+def _elementwise_configs() -> list[triton.Config]:
+    if INTERPRET:
+        return [triton.Config({"BLOCK": 4096}, num_warps=4)]
+    return [triton.Config({"BLOCK": block}, num_warps=warps)
+            for block in (1024, 2048, 4096) for warps in (4, 8)]
+
+
+# ---------------------------------------------------------------------------------- device code
+
+@triton.jit
+def _load_sigma(ptr, stride, value, b, IS_TENSOR: tl.constexpr):
+    if IS_TENSOR:
+        sigma = tl.load(ptr + b * stride).to(tl.float32)
+    else:
+        sigma = value
+    return sigma
+
+
+@triton.jit
+def _transition_coefficients(sigma, sigma_next, eta_sq, cps_sin, cps_cos, SDE_TYPE: tl.constexpr):
+    """Per-sample (a, b, var): mean = a * x + b * v, noise variance var (0 where undefined)."""
+    dt = sigma_next - sigma
+    if SDE_TYPE == 0:  # ode
+        a = dt * 0.0 + 1.0
+        b = dt
+        var = dt * 0.0
+    elif SDE_TYPE == 1:  # sde; sigma == 1 is singular -> deterministic Euler step, var = 0
+        singular = sigma >= 1.0
+        one_minus = tl.where(singular, 1.0, 1.0 - sigma)
+        a = tl.where(singular, 1.0, 1.0 + eta_sq * dt / (2.0 * one_minus))
+        b = tl.where(singular, dt, (1.0 + 0.5 * eta_sq) * dt)
+        var = tl.where(singular, 0.0, eta_sq * sigma / one_minus * (-dt))
+    elif SDE_TYPE == 2:  # dance
+        a = 1.0 + eta_sq * dt / (2.0 * sigma)
+        b = (1.0 + eta_sq * (1.0 - sigma) / (2.0 * sigma)) * dt
+        var = eta_sq * (-dt)
+    else:  # cps
+        c = sigma_next * cps_cos
+        std_dev_t = sigma_next * cps_sin
+        a = (1.0 - sigma_next) + c
+        b = (1.0 - sigma) * c - sigma * (1.0 - sigma_next)
+        var = std_dev_t * std_dev_t
+    return a, b, var
+
+
+@triton.jit
+def _transition_mean(x, v, a, b, SDE_TYPE: tl.constexpr):
+    if SDE_TYPE == 0:
+        mean = x + b * v  # exactly diffusers' FlowMatchEulerDiscreteScheduler.step
+    else:
+        mean = a * x + b * v
+    return mean
+
+
+@triton.jit
+def _cast_for_store(ptr, x):
+    """fp32 -> the element type of ``ptr``, rounding to nearest even.
+
+    bf16 is rounded on the bits: the Triton interpreter truncates fp32 -> bf16 casts, so this
+    keeps CI (interpreter) and the GPU (where it compiles to a few integer ops) identical.
+    """
+    if ptr.dtype.element_ty == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + (((bits >> 16) & 1) + 0x7FFF)
+        high = tl.where(x != x, 0x7FC0, bits >> 16)  # NaN stays NaN
+        out = high.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        out = x.to(ptr.dtype.element_ty)
+    return out
+
+
+@triton.jit
+def _sde_log_prob_fwd_kernel(
+        x_ptr, v_ptr, prev_ptr,
+        sig_ptr, sig_stride, sig_value, sign_ptr, sign_stride, sign_value,
+        partial_ptr, count_ptr, out_ptr,
+        N, num_chunks, eta_sq, cps_sin, cps_cos,
+        SDE_TYPE: tl.constexpr, SIG_TENSOR: tl.constexpr, SIGN_TENSOR: tl.constexpr,
+        BLOCK: tl.constexpr, TILES: tl.constexpr, BLOCK_P: tl.constexpr, LOG_SQRT_TWO_PI: tl.constexpr):
+    chunk = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    sigma = _load_sigma(sig_ptr, sig_stride, sig_value, b, SIG_TENSOR)
+    sigma_next = _load_sigma(sign_ptr, sign_stride, sign_value, b, SIGN_TENSOR)
+    a, coef_v, var = _transition_coefficients(sigma, sigma_next, eta_sq, cps_sin, cps_cos, SDE_TYPE)
+
+    row = b * N
+    start = chunk.to(tl.int64) * (BLOCK * TILES)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for t in tl.static_range(TILES):
+        offs = start + t * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < N
+        x = tl.load(x_ptr + row + offs, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + row + offs, mask=mask, other=0.0).to(tl.float32)
+        prev = tl.load(prev_ptr + row + offs, mask=mask, other=0.0).to(tl.float32)
+        resid = prev - _transition_mean(x, v, a, coef_v, SDE_TYPE)  # 0 where masked
+        acc += resid * resid
+    tl.store(partial_ptr + b * num_chunks + chunk, tl.sum(acc, axis=0))
+
+    # acq_rel: this program's partial is visible to whichever program arrives last.
+    arrived = tl.atomic_add(count_ptr + b, 1)
+    if arrived == num_chunks - 1:
+        total = tl.zeros([BLOCK_P], dtype=tl.float32)
+        for p0 in range(0, num_chunks, BLOCK_P):
+            p_offs = p0 + tl.arange(0, BLOCK_P)
+            total += tl.load(partial_ptr + b * num_chunks + p_offs, mask=p_offs < num_chunks,
+                             other=0.0, volatile=True)
+        sq_sum = tl.sum(total, axis=0)
+        log_prob = -sq_sum / (2.0 * var * N) - 0.5 * tl.log(var) - LOG_SQRT_TWO_PI
+        log_prob = tl.where(var > 0.0, log_prob, var * float("nan"))
+        tl.store(out_ptr + b, log_prob)
+        tl.store(count_ptr + b, 0)  # leave the workspace ready for the next launch
+
+
+@triton.autotune(configs=_elementwise_configs(), key=["N"])
+@triton.jit
+def _sde_log_prob_bwd_kernel(
+        x_ptr, v_ptr, prev_ptr, grad_ptr, grad_stride, dv_ptr,
+        sig_ptr, sig_stride, sig_value, sign_ptr, sign_stride, sign_value,
+        N, eta_sq, cps_sin, cps_cos,
+        SDE_TYPE: tl.constexpr, SIG_TENSOR: tl.constexpr, SIGN_TENSOR: tl.constexpr,
+        BLOCK: tl.constexpr):
+    chunk = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    sigma = _load_sigma(sig_ptr, sig_stride, sig_value, b, SIG_TENSOR)
+    sigma_next = _load_sigma(sign_ptr, sign_stride, sign_value, b, SIGN_TENSOR)
+    a, coef_v, var = _transition_coefficients(sigma, sigma_next, eta_sq, cps_sin, cps_cos, SDE_TYPE)
+    grad = tl.load(grad_ptr + b * grad_stride).to(tl.float32)
+    # d/dv of mean_i(-(prev - mean)^2 / (2 var)) = b * (prev - mean) / (var * N)
+    scale = grad * coef_v / (var * N)
+
+    row = b * N
+    offs = chunk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + row + offs, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + row + offs, mask=mask, other=0.0).to(tl.float32)
+    prev = tl.load(prev_ptr + row + offs, mask=mask, other=0.0).to(tl.float32)
+    resid = prev - _transition_mean(x, v, a, coef_v, SDE_TYPE)
+    tl.store(dv_ptr + row + offs, _cast_for_store(dv_ptr, scale * resid), mask=mask)
+
+
+@triton.autotune(configs=_elementwise_configs(), key=["N"])
+@triton.jit
+def _sde_sample_kernel(
+        x_ptr, v_ptr, noise_ptr, prev_ptr, mean_ptr, std_ptr,
+        sig_ptr, sig_stride, sig_value, sign_ptr, sign_stride, sign_value,
+        N, eta_sq, cps_sin, cps_cos,
+        SDE_TYPE: tl.constexpr, SIG_TENSOR: tl.constexpr, SIGN_TENSOR: tl.constexpr,
+        HAS_NOISE: tl.constexpr, BLOCK: tl.constexpr):
+    chunk = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    sigma = _load_sigma(sig_ptr, sig_stride, sig_value, b, SIG_TENSOR)
+    sigma_next = _load_sigma(sign_ptr, sign_stride, sign_value, b, SIGN_TENSOR)
+    a, coef_v, var = _transition_coefficients(sigma, sigma_next, eta_sq, cps_sin, cps_cos, SDE_TYPE)
+    std = tl.sqrt(var)
+    if chunk == 0:
+        tl.store(std_ptr + b, std)
+
+    row = b * N
+    offs = chunk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + row + offs, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + row + offs, mask=mask, other=0.0).to(tl.float32)
+    mean = _transition_mean(x, v, a, coef_v, SDE_TYPE)
+    if HAS_NOISE:
+        noise = tl.load(noise_ptr + row + offs, mask=mask, other=0.0).to(tl.float32)
+        prev = mean + std * noise
+    else:
+        prev = mean
+    tl.store(mean_ptr + row + offs, mean, mask=mask)
+    tl.store(prev_ptr + row + offs, _cast_for_store(prev_ptr, prev), mask=mask)
+
+
+# ---------------------------------------------------------------------------------- host code
+
+@dataclass(frozen=True)
+class StepParams:
+    """Everything about a transition except the tensors: the kernels' scalar arguments."""
+    sde_type: str
+    eta: float
+
+    @property
+    def code(self) -> int:
+        return 0 if self.eta == 0.0 else SDE_TYPE_CODES[self.sde_type]
+
+    def scalars(self) -> tuple[float, float, float]:
+        half_angle = self.eta * math.pi / 2.0
+        return self.eta * self.eta, math.sin(half_angle), math.cos(half_angle)
+
+
+def _sigma_args(sigma, batch: int, dummy: torch.Tensor) -> tuple[tuple, bool]:
+    """``(ptr, stride, value), is_tensor`` for a float, a 0-dim / [1] tensor or a [B] tensor."""
+    if isinstance(sigma, torch.Tensor):
+        flat = sigma.reshape(-1)
+        stride = 0 if flat.numel() == 1 and batch != 1 else flat.stride(0)
+        return (flat, stride, 0.0), True
+    return (dummy, 0, float(sigma)), False
+
+
+_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(device: torch.device, batch: int, num_chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cached (partials [>= B*chunks] fp32, counters [>= B] int32, all zero between launches)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device.type, device.index, stream)
+    cached = _WORKSPACES.get(key)
+    if cached is None or cached[0].numel() < batch * num_chunks or cached[1].numel() < batch:
+        size_p = max(batch * num_chunks, 0 if cached is None else cached[0].numel())
+        size_c = max(batch, 0 if cached is None else cached[1].numel())
+        cached = (torch.empty(size_p, dtype=torch.float32, device=device),
+                  torch.zeros(size_c, dtype=torch.int32, device=device))
+        _WORKSPACES[key] = cached
+    return cached
+
+
+def log_prob_forward(x: torch.Tensor, v: torch.Tensor, prev: torch.Tensor, sigma, sigma_next,
+                     params: StepParams, config: ReductionConfig | None = None) -> torch.Tensor:
+    """Launch the forward kernel on ``[B, N]`` contiguous, 16-byte aligned tensors -> ``[B]`` fp32."""
+    batch, n = x.shape
+    cfg = config or reduction_config(n)
+    num_chunks = cfg.num_chunks(n)
+    partials, counts = _workspace(x.device, batch, num_chunks)
+    out = torch.empty(batch, dtype=torch.float32, device=x.device)
+    sig, sig_is_tensor = _sigma_args(sigma, batch, x)
+    sign, sign_is_tensor = _sigma_args(sigma_next, batch, x)
+    _sde_log_prob_fwd_kernel[(num_chunks, batch)](
+        x, v, prev, *sig, *sign, partials, counts, out, n, num_chunks, *params.scalars(),
+        SDE_TYPE=params.code, SIG_TENSOR=sig_is_tensor, SIGN_TENSOR=sign_is_tensor,
+        BLOCK=cfg.block, TILES=cfg.tiles, BLOCK_P=cfg.block_partials,
+        LOG_SQRT_TWO_PI=LOG_SQRT_2PI, num_warps=cfg.num_warps)
+    return out
+
+
+def log_prob_backward(x, v, prev, grad: torch.Tensor, sigma, sigma_next,
+                      params: StepParams) -> torch.Tensor:
+    batch, n = x.shape
+    dv = torch.empty_like(v)
+    grad = grad.reshape(-1)
+    sig, sig_is_tensor = _sigma_args(sigma, batch, x)
+    sign, sign_is_tensor = _sigma_args(sigma_next, batch, x)
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK"]), batch)  # noqa: E731
+    _sde_log_prob_bwd_kernel[grid](
+        x, v, prev, grad, grad.stride(0) if grad.numel() > 1 else 0, dv, *sig, *sign,
+        n, *params.scalars(),
+        SDE_TYPE=params.code, SIG_TENSOR=sig_is_tensor, SIGN_TENSOR=sign_is_tensor)
+    return dv
+
+
+class _SDELogProb(torch.autograd.Function):
+    """log_prob [B] from x, v, prev ([B, N]); the gradient flows into v only."""
+
+    @staticmethod
+    def forward(ctx, x, v, prev, sigma, sigma_next, params, config):
+        ctx.params = params
+        ctx.sigmas = (sigma, sigma_next)
+        ctx.save_for_backward(x, v, prev)
+        return log_prob_forward(x, v, prev, sigma, sigma_next, params, config)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_log_prob):
+        x, v, prev = ctx.saved_tensors
+        dv = None
+        if ctx.needs_input_grad[1]:
+            dv = log_prob_backward(x, v, prev, grad_log_prob, *ctx.sigmas, ctx.params)
+        return None, dv, None, None, None, None, None
+
+
+def sde_log_prob(x, v, prev, sigma, sigma_next, params: StepParams,
+                 config: ReductionConfig | None = None) -> torch.Tensor:
+    return _SDELogProb.apply(x, v, prev, sigma, sigma_next, params, config)
+
+
+@torch.no_grad()
+def sde_step(x, v, noise, sigma, sigma_next, params: StepParams, out_dtype: torch.dtype,
+             config: ReductionConfig | None = None):
+    """(prev_sample [B, N] out_dtype, log_prob [B] or None, mean [B, N] fp32, std [B] fp32).
+
+    The log-prob is taken by the replay kernel on the stored (rounded) ``prev_sample``, so
+    ``sde_log_prob`` on the same inputs returns the same bits by construction.
+    """
+    batch, n = x.shape
+    prev = torch.empty((batch, n), dtype=out_dtype, device=x.device)
+    mean = torch.empty((batch, n), dtype=torch.float32, device=x.device)
+    std = torch.empty(batch, dtype=torch.float32, device=x.device)
+    sig, sig_is_tensor = _sigma_args(sigma, batch, x)
+    sign, sign_is_tensor = _sigma_args(sigma_next, batch, x)
+    has_noise = params.code != 0
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK"]), batch)  # noqa: E731
+    _sde_sample_kernel[grid](
+        x, v, noise if has_noise else x, prev, mean, std, *sig, *sign, n, *params.scalars(),
+        SDE_TYPE=params.code, SIG_TENSOR=sig_is_tensor, SIGN_TENSOR=sign_is_tensor,
+        HAS_NOISE=has_noise)
+    log_prob = log_prob_forward(x, v, prev, sigma, sigma_next, params, config) if has_noise else None
+    return prev, log_prob, mean, std

@@ -1,0 +1,210 @@
+"""Building the actor: load, LoRA, FSDP2, activation checkpointing, optimizer, LR schedule.
+
+FSDP2 is applied in one place (``apply_fsdp``): ``fully_shard`` per transformer block, then the
+root, as torchtitan does. Mixed precision comes from --fsdp-param-dtype / --fsdp-reduce-dtype;
+trainable parameters are cast to --fsdp-master-dtype (fp32 for LoRA) before sharding so the
+optimizer keeps fp32 master copies while the forward gathers bf16.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from trainer.config import Config
+from trainer.models.base import GenerativeModelAdapter
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+# Inserted by torch's checkpoint wrapper into every wrapped block's parameter names; stripped
+# before names leave the actor (spec: otherwise the engine silently skips every block).
+_AC_SEGMENT = "_checkpoint_wrapped_module."
+
+
+def strip_wrapper_names(name: str) -> str:
+    return name.replace(_AC_SEGMENT, "")
+
+
+def apply_lora(model: nn.Module, cfg: Config, adapter: GenerativeModelAdapter) -> nn.Module:
+    """peft LoRA on the adapter's target modules; base frozen, dropout 0 (replay == sampling)."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = cfg.lora.target_modules or adapter.lora_target_modules()
+    lcfg = LoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha or cfg.lora.rank,
+                      lora_dropout=cfg.lora.dropout, target_modules=list(targets),
+                      init_lora_weights=True)
+    return get_peft_model(model, lcfg)
+
+
+def lora_spec(cfg: Config, adapter: GenerativeModelAdapter) -> dict | None:
+    """What the engine needs to build the same LoRA layers (so adapter-mode names match)."""
+    if cfg.lora.rank <= 0:
+        return None
+    return {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha or cfg.lora.rank,
+            "target_modules": list(cfg.lora.target_modules or adapter.lora_target_modules())}
+
+
+def inner_model(model: nn.Module) -> nn.Module:
+    """The diffusers transformer inside an optional peft wrapper."""
+    base = getattr(model, "base_model", None)
+    return base.model if base is not None and hasattr(base, "model") else model
+
+
+def assert_trainable_boundary(model: nn.Module, lora: bool) -> None:
+    """Full: nothing frozen. LoRA: adapters exist and are the only trainable tensors."""
+    problems = []
+    names = [(n, p.requires_grad) for n, p in model.named_parameters()]
+    if lora:
+        lora_names = [n for n, _ in names if "lora_" in n]
+        if not lora_names:
+            problems.append("LoRA mode but the model has no lora_ parameters")
+        problems += [f"base parameter {n} is trainable" for n, g in names
+                     if g and "lora_" not in n][:5]
+        problems += [f"LoRA parameter {n} is frozen" for n, g in names
+                     if not g and "lora_" in n][:5]
+    else:
+        problems += [f"parameter {n} is frozen in full mode" for n, g in names if not g][:5]
+    if problems:
+        raise RuntimeError("trainable boundary violated:\n  - " + "\n  - ".join(problems))
+
+
+def apply_activation_checkpointing(model: nn.Module, blocks: list[nn.Module]) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing as _apply_ac, checkpoint_wrapper)
+
+    block_ids = {id(b) for b in blocks}
+    _apply_ac(model, checkpoint_wrapper_fn=checkpoint_wrapper,
+              check_fn=lambda m: id(m) in block_ids)
+
+
+def apply_fsdp(model: nn.Module, blocks: list[nn.Module], cfg: Config) -> nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.fsdp.param_dtype],
+                              reduce_dtype=DTYPES[cfg.fsdp.reduce_dtype])
+    kwargs = {"mp_policy": mp, "reshard_after_forward": cfg.fsdp.reshard_after_forward}
+    if cfg.fsdp.cpu_offload:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for block in blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def current_blocks(model: nn.Module, adapter: GenerativeModelAdapter) -> list[nn.Module]:
+    """The adapter's blocks, or their checkpoint wrappers once AC has wrapped them."""
+    blocks = adapter.transformer_blocks(inner_model(model))
+    parents = {}
+    for mod in model.modules():
+        inner = getattr(mod, "_checkpoint_wrapped_module", None)
+        if inner is not None:
+            parents[id(inner)] = mod
+    return [parents.get(id(b), b) for b in blocks]
+
+
+def build_actor(adapter: GenerativeModelAdapter, cfg: Config, device: torch.device,
+                distributed: bool) -> nn.Module:
+    torch.manual_seed(cfg.train.seed)  # LoRA init: identical on every rank
+    model = adapter.load_train_model(dtype=torch.float32, device="cpu")
+    lora = cfg.lora.rank > 0
+    if lora:
+        model.requires_grad_(False)
+        model = apply_lora(model, cfg, adapter)
+    else:
+        model.requires_grad_(True)
+    master = DTYPES[cfg.fsdp.master_dtype] if cfg.fsdp.master_dtype else None
+    if master is not None:
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data = p.data.to(master)
+    model.to(device)
+    assert_trainable_boundary(model, lora)
+    blocks = adapter.transformer_blocks(inner_model(model))
+    if cfg.fsdp.activation_checkpointing:
+        apply_activation_checkpointing(model, blocks)
+        blocks = current_blocks(model, adapter)
+    if distributed:
+        apply_fsdp(model, blocks, cfg)
+    return model
+
+
+def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    t = cfg.train
+    return torch.optim.AdamW(params, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
+                             eps=t.adam_eps, weight_decay=t.weight_decay)
+
+
+def lr_at_step(step: int, cfg: Config) -> float:
+    """Learning rate of optimizer step ``step`` (0-based): linear warmup, then the schedule."""
+    t = cfg.train
+    if t.lr_warmup_iters > 0 and step < t.lr_warmup_iters:
+        return t.lr * (step + 1) / t.lr_warmup_iters
+    if t.lr_scheduler == "constant" or not t.lr_decay_iters:
+        return t.lr
+    progress = min(1.0, (step - t.lr_warmup_iters) / max(1, t.lr_decay_iters))
+    if t.lr_scheduler == "linear":
+        return t.min_lr + (t.lr - t.min_lr) * (1.0 - progress)
+    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclass
+class OffloadState:
+    """Host copies of the actor's device storage while the engine holds the GPU."""
+
+    host: dict[int, torch.Tensor]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _offload_tensors(tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+    host = {}
+    for t in tensors:
+        loc = _local(t)
+        if loc.device.type != "cuda" or loc.untyped_storage().size() == 0:
+            continue
+        cpu = torch.empty(loc.shape, dtype=loc.dtype, pin_memory=True)
+        cpu.copy_(loc, non_blocking=True)
+        host[id(t)] = cpu
+    torch.cuda.synchronize()  # NOTE: host sync; the copies must land before storage is freed
+    for t in tensors:
+        if id(t) in host:
+            _local(t).untyped_storage().resize_(0)
+    return host
+
+
+def _onload_tensors(tensors: list[torch.Tensor], host: dict[int, torch.Tensor]) -> None:
+    for t in tensors:
+        cpu = host.get(id(t))
+        if cpu is None:
+            continue
+        loc = _local(t)
+        loc.untyped_storage().resize_(cpu.numel() * cpu.element_size())
+        loc.copy_(cpu, non_blocking=True)
+
+
+def actor_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    tensors = list(model.parameters())
+    tensors += [p.grad for p in model.parameters() if p.grad is not None]
+    for state in optimizer.state.values():
+        tensors += [v for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
+    return tensors
+
+
+def offload_actor(model: nn.Module, optimizer: torch.optim.Optimizer) -> OffloadState:
+    """Free the actor's device storage (params, grads, AdamW state) into pinned host memory.
+
+    Resizing the local shard's storage to 0 is what actually frees it under fully_shard
+    (reassigning param.data would free nothing, per spec).
+    """
+    return OffloadState(_offload_tensors(actor_tensors(model, optimizer)))
+
+
+def onload_actor(model: nn.Module, optimizer: torch.optim.Optimizer, state: OffloadState) -> None:
+    _onload_tensors(actor_tensors(model, optimizer), state.host)
+    state.host.clear()

@@ -1,0 +1,452 @@
+"""Run configuration: one dataclass per section, loaded from a TOML recipe.
+
+Precedence: ``--set section.key=value`` and spec-style flags (``--rollout-batch-size 32``) >
+the TOML file > the defaults below. The resolved config is written to ``<run_dir>/config.toml``
+(and ``config.json``) so a run can be reproduced from its directory alone.
+
+Every field carries its spec flag name and a docstring in ``metadata`` (``field_help()``
+prints them). This module imports no torch: preflight runs before anything heavy loads.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+
+
+def _f(default: Any, flag: str, doc: str) -> Any:
+    """A config field with its spec flag and docstring."""
+    meta = {"flag": flag, "doc": doc}
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda d=default: json.loads(json.dumps(d)), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+DEFAULT_SAMPLING: dict[str, Any] = {
+    "height": 384,
+    "width": 384,
+    "num_inference_steps": 12,
+    "guidance_scale": 1.0,
+    "eta": 0.7,
+    "sde_type": "sde",
+    "sde_indices": [3, 4, 5],
+    "sde_resample_per_rollout": True,
+    "num_sde_steps": 3,
+    "sde_pool": [1, 2, 3, 4, 5],
+    "driver_xt": True,
+    "sample_id_mode": "metadata",
+}
+
+
+@dataclass
+class ModelConfig:
+    task: str = _f("t2i", "--generation-task", "Generation task; only 't2i' exists.")
+    adapter_path: str = _f("trainer.toy.adapter.ToyAdapter", "--model-adapter-path",
+                           "Dotpath of the GenerativeModelAdapter class for the model family.")
+    model_path: str = _f("toy", "--model-path",
+                         "Diffusers-layout model directory; 'toy' means the shipped toy model.")
+    revision: str | None = _f(None, "--model-revision",
+                              "Optional revision; part of the base-model hash.")
+    adapter_options: dict = _f({}, "--model-adapter-options",
+                               "Extra keyword arguments for the adapter (JSON dict).")
+
+
+@dataclass
+class RolloutConfig:
+    rollout_batch_size: int = _f(4, "--rollout-batch-size",
+                                 "Prompts (groups) per rollout, over all ranks.")
+    n_samples_per_prompt: int = _f(8, "--n-samples-per-prompt",
+                                   "Candidates per prompt: the GRPO group size.")
+    global_batch_size: int | None = _f(None, "--global-batch-size",
+                                       "rollout_batch_size * n_samples_per_prompt; checked if set.")
+    sampling: dict = _f(DEFAULT_SAMPLING, "--sampling-config",
+                        "Sampling geometry (JSON dict), read by adapter, driver and replay.")
+    generation_seed: int = _f(1234, "--generation-seed",
+                              "Base seed of x_T and every step's noise (with the sample ids).")
+    rollout_seed: int = _f(42, "--rollout-seed", "Seed of the prompt order.")
+    engine: str = _f("embedded", "--rollout-engine",
+                     "'embedded' (our engine process per GPU) or 'sglang' (a running server).")
+    sglang_urls: list = _f([], "--sglang-urls", "One SGLang diffusion server URL per rank.")
+    engine_dtype: str = _f("bf16", "--rollout-dtype", "Engine weight dtype: bf16 or fp32.")
+    num_gpus_per_engine: int = _f(1, "--rollout-num-gpus-per-engine",
+                                  "GPUs per engine; the world size must be divisible by it.")
+    wave_size: int | None = _f(None, "--rollout-wave-size",
+                               "Groups per engine request; None sends a rank's groups at once.")
+    artifact_root: str | None = _f(None, "--artifact-root",
+                                   "Sidecars and PNGs; default <run_dir>/artifacts.")
+    artifact_retention_rollouts: int = _f(2, "--artifact-retention-rollouts",
+                                          "Rollouts of artifacts kept; <= 0 keeps all.")
+    write_artifacts: bool = _f(True, "--write-artifacts", "Write sidecars/PNGs per rollout.")
+    offload_rollout: bool = _f(False, "--offload-rollout",
+                               "Release engine memory while the actor trains.")
+
+
+@dataclass
+class RewardConfig:
+    runtime: str = _f("cpu", "--reward-runtime", "colocate | cpu | remote.")
+    scorer_path: str | None = _f("trainer.toy.reward.ToyCompositionScorer", "--reward-scorer-path",
+                                 "Dotpath of a RewardScorer.")
+    model_path: str | None = _f(None, "--reward-model-path", "Local model dir of the scorer.")
+    endpoint: str | None = _f(None, "--reward-endpoint", "HTTP endpoint for runtime=remote.")
+    custom_reward_path: str | None = _f(None, "--custom-reward-path",
+                                        "Dotpath module.fn of a custom reward function.")
+    required_components: list = _f([], "--reward-required-components",
+                                   "Components that must be present and finite (JSON list).")
+    component_weights: dict = _f({}, "--reward-component-weights",
+                                 "{component: weight} combining normalised components.")
+    std_mode: str = _f("group", "--generative-advantage-std-mode", "group | batch | none.")
+    timeout_s: float = _f(60.0, "--reward-timeout", "Remote scorer timeout per request.")
+
+
+@dataclass
+class TrainConfig:
+    num_rollouts: int = _f(10, "--num-rollout", "Rollout/train iterations to run.")
+    num_updates_per_batch: int = _f(2, "--num-updates-per-batch",
+                                    "Disjoint optimizer updates per rollout batch.")
+    micro_batch_size: int = _f(1, "--micro-batch-size", "Candidates per forward.")
+    eps_clip: float = _f(1e-4, "--eps-clip", "PPO clip range.")
+    eps_clip_high: float | None = _f(None, "--eps-clip-high", "Optional asymmetric upper clip.")
+    kl_coef: float = _f(0.0, "--kl-coef",
+                        "KL to the frozen reference (LoRA only: adapter disabled). Our extension.")
+    advantage_estimator: str = _f("grpo", "--advantage-estimator", "Only 'grpo'.")
+    lr: float = _f(3e-4, "--lr", "Peak learning rate.")
+    min_lr: float = _f(0.0, "--min-lr", "Floor of linear/cosine decay.")
+    lr_warmup_iters: int = _f(0, "--lr-warmup-iters", "Warmup in optimizer steps.")
+    lr_decay_iters: int | None = _f(None, "--lr-decay-iters", "Decay length in optimizer steps.")
+    lr_scheduler: str = _f("constant", "--fsdp-lr-scheduler", "constant | linear | cosine.")
+    weight_decay: float = _f(0.0, "--weight-decay", "AdamW weight decay.")
+    adam_beta1: float = _f(0.9, "--adam-beta1", "AdamW beta1.")
+    adam_beta2: float = _f(0.999, "--adam-beta2", "AdamW beta2.")
+    adam_eps: float = _f(1e-8, "--adam-eps", "AdamW eps.")
+    clip_grad: float = _f(1.0, "--clip-grad", "Grad-norm clip before each optimizer step.")
+    seed: int = _f(0, "--seed", "Seed of model init (LoRA) and everything not sampling.")
+
+
+@dataclass
+class FSDPConfig:
+    trainable_mode: str = _f("full", "--fsdp-trainable-mode", "full | lora (must match lora rank).")
+    param_dtype: str = _f("bf16", "--fsdp-param-dtype", "Compute dtype of gathered params.")
+    reduce_dtype: str = _f("fp32", "--fsdp-reduce-dtype", "Gradient reduce dtype.")
+    master_dtype: str | None = _f(None, "--fsdp-master-dtype",
+                                  "Storage dtype of trainable params; None keeps load dtype.")
+    reshard_after_forward: bool = _f(True, "--fsdp-reshard-after-forward",
+                                     "Reshard after forward (False trades memory for speed).")
+    activation_checkpointing: bool = _f(False, "--fsdp-activation-checkpointing",
+                                        "Recompute each transformer block in backward.")
+    cpu_offload: bool = _f(False, "--fsdp-cpu-offload", "FSDP2 CPU param offload (not LoRA).")
+    load_wave_size: int = _f(0, "--fsdp-load-wave-size", "Ranks loading at once; 0 = all.")
+    offload_train: bool = _f(False, "--offload-train",
+                             "Free actor params/grads and move AdamW state to host in rollout.")
+    debug_fingerprint: bool = _f(False, "--fsdp-debug-fingerprint",
+                                 "Log weight fingerprints around each optimizer step.")
+
+
+@dataclass
+class LoRAConfig:
+    rank: int = _f(0, "--lora-rank", "LoRA rank; 0 = full training.")
+    alpha: float = _f(0.0, "--lora-alpha", "LoRA alpha (not recoverable from weights).")
+    dropout: float = _f(0.0, "--lora-dropout", "Must be 0 (replay must equal sampling).")
+    adapter_mode: bool = _f(False, "--lora-adapter-mode",
+                            "Sync adapter tensors only (base synced once) instead of merging.")
+    target_modules: list | None = _f(None, "--lora-target-modules",
+                                     "Override the adapter's default target modules.")
+
+
+@dataclass
+class WeightSyncConfig:
+    mode: str | None = _f(None, "--weight-sync-mode",
+                          "Derived: full (full training), merge (LoRA), adapter (adapter mode).")
+    wire_dtype: str = _f("bf16", "--weight-sync-wire-dtype", "On-the-wire dtype.")
+    bucket_size_mb: int = _f(512, "--weight-sync-bucket-size-mb", "Bucket size.")
+    backend: str = _f("auto", "--weight-sync-backend", "auto | cuda | shm.")
+    timeout_s: float = _f(120.0, "--weight-sync-timeout", "Bound on every wait of a sync.")
+    max_retries: int = _f(1, "--weight-sync-max-retries", "Retries of a failed sync.")
+
+
+@dataclass
+class DataConfig:
+    prompt_data: str = _f("toy:train", "--prompt-data",
+                          "Training prompts: JSONL/parquet path, or toy:train.")
+    eval_prompt_data: str | None = _f("toy:eval", "--eval-prompt-data",
+                                      "Held-out prompts; None disables eval.")
+    eval_interval: int = _f(5, "--eval-interval", "Eval every N rollouts (and at start/end).")
+    n_samples_per_eval_prompt: int = _f(2, "--n-samples-per-eval-prompt", "Eval candidates.")
+    eval_max_prompts: int | None = _f(None, "--eval-max-prompts", "Cap on eval prompts.")
+    eval_sde_indices: list | None = _f(None, "--eval-sde-indices",
+                                       "Fixed SDE indices for eval; None = sampling.sde_indices.")
+
+
+@dataclass
+class CheckpointConfig:
+    save: str | None = _f(None, "--save", "Checkpoint root; default <run_dir>/checkpoints.")
+    save_interval: int = _f(0, "--save-interval", "Save every N rollouts; 0 = only at the end.")
+    load: str | None = _f(None, "--load", "Resume from this checkpoint root.")
+    max_actor_ckpt_to_keep: int = _f(2, "--max-actor-ckpt-to-keep", "Rotation; <= 0 keeps all.")
+
+
+@dataclass
+class LoggingConfig:
+    run_dir: str = _f("runs/latest", "--run-dir", "Run directory (config, metrics, images).")
+    tensorboard: bool = _f(True, "--tensorboard", "Write TensorBoard events.")
+    wandb: bool = _f(False, "--use-wandb", "Also log to Weights & Biases.")
+    wandb_project: str = _f("flowgrpo", "--wandb-project", "W&B project.")
+    log_interval: int = _f(1, "--log-interval", "Console/metrics line every N rollouts.")
+    progress: bool = _f(True, "--progress", "tqdm bars on rollout, train and eval.")
+    profile_steps: str | None = _f(None, "--profile-steps",
+                                   "A:B wraps rollouts A..B-1 in cudaProfilerStart/Stop.")
+
+
+@dataclass
+class LaunchConfig:
+    device: str = _f("auto", "--device", "auto | cuda | cpu.")
+    nproc: int | None = _f(None, "--nproc", "Ranks on this node; default: GPUs, or 1 on CPU.")
+    nnodes: str = _f("1", "--nnodes", "torchrun --nnodes.")
+    node_rank: int = _f(0, "--node-rank", "torchrun --node-rank.")
+    rdzv_endpoint: str = _f("127.0.0.1:29511", "--rdzv-endpoint", "torchrun rendezvous.")
+    colocate: bool = _f(True, "--colocate", "Actor and engine time-share each GPU (required).")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def sync_mode(self) -> str:
+        """The weight-sync payload, derived from the LoRA flags (spec: derived, not set)."""
+        if self.lora.rank <= 0:
+            return "full"
+        return "adapter" if self.lora.adapter_mode else "merge"
+
+
+class ConfigError(ValueError):
+    """A bad config: the message lists every problem at once."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("invalid configuration:\n  - " + "\n  - ".join(self.problems))
+
+
+RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
+
+
+@functools.lru_cache(maxsize=None)
+def _sections() -> dict[str, type]:
+    # NOTE: cached; get_type_hints re-evaluates every annotation string (was ~0.5 s per load).
+    hints = get_type_hints(Config)
+    return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
+
+
+@functools.lru_cache(maxsize=None)
+def _field_types(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)
+
+
+def flag_table() -> dict[str, tuple[str, str]]:
+    """Spec flag -> (section, field)."""
+    table = {}
+    for sec, cls in _sections().items():
+        for f in dataclasses.fields(cls):
+            table[f.metadata["flag"]] = (sec, f.name)
+    return table
+
+
+def field_help() -> str:
+    lines = []
+    for sec, cls in _sections().items():
+        lines.append(f"[{sec}]")
+        for f in dataclasses.fields(cls):
+            lines.append(f"  {f.name:<28} {f.metadata['flag']:<34} {f.metadata['doc']}")
+    return "\n".join(lines)
+
+
+def _type_name(typ: Any) -> str:
+    """'int', 'float | None', 'dict'... from a resolved annotation."""
+    text = str(typ)
+    text = re.sub(r"<class '(\w+)'>", r"\1", text)
+    return text.replace("typing.", "").replace("NoneType", "None")
+
+
+def _coerce(value: Any, typ: Any, where: str, problems: list[str]) -> Any:
+    """Coerce a TOML or CLI value to the field's annotated type."""
+    t = _type_name(typ)
+    if isinstance(value, str) and "None" in t and value.strip().lower() in ("none", "null"):
+        return None  # also for str | None: how --set and dump_toml spell "unset"
+    if isinstance(value, str) and not t.startswith("str"):
+        text = value.strip()
+        if t.startswith("bool"):
+            if text.lower() in ("1", "true", "yes", "on"):
+                return True
+            if text.lower() in ("0", "false", "no", "off"):
+                return False
+            problems.append(f"{where}: expected a boolean, got {value!r}")
+            return value
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            if t.startswith(("dict", "list", "int", "float")):
+                problems.append(f"{where}: cannot parse {value!r} as {t}")
+            return value
+    if value is None:
+        if "None" not in t:
+            problems.append(f"{where}: may not be null")
+        return value
+    if t.startswith("bool") and not isinstance(value, bool):
+        problems.append(f"{where}: expected a boolean, got {value!r}")
+    elif t.startswith("int") and (isinstance(value, bool) or not isinstance(value, int)):
+        problems.append(f"{where}: expected an integer, got {value!r}")
+    elif t.startswith("float"):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            problems.append(f"{where}: expected a number, got {value!r}")
+        else:
+            value = float(value)
+    elif t.startswith("dict") and not isinstance(value, dict):
+        problems.append(f"{where}: expected a table/dict, got {value!r}")
+    elif t.startswith("list") and not isinstance(value, list):
+        problems.append(f"{where}: expected a list, got {value!r}")
+    elif t.startswith("str") and not isinstance(value, str):
+        problems.append(f"{where}: expected a string, got {value!r}")
+    return value
+
+
+def _apply(cfg: Config, section: str, key: str, value: Any, where: str,
+           problems: list[str]) -> None:
+    secs = _sections()
+    if section not in secs:
+        problems.append(f"{where}: unknown section [{section}] (known: {', '.join(secs)})")
+        return
+    fields = {f.name: f for f in dataclasses.fields(secs[section])}
+    if key not in fields:
+        problems.append(f"{where}: unknown key {section}.{key}")
+        return
+    hints = _field_types(secs[section])
+    value = _coerce(value, hints[key], where, problems)
+    if section == "rollout" and key == "sampling" and isinstance(value, dict):
+        merged = dict(getattr(cfg.rollout, "sampling"))
+        merged.update(value)  # a partial sampling table overrides keys, not the whole dict
+        value = merged
+    setattr(getattr(cfg, section), key, value)
+
+
+def resolve_recipe(name_or_path: str) -> Path:
+    p = Path(name_or_path)
+    if p.suffix == ".toml" and p.exists():
+        return p
+    shipped = RECIPES_DIR / f"{name_or_path}.toml"
+    if shipped.exists():
+        return shipped
+    known = sorted(q.stem for q in RECIPES_DIR.glob("*.toml"))
+    what = "no such TOML file" if p.suffix == ".toml" or len(p.parts) > 1 else \
+        "neither a TOML file nor a shipped recipe"
+    raise ConfigError([f"recipe {name_or_path!r}: {what} (shipped: {', '.join(known)})"])
+
+
+def load_config(recipe: str | None = None, overrides: list[str] | None = None,
+                flags: dict[str, str] | None = None) -> Config:
+    """Defaults < TOML recipe < spec flags < ``--set section.key=value`` overrides.
+
+    Every problem (unknown keys, bad types, bad syntax) is collected and raised at once.
+    """
+    cfg = Config()
+    problems: list[str] = []
+    if recipe:
+        path = resolve_recipe(recipe)
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError([f"{path}: {exc}"]) from exc
+        for section, table in data.items():
+            if not isinstance(table, dict):
+                problems.append(f"{path}: top-level key {section!r} must be a [section]")
+                continue
+            for key, value in table.items():
+                _apply(cfg, section, key, value, f"{path.name}:{section}.{key}", problems)
+    table = flag_table()
+    for flag, value in (flags or {}).items():
+        if flag not in table:
+            problems.append(f"unknown flag {flag}")
+            continue
+        sec, key = table[flag]
+        _apply(cfg, sec, key, value, flag, problems)
+    for item in overrides or []:
+        if "=" not in item or "." not in item.split("=", 1)[0]:
+            problems.append(f"--set {item!r}: expected section.key=value")
+            continue
+        lhs, rhs = item.split("=", 1)
+        section, key = lhs.strip().split(".", 1)
+        _apply(cfg, section, key, rhs, f"--set {lhs}", problems)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v, ensure_ascii=False)  # JSON escapes are TOML escapes; no surrogates
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{json.dumps(k)} = {_toml_value(x)}" for k, x in v.items()) + " }"
+    raise TypeError(f"cannot write {v!r} to TOML")
+
+
+def _has_none(v: Any) -> bool:
+    if isinstance(v, dict):
+        return any(_has_none(x) for x in v.values())
+    if isinstance(v, list):
+        return any(_has_none(x) for x in v)
+    return v is None
+
+
+def dump_toml(cfg: Config) -> str:
+    """The resolved config as TOML; ``load_config`` of it gives back an equal Config.
+
+    TOML has no null: a None whose default is None is omitted, one that overrides a non-None
+    default is written as ``"none"`` (what ``--set key=none`` reads as None), and a table or
+    list holding a None (e.g. ``sampling.sde_indices = null``) is written as a JSON string,
+    which the loader parses for dict/list fields.
+    """
+    out = []
+    defaults = Config().to_dict()
+    for section, table in cfg.to_dict().items():
+        out.append(f"[{section}]")
+        for k, v in table.items():
+            if v is None:
+                if defaults[section][k] is not None:
+                    out.append(f'{k} = "none"')
+            elif isinstance(v, (dict, list)) and _has_none(v):
+                out.append(f"{k} = {_toml_value(json.dumps(v))}")
+            else:
+                out.append(f"{k} = {_toml_value(v)}")
+        out.append("")
+    return "\n".join(out)
+
+
+def write_resolved(cfg: Config, run_dir: str | Path) -> Path:
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    path = run_dir / "config.toml"
+    path.write_text(dump_toml(cfg))
+    return path

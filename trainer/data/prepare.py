@@ -1,0 +1,161 @@
+"""``prepare``: convert a public prompt source into the unified JSONL schema.
+
+Converters (``--source``):
+
+* ``pickapic``: Pick-a-Pic parquet shards (a file or a directory of them), ``caption``
+  column. Only that column is read, so shards with embedded image bytes stream cheaply.
+* ``prompts``: a generic prompt list: parquet with a ``prompt`` or ``caption`` column (or
+  ``--prompt-column``), JSONL with a ``prompt`` field (its ``metadata``, ``images`` and
+  ``videos`` are kept; a missing task / sample_id is filled in), or plain text, one prompt per
+  line.
+
+Sample ids are ``<id-prefix><n:07d>`` with n the 1-based row (or line) number across the
+input files in sorted order, counting skipped rows too, so an id always points back at its
+source row and rerunning gives the same ids. Empty prompts are skipped and counted; anything
+unreadable is reported with file and line and nothing is written.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable, Iterator
+
+from trainer.data.records import PARQUET_SUFFIXES, is_parquet, write_jsonl
+from trainer.data.schema import MEDIA_PLACEHOLDERS
+
+PROMPT_COLUMNS = ("prompt", "caption")
+TEXT_SUFFIXES = (".txt", ".text", ".lst")
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+
+
+class PrepareError(ValueError):
+    """The input cannot be converted; the message lists every bad line."""
+
+
+def _input_files(path: str, suffixes: tuple[str, ...]) -> list[str]:
+    if os.path.isdir(path):
+        files = sorted(os.path.join(root, name) for root, _, names in os.walk(path)
+                       for name in names if name.lower().endswith(suffixes))
+        if not files:
+            raise PrepareError(f"{path}: no files ending in {', '.join(suffixes)}")
+        return files
+    if not os.path.isfile(path):
+        raise PrepareError(f"{path}: no such file or directory")
+    return [path]
+
+
+def _parquet_column(path: str, wanted: str | None) -> Iterator[Any]:
+    import pyarrow.parquet as pq
+
+    shard = pq.ParquetFile(path)
+    names = shard.schema_arrow.names
+    column = wanted or next((c for c in PROMPT_COLUMNS if c in names), None)
+    if column not in names:
+        raise PrepareError(f"{path}: no column {column or ' / '.join(PROMPT_COLUMNS)!r} "
+                           f"(columns: {names})")
+    for batch in shard.iter_batches(batch_size=8192, columns=[column]):
+        yield from batch.column(0).to_pylist()
+
+
+def _text_rows(path: str, problems: list[str]) -> Iterator[tuple[str | None, dict[str, Any]]]:
+    if is_parquet(path):
+        for value in _parquet_column(path, None):
+            yield value, {}
+    elif path.lower().endswith(JSONL_SUFFIXES):
+        with open(path, encoding="utf-8") as f:
+            for number, text in enumerate(f, start=1):
+                if not text.strip():
+                    yield None, {}
+                    continue
+                try:
+                    row = json.loads(text)
+                except json.JSONDecodeError as exc:
+                    problems.append(f"{path}:{number}: invalid JSON ({exc.msg})")
+                    yield None, {}
+                    continue
+                if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                    problems.append(f"{path}:{number}: no string 'prompt' field")
+                    yield None, {}
+                    continue
+                if "metadata" in row and not isinstance(row["metadata"], dict):
+                    problems.append(f"{path}:{number}: 'metadata' is not an object")
+                    yield None, {}
+                    continue
+                yield row["prompt"], row
+    else:
+        with open(path, encoding="utf-8") as f:
+            for text in f:
+                yield text.rstrip("\n"), {}
+
+
+def _emit(rows: Iterator[tuple[Any, dict[str, Any]]], *, task: str, id_prefix: str,
+          stats: dict[str, int]) -> Iterator[dict[str, Any]]:
+    for number, (prompt, extra) in enumerate(rows, start=1):
+        if not isinstance(prompt, str) or not prompt.strip():
+            stats["skipped_empty"] += 1
+            continue
+        meta = dict(extra.get("metadata") or {})
+        meta.setdefault("task", task)
+        meta.setdefault("sample_id", f"{id_prefix}{number:07d}")
+        record: dict[str, Any] = {"prompt": prompt.strip(), "metadata": meta}
+        for key in MEDIA_PLACEHOLDERS:
+            if key in extra:
+                record[key] = extra[key]
+        stats["written"] += 1
+        yield record
+
+
+def convert_pickapic(input_path: str, *, task: str, id_prefix: str | None,
+                     prompt_column: str | None, stats: dict[str, int],
+                     problems: list[str]) -> Iterator[dict[str, Any]]:
+    files = _input_files(input_path, PARQUET_SUFFIXES)
+    rows = ((value, {}) for path in files for value in _parquet_column(path, prompt_column or "caption"))
+    return _emit(rows, task=task, id_prefix="pickapic_" if id_prefix is None else id_prefix,
+                 stats=stats)
+
+
+def convert_prompts(input_path: str, *, task: str, id_prefix: str | None,
+                    prompt_column: str | None, stats: dict[str, int],
+                    problems: list[str]) -> Iterator[dict[str, Any]]:
+    files = _input_files(input_path, PARQUET_SUFFIXES + JSONL_SUFFIXES + TEXT_SUFFIXES)
+    if id_prefix is None:
+        stem = os.path.basename(os.path.normpath(input_path))
+        id_prefix = stem.split(".")[0] + "_"
+
+    def rows() -> Iterator[tuple[Any, dict[str, Any]]]:
+        for path in files:
+            if prompt_column and is_parquet(path):
+                yield from ((v, {}) for v in _parquet_column(path, prompt_column))
+            else:
+                yield from _text_rows(path, problems)
+
+    return _emit(rows(), task=task, id_prefix=id_prefix, stats=stats)
+
+
+CONVERTERS: dict[str, Callable[..., Iterator[dict[str, Any]]]] = {
+    "pickapic": convert_pickapic,
+    "prompts": convert_prompts,
+}
+
+
+def prepare(*, source: str, input_path: str, output: str, task: str = "t2i",
+            id_prefix: str | None = None, prompt_column: str | None = None) -> dict[str, int]:
+    """Run a converter; returns counts. Raises PrepareError (nothing written) on bad input."""
+    if source not in CONVERTERS:
+        raise PrepareError(f"unknown source {source!r} (known: {', '.join(CONVERTERS)})")
+    stats = {"written": 0, "skipped_empty": 0}
+    problems: list[str] = []
+    records = list(CONVERTERS[source](input_path, task=task, id_prefix=id_prefix,
+                                      prompt_column=prompt_column, stats=stats,
+                                      problems=problems))
+    ids: dict[str, int] = {}
+    for index, record in enumerate(records):
+        sample_id = record["metadata"]["sample_id"]
+        if sample_id in ids:
+            problems.append(f"sample_id {sample_id!r} appears in records {ids[sample_id] + 1} "
+                            f"and {index + 1} of the output")
+        ids.setdefault(sample_id, index)
+    if problems:
+        raise PrepareError(f"{len(problems)} problem(s) in {input_path}:\n  " + "\n  ".join(problems))
+    write_jsonl(output, records)
+    return stats

@@ -1,0 +1,16 @@
+"""Rollout engines: the embedded engine (a process per GPU, or in-process) and the SGLang client.
+
+    from trainer.engine import launch_embedded_engine, EngineClient, SGLangEngineClient
+
+Both clients answer the same calls (generate, checksum, version, release, resume, health,
+update_weights_from_disk, close) with the same response schema (trainer/models/schema.py).
+See trainer/engine/README.md.
+"""
+from trainer.engine.client import EngineClient, EngineError
+from trainer.engine.core import EngineStateError
+from trainer.engine.process import launch_embedded_engine
+from trainer.engine.request import RequestError
+from trainer.engine.sglang_client import EngineRequestError, SGLangEngineClient
+
+__all__ = ["EngineClient", "EngineError", "EngineRequestError", "EngineStateError", "RequestError",
+           "SGLangEngineClient", "launch_embedded_engine"]

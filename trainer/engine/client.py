@@ -1,0 +1,173 @@
+"""``EngineClient``: the trainer-side handle of one embedded engine (in-process or spawned).
+
+Both transports expose the same calls. The spawned engine answers over a ``multiprocessing``
+pipe; tensors in a reply travel through torch's multiprocessing reductions (shared memory on
+CPU, CUDA IPC on GPU), so a rollout's trajectories and images reach the trainer without a
+disk round trip and without serialisation. CUDA tensors received that way still live in the
+engine's memory; ``generate`` clones them into the trainer's own allocation (a few MB,
+device-to-device) and drops the IPC references at once, so the engine can release its memory
+while the actor trains on the rollout (otherwise the engine's blocks stay pinned until the
+batch dies, and each rebuilt handle costs ~0.94 ms to release: notes/cuda-ipc-facts.md).
+"""
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from typing import Any
+
+import torch
+
+
+class EngineError(RuntimeError):
+    """The engine process failed or died; the message carries its traceback."""
+
+
+def localize(obj: Any) -> Any:
+    """Clone CUDA tensors received over IPC into this process's own memory (recursively)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.clone() if obj.is_cuda else obj
+    if isinstance(obj, dict):
+        return {k: localize(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [localize(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(localize(v) for v in obj)
+    return obj
+
+
+def pack_exception(exc: BaseException) -> tuple[Any, str]:
+    """(picklable exception or None, formatted traceback) for sending across the pipe."""
+    import pickle
+
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc, text
+    except Exception:
+        return None, text
+
+
+def raise_remote(packed: tuple[Any, str]) -> None:
+    exc, text = packed
+    if exc is None:
+        raise EngineError(f"engine raised an unpicklable exception:\n{text}")
+    raise exc from EngineError(f"engine-side traceback:\n{text}")
+
+
+class _LocalTransport:
+    """Calls an ``EngineCore`` living in this process."""
+
+    def __init__(self, core: Any, also_close: tuple[Any, ...] = ()) -> None:
+        self.core = core
+        self.also_close = also_close  # e.g. the HTTP server serving the same core
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.core, method)(*args, **kwargs)
+
+    def close(self) -> None:
+        for obj in self.also_close:
+            obj.close()
+        self.core.close()
+
+
+class _PipeTransport:
+    """Calls an ``EngineCore`` in a spawned process; one request in flight at a time."""
+
+    def __init__(self, conn: Any, process: Any, *, poll_s: float = 0.5) -> None:
+        self.conn = conn
+        self.process = process
+        self.poll_s = poll_s
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _recv(self, what: str, timeout_s: float | None) -> Any:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self.conn.poll(self.poll_s):
+            if not self.process.is_alive():
+                raise EngineError(f"engine process {self.process.pid} died during {what} "
+                                  f"(exit code {self.process.exitcode})")
+            if deadline is not None and time.monotonic() > deadline:
+                raise EngineError(f"engine did not answer {what} within {timeout_s:.0f} s")
+        try:
+            return self.conn.recv()
+        except EOFError as exc:
+            raise EngineError(f"engine process closed its pipe during {what} "
+                              f"(exit code {self.process.exitcode})") from exc
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            if self._closed:
+                raise EngineError(f"engine client is closed (called {method})")
+            self.conn.send((method, args, kwargs))
+            status, payload = self._recv(method, None)
+        if status == "error":
+            raise_remote(payload)
+        return localize(payload)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                if self.process.is_alive():
+                    self.conn.send(("close", (), {}))
+                    self._recv("close", timeout_s)
+            except (EngineError, OSError, BrokenPipeError):
+                pass
+            finally:
+                self.conn.close()
+        self.process.join(timeout_s)
+        if self.process.is_alive():  # the engine ignored close: end it (our own child only)
+            self.process.terminate()
+            self.process.join(5.0)
+
+
+class EngineClient:
+    """Handle of one embedded engine.
+
+    Methods: ``generate(request) -> response`` (the adapters' response schema, tensors
+    batch-first), ``checksum() -> str`` (over the engine's transformer weights, equal to
+    ``ipc.weights_checksum`` of the same bytes), ``version`` (last committed weight version),
+    ``release()`` / ``resume()`` (free / restore device memory; failures raise, per spec),
+    ``health() -> dict``, ``update_weights_from_disk(model_path)``, ``close()``.
+    ``http_url`` is the loopback URL of the engine's HTTP mode, or None.
+    """
+
+    def __init__(self, transport: Any, *, http_url: str | None = None,
+                 pid: int | None = None) -> None:
+        self._transport = transport
+        self.http_url = http_url
+        self.pid = pid
+
+    def generate(self, request: dict[str, Any]) -> dict[str, Any]:
+        return self._transport.call("generate", request)
+
+    def checksum(self) -> str:
+        return self._transport.call("checksum")
+
+    @property
+    def version(self) -> int:
+        return int(self._transport.call("get_version"))
+
+    def release(self) -> dict[str, Any]:
+        return self._transport.call("release")
+
+    def resume(self) -> dict[str, Any]:
+        return self._transport.call("resume")
+
+    def health(self) -> dict[str, Any]:
+        return self._transport.call("health")
+
+    def update_weights_from_disk(self, model_path: str) -> dict[str, Any]:
+        return self._transport.call("update_weights_from_disk", model_path)
+
+    def close(self) -> None:
+        self._transport.close()
+
+    def __enter__(self) -> "EngineClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,372 @@
+"""``EngineCore``: the embedded engine's state and operations, independent of any transport.
+
+It holds the adapter's frozen parts (VAE, text encoders), a copy of the transformer (with the
+trainer's peft LoRA layers in adapter mode) and the ipc ``WeightReceiver`` that writes synced
+weights straight into that transformer's parameters. The pipe transport (``process.py``), the
+HTTP mode (``http_server.py``) and the in-process client all call the methods below.
+
+Design choices where the spec is silent:
+- The latent state is fp32 whatever the engine dtype; the adapter casts to the transformer's
+  dtype inside ``velocity``. The recorded trajectory is therefore exactly what the actor replays.
+- Prompts repeated in a request (a group's candidates) are encoded once and gathered.
+- Weight names given to the receiver are ``adapter.weight_name_map`` of this transformer's own
+  names. The transformer is built like the trainer's (same diffusers class, same
+  ``peft.get_peft_model`` config), so the trainer reaches the same names by applying the same
+  map: full mode covers every tensor, adapter mode the ``lora_`` tensors, merge mode the rest.
+- ``release()`` moves the frozen parts (and the transformer when no receiver holds it) to the
+  host and empties the allocator cache; with a receiver the transformer's weights live in
+  transport memory that the trainer writes into, so they stay resident. ``generate`` refuses to
+  run while released (the trainer wakes the engine with ``resume()`` first, per spec).
+"""
+from __future__ import annotations
+
+import gc
+import importlib
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from trainer.engine.request import GenerateSpec, parse_generate_request
+from trainer.engine.sampler import denoise
+from trainer.models.base import GenerativeModelAdapter
+from trainer.profiling import nvtx_range
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+LORA_KEYS = ("rank", "alpha", "target_modules", "dropout")
+
+
+class EngineStateError(RuntimeError):
+    """The engine cannot serve this call in its current state (released, closed); HTTP 409."""
+
+
+def import_dotpath(path: str) -> Any:
+    module, _, attr = path.rpartition(".")
+    if not module:
+        raise ValueError(f"{path!r} is not a dotted path 'package.module.Name'")
+    return getattr(importlib.import_module(module), attr)
+
+
+def check_launch_args(*, adapter_path: Any, model_path: Any, device: Any, dtype: Any,
+                      lora: Any) -> None:
+    """One ValueError naming every bad launch argument (cheap: nothing is loaded)."""
+    problems = []
+    if not isinstance(adapter_path, str) or "." not in adapter_path:
+        problems.append(f"adapter_path must be a dotted path to an adapter class, got {adapter_path!r}")
+    if not isinstance(model_path, (str, os.PathLike)) or not Path(model_path).is_dir():
+        problems.append(f"model_path {model_path!r} is not a directory")
+    if dtype not in DTYPES:
+        problems.append(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    try:
+        dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            problems.append(f"device {device!r} requested but CUDA is not available")
+    except (RuntimeError, TypeError):
+        problems.append(f"device {device!r} is not a torch device")
+    if lora is not None:
+        if not isinstance(lora, dict):
+            problems.append(f"lora must be a dict (rank, alpha, target_modules) or None, got {lora!r}")
+        else:
+            unknown = sorted(set(lora) - set(LORA_KEYS))
+            if unknown:
+                problems.append(f"lora has unknown keys {unknown} (known: {list(LORA_KEYS)})")
+            rank = lora.get("rank")
+            if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
+                problems.append(f"lora.rank must be a positive integer, got {rank!r}")
+            alpha = lora.get("alpha", rank)
+            if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
+                problems.append(f"lora.alpha must be a positive number, got {alpha!r}")
+            targets = lora.get("target_modules")
+            if targets is not None and (not isinstance(targets, (list, tuple)) or not targets
+                                        or not all(isinstance(t, str) for t in targets)):
+                problems.append(f"lora.target_modules must be a non-empty list of names, got {targets!r}")
+            if lora.get("dropout", 0.0) != 0.0:
+                problems.append("lora.dropout must be 0 (a stochastic forward breaks ratio == 1)")
+    if problems:
+        raise ValueError("cannot launch the embedded engine:\n  - " + "\n  - ".join(problems))
+
+
+def apply_lora(transformer: nn.Module, lora: dict[str, Any], default_targets: list[str]) -> nn.Module:
+    """The trainer's LoRA layers (peft, B initialised to 0) on the engine's transformer."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=int(lora["rank"]), lora_alpha=lora.get("alpha", lora["rank"]),
+                        lora_dropout=0.0, target_modules=list(lora.get("target_modules")
+                                                               or default_targets),
+                        init_lora_weights=True)
+    return get_peft_model(transformer, config)
+
+
+def _modules_in(frozen: dict[str, Any]) -> dict[str, nn.Module]:
+    return {k: v for k, v in frozen.items() if isinstance(v, nn.Module)}
+
+
+class EngineCore:
+    """One engine: ``generate``, ``checksum``, ``get_version``, ``release``, ``resume``,
+    ``health``, ``update_weights_from_disk``, ``close``. Thread-safe (one operation at a time)."""
+
+    def __init__(self, adapter: GenerativeModelAdapter, transformer: nn.Module,
+                 frozen: dict[str, Any], *, device: str | torch.device,
+                 receiver_factory: Callable[[dict[str, torch.Tensor], dict[str, list[str]]], Any]
+                 | None = None, lora: bool = False) -> None:
+        self.adapter = adapter
+        self.transformer = transformer.eval().requires_grad_(False)
+        self.frozen = frozen
+        self.device = torch.device(device)
+        self.lora = lora
+        raw = dict(self.transformer.named_parameters())
+        self.name_map = adapter.weight_name_map(list(raw))
+        self.params = {self.name_map[n]: p for n, p in raw.items()}
+        names = list(self.params)
+        lora_names = [n for n in names if "lora_" in n]
+        self.modes = {"full": names, "merge": [n for n in names if "lora_" not in n]}
+        if lora:
+            self.modes["adapter"] = lora_names
+        self.receiver = receiver_factory(self.params, self.modes) if receiver_factory else None
+        self.released = False
+        self.closed = False
+        self.generate_calls = 0
+        self._lock = threading.RLock()
+
+    # ---- construction ---------------------------------------------------------------------
+    @classmethod
+    def load(cls, *, adapter_path: str, model_path: str, adapter_options: dict | None,
+             device: str, dtype: str, lora: dict | None, weight_sync_conn: Any = None,
+             receiver_backend: str = "auto") -> "EngineCore":
+        check_launch_args(adapter_path=adapter_path, model_path=model_path, device=device,
+                          dtype=dtype, lora=lora)
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        adapter = import_dotpath(adapter_path)(str(model_path), **(adapter_options or {}))
+        torch_dtype = DTYPES[dtype]
+        transformer = adapter.load_train_model(dtype=torch_dtype, device=dev)
+        if lora:
+            transformer = apply_lora(transformer, lora, adapter.lora_target_modules())
+        frozen = adapter.load_frozen(device=dev, dtype=torch_dtype)
+        factory = None
+        if weight_sync_conn is not None:
+            def factory(params, modes):
+                from ipc import WeightReceiver
+
+                receiver = WeightReceiver(weight_sync_conn, params, modes=modes, backend=receiver_backend)
+                receiver.start()
+                return receiver
+        return cls(adapter, transformer, frozen, device=dev, receiver_factory=factory, lora=bool(lora))
+
+    # ---- generate -------------------------------------------------------------------------
+    def _check_open(self, what: str) -> None:
+        if self.closed:
+            raise EngineStateError(f"engine is closed ({what})")
+        if self.released:
+            raise EngineStateError(f"engine memory is released; call resume() before {what}")
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
+    def _conditions(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        unique = list(dict.fromkeys(prompts))
+        with nvtx_range("rollout/encode_prompts"):
+            encoded = self.adapter.encode_prompts(self.frozen, unique)
+        if unique == prompts:
+            return dict(encoded)
+        pos = {p: i for i, p in enumerate(unique)}
+        out = {}
+        for key, value in encoded.items():
+            idx = torch.tensor([pos[p] for p in prompts], dtype=torch.long, device=value.device)
+            out[key] = value.index_select(0, idx)
+        return out
+
+    def _noise(self, spec: GenerateSpec):
+        """x_T [B, *latent] fp32 on the device, and the step-noise function of the sampler."""
+        adapter, h, w, ids = self.adapter, spec.height, spec.width, spec.sample_ids
+        latent_shape = tuple(adapter.latent_shape(h, w))
+        if spec.driver_xt:  # the driver's recipe: a pure function of (seed, sample id, stream)
+            x_t = self._to_device(adapter.initial_latents(ids, h, w, seed=spec.noise_seed,
+                                                          dtype=torch.float32, device="cpu"))
+
+            def noise_fn(step: int) -> torch.Tensor:
+                return self._to_device(adapter.step_noise(ids, step, latent_shape, seed=spec.noise_seed,
+                                                          dtype=torch.float32, device="cpu"))
+            return x_t, noise_fn
+        # Without driver_xt the engine draws from its own generator seeded with `seed`, in a
+        # fixed order (x_T, then the SDE steps in schedule order): reproducible per request.
+        gen = torch.Generator(device=self.device).manual_seed(spec.seed)
+        draw = torch.randn((len(ids), *adapter.init_noise_shape(h, w)), generator=gen,
+                           device=self.device, dtype=torch.float32)
+        x_t = adapter.noise_to_latents(draw, h, w).to(torch.float32)
+
+        def own_noise(step: int) -> torch.Tensor:
+            return torch.randn((len(ids), *latent_shape), generator=gen, device=self.device,
+                               dtype=torch.float32)
+        return x_t, own_noise
+
+    def generate(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Serve one rollout request (``trainer.models.schema``); tensors stay on the device."""
+        with self._lock:
+            self._check_open("generate")
+            spec = parse_generate_request(self.adapter, request)
+            if self.receiver is not None:
+                self.receiver.assert_servable()
+            t0 = time.perf_counter()
+            h, w = spec.height, spec.width
+            with torch.no_grad(), nvtx_range("rollout/generate"):
+                conditions = self._conditions(spec.prompts)
+                x_t, noise_fn = self._noise(spec)
+
+                def velocity(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+                    return self.adapter.velocity(self.transformer, x, sigma, conditions, h, w)
+
+                out = denoise(velocity, x_t, spec.sigmas, spec.sde_indices, eta=spec.eta,
+                              sde_type=spec.sde_type, noise_fn=noise_fn,
+                              record=spec.return_trajectory)
+                with nvtx_range("rollout/vae_decode"):
+                    images = self.adapter.decode(self.frozen, out.final, h, w)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # NOTE: host sync, once per request (timing)
+            self.generate_calls += 1
+            response: dict[str, Any] = {
+                "request_id": spec.request_id,
+                "prompt": spec.prompts,
+                "seed": spec.seed,
+                "sample_ids": spec.sample_ids,
+                "height": h,
+                "width": w,
+                "sde_indices": list(spec.sde_indices),
+                "rollout_log_probs": out.log_probs,
+                "images": images,
+                "policy_version": self.get_version(),
+                "inference_time_s": time.perf_counter() - t0,
+            }
+            if spec.return_trajectory:
+                sig = torch.tensor(spec.sigmas, dtype=torch.float32)
+                response["dit_trajectory"] = {
+                    "latents": out.trajectory,
+                    "timesteps": self.adapter.timesteps_from_sigmas(sig),
+                    "sigmas": sig,
+                }
+            if spec.return_env:
+                response["denoising_env"] = conditions
+            return response
+
+    # ---- weights --------------------------------------------------------------------------
+    def get_version(self) -> int:
+        return int(self.receiver.version) if self.receiver is not None else 0
+
+    def checksum(self) -> str:
+        with self._lock:
+            if self.receiver is not None:
+                return self.receiver.checksum()
+            from ipc import weights_checksum
+
+            return weights_checksum(self.params)
+
+    def update_weights_from_disk(self, model_path: str) -> dict[str, Any]:
+        """Load the transformer's safetensors (``<model_path>/transformer/`` or ``<model_path>``)
+        into the live parameters, in place, by engine name. Every base tensor must be present
+        with its shape; LoRA tensors may be absent (a plain diffusers checkpoint), in which case
+        they keep their values. The committed weight version does not change."""
+        from safetensors.torch import load_file
+
+        with self._lock:
+            self._check_open("update_weights_from_disk")
+            root = Path(model_path)
+            folder = root / "transformer" if (root / "transformer").is_dir() else root
+            files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+            if not files:
+                raise ValueError(f"no *.safetensors under {folder} (expected a diffusers transformer "
+                                 "directory or a model directory with transformer/)")
+            state: dict[str, torch.Tensor] = {}
+            for f in files:
+                state.update(load_file(str(f)))
+            problems = []
+            unexpected = sorted(set(state) - set(self.params))
+            missing = sorted(n for n in self.params if n not in state and "lora_" not in n)
+            if unexpected:
+                problems.append(f"{len(unexpected)} tensors unknown to the engine, e.g. {unexpected[:3]}")
+            if missing:
+                problems.append(f"{len(missing)} engine tensors missing, e.g. {missing[:3]}")
+            shapes = [f"{n}: {tuple(t.shape)} vs engine {tuple(self.params[n].shape)}"
+                      for n, t in state.items() if n in self.params and t.shape != self.params[n].shape]
+            if shapes:
+                problems.append(f"{len(shapes)} shape mismatches, e.g. {shapes[:3]}")
+            if problems:
+                raise ValueError(f"cannot load weights from {folder}:\n  - " + "\n  - ".join(problems))
+            with torch.no_grad():
+                for name, tensor in state.items():
+                    self.params[name].copy_(tensor)
+            return {"success": True, "message": f"loaded {len(state)} tensors from {folder}",
+                    "tensors": len(state)}
+
+    # ---- memory ----------------------------------------------------------------------------
+    def _move(self, device: torch.device) -> list[str]:
+        moved = []
+        for name, module in _modules_in(self.frozen).items():
+            module.to(device)
+            moved.append(name)
+        if self.receiver is None:
+            self.transformer.to(device)
+            moved.append("transformer")
+        return moved
+
+    def release(self) -> dict[str, Any]:
+        """Free device memory for the colocated actor. Raises on failure (fatal, per spec)."""
+        with self._lock:
+            if self.closed:
+                raise EngineStateError("engine is closed (release)")
+            if self.released:
+                return {"success": True, "message": "already released", "moved": []}
+            moved = self._move(torch.device("cpu")) if self.device.type == "cuda" else []
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self.released = True
+            kept = ["transformer (ipc transport memory)"] if self.receiver is not None else []
+            return {"success": True, "moved": moved, "kept_resident": kept,
+                    "memory_allocated_bytes": self._allocated()}
+
+    def resume(self) -> dict[str, Any]:
+        """Bring released parts back to the device. Raises on failure (fatal, per spec)."""
+        with self._lock:
+            if self.closed:
+                raise EngineStateError("engine is closed (resume)")
+            if not self.released:
+                return {"success": True, "message": "not released", "moved": []}
+            moved = self._move(self.device) if self.device.type == "cuda" else []
+            self.released = False
+            return {"success": True, "moved": moved, "memory_allocated_bytes": self._allocated()}
+
+    def _allocated(self) -> int:
+        return int(torch.cuda.memory_allocated(self.device)) if self.device.type == "cuda" else 0
+
+    # ---- status -----------------------------------------------------------------------------
+    def health(self) -> dict[str, Any]:
+        dirty = bool(getattr(self.receiver, "dirty", False)) if self.receiver is not None else False
+        status = "closed" if self.closed else "released" if self.released else "dirty" if dirty else "ok"
+        return {
+            "status": status, "engine": "flowgrpo-embedded", "family": self.adapter.family,
+            "device": str(self.device), "dtype": str(next(iter(self.params.values())).dtype),
+            "version": self.get_version(), "released": self.released, "dirty": dirty,
+            "lora": self.lora, "weight_sync": self.receiver is not None, "pid": os.getpid(),
+            "generate_calls": self.generate_calls, "num_params": len(self.params),
+            "memory_allocated_bytes": self._allocated(),
+        }
+
+    def close(self) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            if self.receiver is not None:
+                self.receiver.close()
+            self.frozen.clear()
+            self.transformer = None
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()

@@ -1,0 +1,72 @@
+"""The denoising loop of the engine: driver sigmas, SDE at the resolved steps, ODE elsewhere.
+
+Every step is ``kernels.sde_step`` (``sde_type="ode"`` off the SDE set), the very function the
+actor's replay pairs with ``kernels.sde_log_prob``, so the recorded log-prob and the replayed one
+come from the same code. The loop is kept lean for the GPU:
+
+- no host-device sync inside it: sigmas reach ``sde_step`` as Python floats (its value checks
+  then run on the host for free), the per-sample sigma vector the transformer needs is a view of
+  one device tensor built before the loop, and the SDE-step bookkeeping is Python ints;
+- outputs are preallocated once (``trajectory`` [B, S, 2, *latent], ``log_probs`` [B, S]) and
+  filled with device copies;
+- step noise is requested lazily (``noise_fn(step)``) inside the loop, so drawing it on the host
+  (the driver's CPU recipe, ~0.3 ms per candidate and step) overlaps the forwards the host has
+  already queued on the device instead of adding up before the loop starts.
+
+The latent state is kept in the dtype of ``x_T`` (fp32 by the engine's choice): the stored
+trajectory is then exactly what the transformer saw after its own cast, and the log-prob is the
+density of the stored tensor (kernels' contract).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+import kernels
+from trainer.profiling import nvtx_range
+
+VelocityFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+NoiseFn = Callable[[int], torch.Tensor]
+
+
+@dataclass
+class DenoiseOutput:
+    final: torch.Tensor        # x_0 [B, *latent]
+    trajectory: torch.Tensor   # [B, S, 2, *latent]: (x_i, x_{i+1}) at each SDE step i
+    log_probs: torch.Tensor    # [B, S] fp32
+
+
+def denoise(velocity_fn: VelocityFn, x: torch.Tensor, sigmas: Sequence[float],
+            sde_indices: Sequence[int], *, eta: float, sde_type: str, noise_fn: NoiseFn,
+            record: bool = True, backend: str = "auto") -> DenoiseOutput:
+    """Run ``len(sigmas) - 1`` steps from ``x`` (= x_T, not modified) and record SDE steps.
+
+    ``velocity_fn(x, sigma)`` is the transformer forward (sigma: [B] device tensor);
+    ``noise_fn(i)`` returns the standard-normal noise of SDE step ``i`` shaped like ``x``.
+    With ``record=False`` the trajectory is not kept (evaluation) and ``trajectory`` is empty.
+    """
+    batch, num_steps = x.shape[0], len(sigmas) - 1
+    sde_slot = {int(i): k for k, i in enumerate(sde_indices)}
+    n_sde = len(sde_slot)
+    trajectory = torch.empty((batch, n_sde if record else 0, 2, *x.shape[1:]), dtype=x.dtype,
+                             device=x.device)
+    log_probs = torch.empty((batch, n_sde), dtype=torch.float32, device=x.device)
+    sigma_dev = torch.tensor([float(s) for s in sigmas], dtype=torch.float32, device=x.device)
+    with nvtx_range("rollout/denoise"):
+        for i in range(num_steps):
+            s, s_next = float(sigmas[i]), float(sigmas[i + 1])
+            v = velocity_fn(x, sigma_dev[i].expand(batch))
+            slot = sde_slot.get(i)
+            if slot is None:
+                x = kernels.sde_step(x, v, s, s_next, eta=0.0, sde_type="ode", backend=backend).prev_sample
+                continue
+            out = kernels.sde_step(x, v, s, s_next, eta=eta, sde_type=sde_type, noise=noise_fn(i),
+                                   backend=backend)
+            if record:
+                trajectory[:, slot, 0].copy_(x)
+                trajectory[:, slot, 1].copy_(out.prev_sample)
+            log_probs[:, slot].copy_(out.log_prob)
+            x = out.prev_sample
+    return DenoiseOutput(final=x, trajectory=trajectory, log_probs=log_probs)

@@ -1,0 +1,133 @@
+"""`python -m trainer launch`: preflight, then one rank per local GPU through torchrun's own
+elastic launcher (torch.distributed.run); multi-node takes the same flags as torchrun
+(--nnodes, --node-rank, --rdzv-endpoint). No home-made cluster manager.
+
+    python -m trainer launch --config toy [--set section.key=value ...] [--rollout-batch-size 8]
+
+A single CPU process (or --nproc 1 on one node) runs in this process without torchrun.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from trainer.config import Config, ConfigError, field_help, flag_table, load_config
+
+_LAUNCH_ONLY = {"--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint"}
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str]]:
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer launch",
+        description="Launch FlowGRPO training. Spec-style flags (e.g. --rollout-batch-size 8) "
+                    "and --set section.key=value override the recipe.",
+        epilog="Config fields and their flags:\n" + field_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="recipe TOML path or shipped name")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="SECTION.KEY=VALUE")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="resolve and preflight the config, print it, start nothing")
+    args, rest = parser.parse_known_args(argv)
+    flags, problems, table = {}, [], flag_table()
+    i = 0
+    while i < len(rest):
+        tok = rest[i]
+        key, eq, val = tok.partition("=")
+        if key not in table:
+            problems.append(f"unknown argument {tok!r}")
+            i += 1
+            continue
+        if not eq:
+            if i + 1 < len(rest) and not rest[i + 1].startswith("--"):
+                val = rest[i + 1]
+                i += 1
+            else:
+                val = "true"  # a bare boolean flag
+        flags[key] = val
+        i += 1
+    if problems:
+        raise ConfigError(problems)
+    return args, flags
+
+
+def resolve(argv: list[str]) -> tuple[Config, argparse.Namespace]:
+    args, flags = parse_args(argv)
+    return load_config(args.config, args.overrides, flags), args
+
+
+def _device_kind(cfg: Config) -> str:
+    if cfg.launch.device != "auto":
+        return cfg.launch.device
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        cfg, args = resolve(argv)
+        from trainer.preflight import preflight
+        nproc = cfg.launch.nproc
+        if nproc is None:
+            import torch
+            nproc = max(1, torch.cuda.device_count()) if _device_kind(cfg) == "cuda" else 1
+        nnodes = int(str(cfg.launch.nnodes).split(":")[-1])
+        # preflight logs its own warnings
+        preflight(cfg, world_size=nproc * nnodes, gpus_per_node=nproc,
+                  device=_device_kind(cfg))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        from trainer.config import dump_toml
+        print(dump_toml(cfg))
+        return 0
+    if nproc == 1 and nnodes == 1:
+        return rank_main(argv)
+    from torch.distributed.run import get_args_parser, run
+    targs = get_args_parser().parse_args([
+        f"--nproc-per-node={nproc}", f"--nnodes={cfg.launch.nnodes}",
+        f"--node-rank={cfg.launch.node_rank}", "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={cfg.launch.rdzv_endpoint}", "--max-restarts=0",
+        "-m", "trainer", "train", *argv])
+    run(targs)
+    return 0
+
+
+def rank_main(argv: list[str]) -> int:
+    """One rank: init the process group (gloo on CPU, nccl on GPU), build and train."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    cfg, _ = resolve([a for a in argv if a != "--dry-run"])
+    import torch
+    import torch.distributed as dist
+
+    from trainer.loop import Trainer, seed_everything
+
+    kind = _device_kind(cfg)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if kind == "cuda" else "gloo")
+    if kind == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    seed_everything(cfg.train.seed + rank)
+    trainer = None
+    try:
+        trainer = Trainer(cfg, rank=rank, world=world, device=device)
+        if cfg.checkpoint.load:
+            from trainer.checkpoint import load_checkpoint
+            load_checkpoint(trainer, cfg.checkpoint.load)
+        trainer.train()
+    finally:
+        if trainer is not None:
+            trainer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0

@@ -1,0 +1,95 @@
+"""Metrics: JSONL always, TensorBoard by default, W&B on request; rank 0 only.
+
+Names live under namespaces (train/…, reward/…, perf/…, eval/…). Values reaching ``log``
+must already be Python floats: the caller decides when to pay the host sync (`.item()`),
+once per logged step.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: str | Path, *, enabled: bool = True, tensorboard: bool = True,
+                 wandb: bool = False, wandb_project: str = "flowgrpo",
+                 config: dict[str, Any] | None = None) -> None:
+        self.enabled = enabled
+        self.run_dir = Path(run_dir)
+        self._tb = None
+        self._wandb = None
+        self._jsonl = None
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        if wandb:
+            import wandb as _wandb
+            self._wandb = _wandb.init(project=wandb_project, config=config or {},
+                                      dir=str(self.run_dir))
+
+    def log(self, step: int, metrics: dict[str, float], *, console: bool = True) -> None:
+        if not self.enabled:
+            return
+        clean = {k: float(v) for k, v in metrics.items()}
+        self._jsonl.write(json.dumps({"step": step, "time": time.time(), **clean}) + "\n")
+        if self._tb is not None:
+            for k, v in clean.items():
+                if math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(clean, step=step)
+        if console:
+            print(self.console_line(step, clean), flush=True)
+
+    @staticmethod
+    def console_line(step: int, m: dict[str, float]) -> str:
+        keys = [("reward/mean", "reward"), ("eval/reward_mean", "eval"),
+                ("train/loss", "loss"), ("train/ratio_mean", "ratio"),
+                ("train/clip_fraction", "clip"), ("train/grad_norm", "gnorm"),
+                ("perf/step_time", "step_s"), ("perf/samples_per_s", "samples/s"),
+                ("weight_sync/seconds", "sync_s")]
+        parts = [f"step {step}"]
+        parts += [f"{short} {m[k]:.4g}" for k, short in keys if k in m]
+        return " | ".join(parts)
+
+    def image_grid(self, tag: str, step: int, images: np.ndarray, path: Path | None = None,
+                   ncol: int = 8) -> np.ndarray:
+        """[N, H, W, 3] uint8 -> one grid image, to TensorBoard and optionally a PNG."""
+        grid = make_grid(images, ncol)
+        if self.enabled:
+            if self._tb is not None:
+                self._tb.add_image(tag, grid, step, dataformats="HWC")
+            if path is not None:
+                from PIL import Image
+                path.parent.mkdir(parents=True, exist_ok=True)
+                Image.fromarray(grid).save(path)
+        return grid
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def make_grid(images: np.ndarray, ncol: int = 8, pad: int = 2) -> np.ndarray:
+    n, h, w, c = images.shape
+    ncol = max(1, min(ncol, n))
+    nrow = (n + ncol - 1) // ncol
+    grid = np.full((nrow * (h + pad) + pad, ncol * (w + pad) + pad, c), 255, dtype=np.uint8)
+    for i in range(n):
+        r, q = divmod(i, ncol)
+        y, x = pad + r * (h + pad), pad + q * (w + pad)
+        grid[y:y + h, x:x + w] = images[i]
+    return grid

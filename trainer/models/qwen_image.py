@@ -1,0 +1,132 @@
+"""Qwen-Image: QwenImageTransformer2DModel, AutoencoderKLQwenImage, Qwen2.5-VL text encoder.
+
+Everything model-specific is delegated to diffusers' QwenImagePipeline (built from the loaded
+parts without a transformer): the prompt template and its drop index (``encode_prompt``), 2x2
+latent packing (``_pack_latents`` / ``_unpack_latents``) and the resolution-dependent shift
+(``calculate_shift`` on the packed sequence length, fed to the model's own scheduler).
+
+Design choices where the spec is silent:
+- The text window is 512 tokens (``max_sequence_length``), as the spec's SGLang patch fixes it.
+- The prompt mask is always kept as a tensor (the pipeline turns an all-ones mask into None);
+  a batch-first tensor is what the sidecar and the actor's micro-batches need.
+- The timestep is passed as the pipeline passes it: (sigma * 1000) rounded to the latent dtype,
+  then divided by 1000.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from trainer.models.diffusers_base import DiffusersAdapter, images_to_uint8
+
+
+def _pipeline_cls():
+    from diffusers import QwenImagePipeline
+
+    return QwenImagePipeline
+
+
+class QwenImageAdapter(DiffusersAdapter):
+    """Adapter of the Qwen-Image family (dotpath ``trainer.models.qwen_image.QwenImageAdapter``).
+
+    Options: ``revision`` (None), ``max_sequence_length`` (512, text tokens after the template).
+    """
+
+    family = "qwen_image"
+    transformer_class = "QwenImageTransformer2DModel"
+    supported_tasks = ("t2i",)
+    condition_keys = ("prompt_embeds", "prompt_embeds_mask")
+    block_attrs = ("transformer_blocks",)
+    # Image-stream and text-stream attention projections of every block (spec: "目标模块"); the
+    # SGLang Qwen-Image DiT uses the same names, so adapters load there without renaming.
+    lora_targets = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+                    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
+    default_max_sequence_length = 512
+
+    # ---- geometry -----------------------------------------------------------------------
+    @property
+    def vae_scale_factor(self) -> int:
+        return 2 ** len(self.vae_config["temperal_downsample"])
+
+    def resolution_problems(self, height: int, width: int) -> list[str]:
+        multiple = self.vae_scale_factor * 2
+        if height % multiple or width % multiple:
+            return [f"height and width must be multiples of {multiple} for Qwen-Image "
+                    f"(VAE x{self.vae_scale_factor}, 2x2 packing), got {height}x{width}"]
+        return []
+
+    def init_noise_shape(self, height: int, width: int) -> tuple[int, int, int]:
+        grid = 2 * (int(height) // (self.vae_scale_factor * 2)), 2 * (int(width) // (self.vae_scale_factor * 2))
+        return self.transformer_config["in_channels"] // 4, grid[0], grid[1]
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, int]:
+        channels, h, w = self.init_noise_shape(height, width)
+        return (h // 2) * (w // 2), channels * 4
+
+    def noise_to_latents(self, noise: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        channels, h, w = self.init_noise_shape(height, width)
+        return _pipeline_cls()._pack_latents(noise, noise.shape[0], channels, h, w)
+
+    def scheduler_sigmas(self, num_inference_steps: int, height: int, width: int) -> torch.Tensor:
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+
+        cfg = self.scheduler.config
+        mu = calculate_shift(self.latent_shape(height, width)[0], cfg.get("base_image_seq_len", 256),
+                             cfg.get("max_image_seq_len", 4096), cfg.get("base_shift", 0.5),
+                             cfg.get("max_shift", 1.15))
+        sigmas = np.linspace(1.0, 1 / num_inference_steps, num_inference_steps)
+        return self._scheduler_sigmas(num_inference_steps, sigmas=sigmas, mu=mu)
+
+    # ---- engine side ----------------------------------------------------------------------
+    def load_frozen(self, *, device: str | torch.device, dtype: torch.dtype) -> dict[str, Any]:
+        from diffusers import AutoencoderKLQwenImage
+        from transformers import Qwen2_5_VLForConditionalGeneration
+
+        pipeline_cls = _pipeline_cls()
+        vae = self._from_pretrained(AutoencoderKLQwenImage, "vae", dtype, device)
+        text_encoder = self._from_pretrained(Qwen2_5_VLForConditionalGeneration, "text_encoder", dtype, device)
+        tokenizer = self._load_tokenizer("tokenizer")
+        self._check_tokenizers({"tokenizer": (tokenizer, text_encoder)})
+        pipeline = pipeline_cls(scheduler=self.scheduler, vae=vae, text_encoder=text_encoder,
+                                tokenizer=tokenizer, transformer=None)
+        return {"pipeline": pipeline, "vae": vae, "text_encoder": text_encoder, "tokenizer": tokenizer,
+                "device": torch.device(device), "dtype": dtype}
+
+    @torch.no_grad()
+    def encode_prompts(self, frozen: dict[str, Any], prompts: list[str]) -> dict[str, torch.Tensor]:
+        embeds, mask = frozen["pipeline"].encode_prompt(
+            prompt=list(prompts), device=frozen["device"], max_sequence_length=self.max_sequence_length)
+        if mask is None:  # the pipeline drops an all-ones mask; keep it batch-first for the sidecar
+            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+        return {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
+
+    def velocity(self, transformer: nn.Module, latents: torch.Tensor, sigma: torch.Tensor,
+                 conditions: dict[str, torch.Tensor], height: int, width: int) -> torch.Tensor:
+        latents, cond, dtype = self._cast_inputs(transformer, latents, conditions)
+        batch = latents.shape[0]
+        sigma = torch.as_tensor(sigma, device=latents.device).reshape(-1).expand(batch)
+        timestep = (sigma.to(torch.float32) * 1000).to(dtype) / 1000
+        _, h, w = self.init_noise_shape(height, width)
+        return transformer(
+            hidden_states=latents,
+            timestep=timestep,
+            encoder_hidden_states=cond["prompt_embeds"],
+            encoder_hidden_states_mask=cond["prompt_embeds_mask"],
+            img_shapes=[[(1, h // 2, w // 2)]] * batch,
+            return_dict=False,
+        )[0]
+
+    @torch.no_grad()
+    def decode(self, frozen: dict[str, Any], latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        pipeline, vae = frozen["pipeline"], frozen["vae"]
+        # Inverse of the pipeline's per-channel latent normalisation, as QwenImagePipeline does it.
+        z = pipeline._unpack_latents(latents, height, width, pipeline.vae_scale_factor).to(vae.dtype)
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean).view(shape).to(z.device, z.dtype)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(z.device, z.dtype)
+        images = vae.decode(z / inv_std + mean, return_dict=False)[0][:, :, 0]
+        return images_to_uint8(pipeline.image_processor, images)
+

@@ -1,0 +1,475 @@
+"""The rollout wire schema (SGLang's diffusion rollout shape), its JSON codec and its checks.
+
+One schema for both engines: the embedded engine answers it in-process (tensors) and over
+HTTP (JSON, POST ``ROLLOUT_PATH``); an SGLang diffusion server answers it over HTTP. The
+adapter builds the request, checks the response and packs it (``GenerativeModelAdapter``
+delegates here); the engine produces exactly the response below.
+
+Request (``build_request``; plain JSON types only, so ``json.dumps`` works as is)::
+
+    prompt                          list[str]   B candidate prompts (a group repeats its prompt)
+    seed                            int         base seed of the run (the engine's own RNG seed)
+    width, height                   int         pixels
+    num_inference_steps             int         N, every step is run
+    guidance_scale                  float       always 1.0 (no CFG: replay runs one forward)
+    rollout                         True
+    rollout_sde_type                "sde" | "dance"
+    rollout_noise_level             float       eta
+    rollout_sde_step_indices        list[int]   the S SDE steps (sorted, unique, in [0, N))
+    rollout_return_dit_trajectory   True
+    rollout_return_denoising_env    True
+    extra_sampling_params           dict:
+        sample_ids                  list[str]   B stable candidate ids
+        group_index                 list[int]   B, prompt group of each candidate
+        rollout_id                  int | None
+        model_family                str         adapter family that built the request
+        latent_shape                list[int]   per-candidate latent, transformer layout
+        init_noise_latent_shape     list[int]   shape x_T is drawn in before packing, [C, h, w]
+        sigmas                      list[float] N+1 schedule, 1.0 ... 0.0   (driver_sigmas)
+        noise_recipe                str         ``noise.RECIPE``            (driver_xt)
+        initial_noise_seed          int         seed of the recipe          (driver_xt)
+
+Step i goes from sigmas[i] to sigmas[i+1]. With ``driver_sigmas`` the engine uses ``sigmas``
+exactly as given (it must not shift them again). With ``driver_xt`` x_T is
+``adapter.initial_latents(sample_ids, ..., seed=initial_noise_seed)`` and the noise of SDE step
+i is ``adapter.step_noise(sample_ids, i, latent_shape, seed=initial_noise_seed)``; without it the
+keys are absent and the engine draws from its own RNG seeded with ``seed``.
+
+Response (``ROLLOUT_RESPONSE_FIELDS``; in-process every tensor is a ``torch.Tensor``; over
+JSON a tensor is ``encode_tensor``'s tagged base64 safetensors blob, or a nested list)::
+
+    rollout_log_probs       [B, S] float32     log N(x_{i+1}; mean_i, std_i^2), mean over elements
+    dit_trajectory          dict:
+        latents             [B, S, 2, *latent] (x_i, x_{i+1}) at each SDE step i, transformer
+                                               layout, the dtype the engine sampled in
+        timesteps           [N] float32        the family's timestep of each step
+                                               (``adapter.timesteps_from_sigmas``)
+        sigmas              [N+1] float32      the schedule actually used
+    denoising_env           dict name -> [B, ...]  frozen conditions, ``adapter.encode_prompts``
+    sde_indices             list[int]          echo of rollout_sde_step_indices
+    height, width           int                echo of the request (the only source of the grid)
+    sample_ids              list[str]          echo of extra_sampling_params.sample_ids
+    images                  [B, H, W, 3] uint8 decoded images (optional)
+    policy_version          int                the engine's committed weight version (optional)
+
+Why pairs and not the S+1 chain: the trained steps need not be contiguous ([1, 3, 5] is the
+spec's example), and each replayed transition needs exactly its own x_i and x_{i+1}.
+"""
+from __future__ import annotations
+
+import base64
+import math
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+import torch
+
+from trainer.models import noise
+
+if TYPE_CHECKING:  # base imports this module lazily; the reverse import is for types only
+    from trainer.models.base import GenerativeModelAdapter, RolloutBatch
+
+ROLLOUT_PATH = "/rollout/generate"
+SDE_TYPES = ("sde", "dance")
+
+#: Defaults of the --sampling-config keys the adapter reads (spec: "--sampling-config 的键").
+SAMPLING_DEFAULTS: dict[str, Any] = {
+    "height": 384,
+    "width": 384,
+    "num_inference_steps": 12,
+    "guidance_scale": 1.0,
+    "eta": 0.7,
+    "sde_type": "sde",
+    "driver_sigmas": True,
+    "driver_xt": True,
+    "init_noise_latent_shape": None,
+    "sde_indices": None,
+}
+#: Keys of --sampling-config read by the driver or the actor; the adapter accepts and ignores them.
+SAMPLING_KEYS_ELSEWHERE = frozenset({
+    "sigma_max", "sde_resample_per_rollout", "sde_pool", "num_sde_steps",
+    "sde_timestep_fraction", "sample_id_mode",
+})
+SAMPLING_KEYS = frozenset(SAMPLING_DEFAULTS) | SAMPLING_KEYS_ELSEWHERE
+
+ROLLOUT_RESPONSE_FIELDS = ("rollout_log_probs", "dit_trajectory", "denoising_env", "sde_indices",
+                           "height", "width", "sample_ids", "images", "policy_version")
+
+TENSOR_TAG = "__tensor__"
+_TENSOR_FORMAT = "safetensors+base64"
+
+
+# ---- JSON codec -------------------------------------------------------------------------
+def encode_tensor(t: torch.Tensor) -> dict[str, str]:
+    """A tensor as a JSON object: its one-entry safetensors file, base64-encoded (any dtype)."""
+    from safetensors.torch import save
+
+    blob = save({"t": t.detach().to("cpu").contiguous()})
+    return {TENSOR_TAG: _TENSOR_FORMAT, "data": base64.b64encode(blob).decode("ascii")}
+
+
+def decode_tensor(obj: Mapping[str, Any]) -> torch.Tensor:
+    from safetensors.torch import load
+
+    if obj.get(TENSOR_TAG) != _TENSOR_FORMAT:
+        raise ValueError(f"unknown tensor encoding {obj.get(TENSOR_TAG)!r} (expected {_TENSOR_FORMAT!r})")
+    return load(base64.b64decode(obj["data"]))["t"]
+
+
+def to_jsonable(obj: Any) -> Any:
+    """Replace every tensor (at any depth) with ``encode_tensor``; the rest is left as is."""
+    if isinstance(obj, torch.Tensor):
+        return encode_tensor(obj)
+    if isinstance(obj, Mapping):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(v) for v in obj]
+    return obj
+
+
+def from_jsonable(obj: Any) -> Any:
+    """Inverse of ``to_jsonable``: decode every tagged tensor (nested lists stay lists)."""
+    if isinstance(obj, Mapping):
+        if TENSOR_TAG in obj:
+            return decode_tensor(obj)
+        return {k: from_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [from_jsonable(v) for v in obj]
+    return obj
+
+
+def _as_tensor(value: Any, where: str, problems: list[str], dtype: torch.dtype | None = None):
+    """A response field as a tensor (tagged blob or nested list accepted), or None + a problem."""
+    try:
+        if isinstance(value, torch.Tensor):
+            return value
+        if isinstance(value, Mapping) and TENSOR_TAG in value:
+            return decode_tensor(value)
+        if isinstance(value, (list, tuple)):
+            t = torch.tensor(value, dtype=dtype)
+            return t.float() if dtype is None and t.is_floating_point() else t
+        problems.append(f"{where} must be a tensor (or a tagged/nested-list JSON tensor), "
+                        f"got {type(value).__name__}")
+    except Exception as exc:  # ragged lists, bad base64, bad safetensors header
+        problems.append(f"{where} could not be decoded as a tensor: {exc}")
+    return None
+
+
+def coerce_response(response: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The response with every tensor field as a torch.Tensor, plus the decoding problems."""
+    problems: list[str] = []
+    out = dict(response)
+    if "rollout_log_probs" in out:
+        out["rollout_log_probs"] = _as_tensor(out["rollout_log_probs"], "rollout_log_probs", problems)
+    traj = out.get("dit_trajectory")
+    if isinstance(traj, Mapping):
+        traj = dict(traj)
+        for key in ("latents", "timesteps", "sigmas"):
+            if key in traj:
+                traj[key] = _as_tensor(traj[key], f"dit_trajectory.{key}", problems)
+        out["dit_trajectory"] = traj
+    env = out.get("denoising_env")
+    if isinstance(env, Mapping):
+        out["denoising_env"] = {k: _as_tensor(v, f"denoising_env.{k}", problems) for k, v in env.items()}
+    if out.get("images") is not None:
+        out["images"] = _as_tensor(out["images"], "images", problems, dtype=torch.uint8)
+    return out, problems
+
+
+# ---- request ----------------------------------------------------------------------------
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def build_request(adapter: "GenerativeModelAdapter", prompts: Sequence[str],
+                  sample_ids: Sequence[str], sampling: Mapping[str, Any], *,
+                  rollout_id: int | None, seed: int,
+                  sde_indices: Sequence[int] | None = None,
+                  group_index: Sequence[int] | None = None) -> dict[str, Any]:
+    """See ``GenerativeModelAdapter.build_rollout_request``; raises one ValueError listing all problems."""
+    problems: list[str] = []
+    if not isinstance(sampling, Mapping):
+        raise ValueError(f"sampling must be a dict (the --sampling-config), got {type(sampling).__name__}")
+    unknown = sorted(set(sampling) - SAMPLING_KEYS)
+    if unknown:
+        problems.append(f"unknown sampling keys {unknown} (known: {sorted(SAMPLING_KEYS)})")
+    cfg = {k: (sampling[k] if sampling.get(k) is not None else v) for k, v in SAMPLING_DEFAULTS.items()}
+
+    prompts, sample_ids = list(prompts), list(sample_ids)
+    batch = len(prompts)
+    if batch == 0:
+        problems.append("no prompts: a rollout request needs at least one candidate")
+    bad_prompts = [i for i, p in enumerate(prompts) if not isinstance(p, str)]
+    if bad_prompts:
+        problems.append(f"prompts at positions {bad_prompts} are not strings")
+    if len(sample_ids) != batch:
+        problems.append(f"{len(sample_ids)} sample ids for {batch} prompts (one per candidate)")
+    bad_ids = [i for i, s in enumerate(sample_ids) if not isinstance(s, str) or not s]
+    if bad_ids:
+        problems.append(f"sample ids at positions {bad_ids} are not non-empty strings")
+    dupes = sorted({s for s in sample_ids if isinstance(s, str) and sample_ids.count(s) > 1})
+    if dupes:
+        problems.append(f"duplicate sample ids {dupes[:5]}: candidates with one id get identical noise")
+
+    height, width, steps = cfg["height"], cfg["width"], cfg["num_inference_steps"]
+    geometry_ok = True
+    for key in ("height", "width", "num_inference_steps"):
+        if not _is_int(cfg[key]) or cfg[key] <= 0:
+            problems.append(f"{key} must be a positive integer, got {cfg[key]!r}")
+            geometry_ok = False
+    if geometry_ok:
+        resolution = adapter.resolution_problems(height, width)
+        problems += resolution
+        geometry_ok = not resolution
+    try:
+        adapter.check_guidance(cfg["guidance_scale"])
+    except ValueError as exc:
+        problems.append(str(exc))
+    eta = cfg["eta"]
+    if not _is_number(eta) or eta < 0:
+        problems.append(f"eta must be a finite number >= 0, got {eta!r}")
+    sde_type = cfg["sde_type"]
+    if sde_type not in SDE_TYPES:
+        problems.append(f"sde_type must be one of {SDE_TYPES}, got {sde_type!r}")
+    for key in ("driver_sigmas", "driver_xt"):
+        if not isinstance(cfg[key], bool):
+            problems.append(f"{key} must be true or false, got {cfg[key]!r}")
+    if rollout_id is not None and not _is_int(rollout_id):
+        problems.append(f"rollout_id must be an integer or None, got {rollout_id!r}")
+    if not _is_int(seed):
+        problems.append(f"seed must be an integer, got {seed!r}")
+
+    indices = sde_indices if sde_indices is not None else cfg["sde_indices"]
+    resolved: list[int] = []
+    if indices is None or (isinstance(indices, (list, tuple)) and len(indices) == 0):
+        problems.append("no SDE steps: pass the driver's resolved indices (sde_indices=...) or "
+                        "sampling['sde_indices']; an empty set leaves nothing to train")
+    elif not isinstance(indices, (list, tuple)) or not all(_is_int(i) for i in indices):
+        problems.append(f"sde_indices must be a list of integers, got {indices!r}")
+    else:
+        resolved = sorted(set(int(i) for i in indices))
+        if _is_int(steps) and steps > 0:
+            out_of_range = [i for i in resolved if not 0 <= i < steps]
+            if out_of_range:
+                problems.append(f"sde_indices {out_of_range} are outside [0, {steps}) "
+                                f"for num_inference_steps={steps}")
+
+    sigmas = None
+    if geometry_ok and _is_int(steps) and steps > 0:
+        sigmas = adapter.scheduler_sigmas(steps, height, width).to(torch.float32)
+        if sde_type == "sde":
+            singular = [i for i in resolved if 0 <= i < steps and float(sigmas[i]) >= 1.0]
+            if singular:
+                problems.append(
+                    f"sde_type='sde' cannot train steps {singular}: sigma == 1 there and "
+                    "std_dev_t = eta*sqrt(sigma/(1-sigma)) is singular (use 'dance' or later steps)")
+
+    if group_index is None:  # candidates of one prompt form one group, in order of first appearance
+        first_seen: dict[str, int] = {}
+        group = [] if bad_prompts else [first_seen.setdefault(p, len(first_seen)) for p in prompts]
+    else:
+        group = list(group_index)
+        if len(group) != batch or not all(_is_int(g) and g >= 0 for g in group):
+            problems.append(f"group_index must hold {batch} non-negative integers, got {group_index!r}")
+
+    latent_shape = init_shape = None
+    if geometry_ok:
+        latent_shape = list(adapter.latent_shape(height, width))
+        init_shape = list(adapter.init_noise_shape(height, width))
+        override = cfg["init_noise_latent_shape"]
+        if override is not None and list(override) != init_shape:
+            problems.append(f"init_noise_latent_shape {list(override)} does not match this model's "
+                            f"x_T shape {init_shape} at {height}x{width}")
+
+    if problems:
+        raise ValueError(f"invalid rollout request for {adapter.family!r}:\n  - " + "\n  - ".join(problems))
+
+    extra: dict[str, Any] = {
+        "sample_ids": sample_ids,
+        "group_index": [int(g) for g in group],
+        "rollout_id": rollout_id,
+        "model_family": adapter.family,
+        "latent_shape": latent_shape,
+        "init_noise_latent_shape": init_shape,
+    }
+    if cfg["driver_sigmas"]:
+        extra["sigmas"] = [float(s) for s in sigmas.tolist()]
+    if cfg["driver_xt"]:
+        extra["noise_recipe"] = noise.RECIPE
+        extra["initial_noise_seed"] = int(seed)
+    return {
+        "prompt": prompts,
+        "seed": int(seed),
+        "width": width,
+        "height": height,
+        "num_inference_steps": steps,
+        "guidance_scale": 1.0,
+        "rollout": True,
+        "rollout_sde_type": sde_type,
+        "rollout_noise_level": float(eta),
+        "rollout_sde_step_indices": resolved,
+        "rollout_return_dit_trajectory": True,
+        "rollout_return_denoising_env": True,
+        "extra_sampling_params": extra,
+    }
+
+
+# ---- response ---------------------------------------------------------------------------
+_REQUEST_KEYS = ("prompt", "height", "width", "num_inference_steps", "rollout_sde_type",
+                 "rollout_noise_level", "rollout_sde_step_indices", "extra_sampling_params")
+
+
+def _shape(t: torch.Tensor) -> list[int]:
+    return list(t.shape)
+
+
+def response_problems(adapter: "GenerativeModelAdapter", response: Any,
+                      request: Mapping[str, Any]) -> tuple[dict[str, Any] | None, list[str]]:
+    """Every way ``response`` fails ``request``; also returns the response with tensors decoded."""
+    if not isinstance(response, Mapping):
+        return None, [f"response must be a dict, got {type(response).__name__}"]
+    missing_req = [k for k in _REQUEST_KEYS if k not in request]
+    if missing_req:
+        raise ValueError(f"the request lacks {missing_req}: build it with build_rollout_request")
+    resp, problems = coerce_response(response)
+    extra = request["extra_sampling_params"]
+    batch, steps = len(request["prompt"]), request["num_inference_steps"]
+    height, width = request["height"], request["width"]
+    indices = list(request["rollout_sde_step_indices"])
+    n_sde = len(indices)
+    if extra.get("model_family") != adapter.family:
+        problems.append(f"request was built for family {extra.get('model_family')!r}, "
+                        f"this adapter is {adapter.family!r}")
+
+    for key, want in (("height", height), ("width", width)):
+        if key not in resp:
+            problems.append(f"missing '{key}': the engine must echo it (the latent grid comes from it)")
+        elif not _is_int(resp[key]) or resp[key] != want:
+            problems.append(f"'{key}' is {resp[key]!r}, the request asked for {want}")
+
+    if "sde_indices" not in resp:
+        problems.append("missing 'sde_indices'")
+    elif not isinstance(resp["sde_indices"], (list, tuple)) or list(resp["sde_indices"]) != indices:
+        problems.append(f"'sde_indices' is {resp['sde_indices']!r}, the request asked for {indices}")
+
+    logp = resp.get("rollout_log_probs")
+    if "rollout_log_probs" not in resp:
+        problems.append("missing 'rollout_log_probs'")
+    elif isinstance(logp, torch.Tensor):
+        if _shape(logp) != [batch, n_sde]:
+            problems.append(f"'rollout_log_probs' has shape {_shape(logp)}, expected [{batch}, {n_sde}] "
+                            "(candidates x SDE steps)")
+        elif not logp.is_floating_point() or not bool(torch.isfinite(logp).all()):
+            problems.append("'rollout_log_probs' must be finite floats")
+
+    traj = resp.get("dit_trajectory")
+    if not isinstance(traj, Mapping):
+        problems.append("missing 'dit_trajectory' (dict with latents, timesteps, sigmas)"
+                        if traj is None else f"'dit_trajectory' must be a dict, got {type(traj).__name__}")
+    else:
+        lat = traj.get("latents")
+        want_lat = [batch, n_sde, 2, *adapter.latent_shape(height, width)]
+        if "latents" not in traj:
+            problems.append("missing 'dit_trajectory.latents'")
+        elif isinstance(lat, torch.Tensor):
+            if _shape(lat) != want_lat:
+                problems.append(f"'dit_trajectory.latents' has shape {_shape(lat)}, expected {want_lat} "
+                                "([B, S, (x_i, x_i+1), *latent] at the requested height/width)")
+            elif not lat.is_floating_point() or not bool(torch.isfinite(lat).all()):
+                problems.append("'dit_trajectory.latents' must be finite floats")
+        sig = traj.get("sigmas")
+        if "sigmas" not in traj:
+            problems.append("missing 'dit_trajectory.sigmas'")
+        elif isinstance(sig, torch.Tensor):
+            sig = sig.to(torch.float32)
+            if _shape(sig) != [steps + 1]:
+                problems.append(f"'dit_trajectory.sigmas' has shape {_shape(sig)}, expected [{steps + 1}]")
+            elif "sigmas" in extra:
+                sent = torch.tensor(extra["sigmas"], dtype=torch.float32)
+                if not torch.allclose(sig, sent, rtol=0, atol=1e-6):
+                    problems.append("'dit_trajectory.sigmas' differ from the sigmas the request sent "
+                                    "(the engine must use driver sigmas as given, without shifting)")
+            elif not (bool((sig[1:] < sig[:-1]).all()) and float(sig[-1]) == 0.0 and float(sig[0]) <= 1.0):
+                problems.append("'dit_trajectory.sigmas' must decrease from <= 1.0 to 0.0")
+        ts = traj.get("timesteps")
+        if "timesteps" not in traj:
+            problems.append("missing 'dit_trajectory.timesteps'")
+        elif isinstance(ts, torch.Tensor):
+            if _shape(ts) != [steps]:
+                problems.append(f"'dit_trajectory.timesteps' has shape {_shape(ts)}, expected [{steps}]")
+            elif isinstance(sig, torch.Tensor) and _shape(sig) == [steps + 1]:
+                want_ts = adapter.timesteps_from_sigmas(sig)
+                if not torch.allclose(ts.to(torch.float32), want_ts, rtol=1e-5, atol=1e-5):
+                    problems.append("'dit_trajectory.timesteps' are not the family's timesteps of "
+                                    "'dit_trajectory.sigmas'")
+
+    env = resp.get("denoising_env")
+    if request.get("rollout_return_denoising_env"):
+        if not isinstance(env, Mapping):
+            problems.append("missing 'denoising_env' (the frozen conditions the actor replays with)"
+                            if env is None else f"'denoising_env' must be a dict, got {type(env).__name__}")
+        else:
+            missing = [k for k in adapter.condition_keys if k not in env]
+            if missing:
+                problems.append(f"'denoising_env' lacks {missing} (needs {list(adapter.condition_keys)})")
+            for key, value in env.items():
+                if isinstance(value, torch.Tensor) and (value.dim() == 0 or value.shape[0] != batch):
+                    problems.append(f"'denoising_env.{key}' has shape {_shape(value)}, expected batch-first "
+                                    f"[{batch}, ...]")
+
+    if "sample_ids" in resp and list(resp["sample_ids"] or []) != list(extra["sample_ids"]):
+        problems.append("'sample_ids' do not echo the request's sample ids in order")
+    images = resp.get("images")
+    if isinstance(images, torch.Tensor):
+        want_img = [batch, height, width, 3]
+        if _shape(images) != want_img or images.dtype != torch.uint8:
+            problems.append(f"'images' is {images.dtype} {_shape(images)}, expected uint8 {want_img}")
+    if "policy_version" in resp and not _is_int(resp["policy_version"]):
+        problems.append(f"'policy_version' must be an integer, got {resp['policy_version']!r}")
+    return resp, problems
+
+
+def validate_response(adapter: "GenerativeModelAdapter", response: Any,
+                      request: Mapping[str, Any]) -> dict[str, Any]:
+    """Raise one ValueError listing every problem; return the response with tensors decoded."""
+    resp, problems = response_problems(adapter, response, request)
+    if problems:
+        raise ValueError(f"invalid rollout response for {adapter.family!r} "
+                         f"({len(problems)} problem{'s' if len(problems) > 1 else ''}):\n  - "
+                         + "\n  - ".join(problems))
+    return resp
+
+
+def pack(adapter: "GenerativeModelAdapter", response: Any, request: Mapping[str, Any]) -> "RolloutBatch":
+    """Validate, then lay the response out as the RolloutBatch the reward and the actor take."""
+    from trainer.models.base import RolloutBatch
+
+    resp = validate_response(adapter, response, request)
+    extra = request["extra_sampling_params"]
+    traj = resp["dit_trajectory"]
+    batch = len(request["prompt"])
+    idx = torch.tensor(resp["sde_indices"], dtype=torch.long)
+    sigmas = traj["sigmas"].to(torch.float32).cpu()
+    latents = traj["latents"]
+    return RolloutBatch(
+        prompts=list(request["prompt"]),
+        sample_ids=list(extra["sample_ids"]),
+        group_index=torch.tensor(extra["group_index"], dtype=torch.long),
+        sde_indices=[int(i) for i in resp["sde_indices"]],
+        latents=latents[:, :, 0].contiguous(),
+        next_latents=latents[:, :, 1].contiguous(),
+        sigmas=sigmas[idx].expand(batch, -1).contiguous(),
+        sigmas_next=sigmas[idx + 1].expand(batch, -1).contiguous(),
+        log_probs=resp["rollout_log_probs"].to(torch.float32),
+        conditions=dict(resp.get("denoising_env") or {}),
+        height=int(resp["height"]),
+        width=int(resp["width"]),
+        eta=float(request["rollout_noise_level"]),
+        sde_type=str(request["rollout_sde_type"]),
+        images=resp.get("images"),
+        policy_version=int(resp.get("policy_version", 0)),
+        rollout_id=extra.get("rollout_id"),
+    )

@@ -1,0 +1,584 @@
+"""Preflight: reject a bad run configuration before anything heavy is imported.
+
+``preflight(cfg)`` applies every static rule of the spec's "预检校验" list that maps to our flags,
+plus the static rules of its sections "训练的 SDE step", "FSDP2 训练", "FlowGRPO", "奖励",
+"权重同步", "学习率" and of lora-rl.zh.txt. It collects every violation and raises ONE
+``ConfigError`` naming them all (each with its config key and spec flag); warnings are logged
+on ``trainer.preflight`` and returned. Only the standard library, ``trainer.config`` and
+``trainer.tasks`` are imported: no torch, numpy, diffusers or model code, so a bad config
+fails in well under a second (tests/test_preflight.py runs it in a fresh interpreter and checks
+``sys.modules``).
+
+Spec rules with no counterpart here, because we have no such flag: fully_async / hybrid,
+use_kl_loss, use_dynamic_batch_size / max_tokens_per_gpu, autoscaler_config, save_hf,
+load_debug_rollout_data (errors); async_save, save_debug_train_data (warnings).
+
+Design choices where the spec is silent or where we deliberately differ:
+
+- ``train.kl_coef != 0`` is allowed with LoRA: the frozen reference is the same model with the
+  adapter disabled, which costs no memory (our extension). Without LoRA there is no reference
+  in memory, so it is rejected, as the spec rejects every non-zero ``--kl-coef``.
+- ``weight_sync.wire_dtype = "fp32"`` is accepted on a CPU-only run (``device="cpu"``): there
+  is no bandwidth to save there, and an fp32 wire keeps the engine's weights bit-equal to the
+  actor's fp32 weights, which is what the CPU tests compare. Anywhere else the spec's bf16.
+- ``weight_sync.mode`` may be given explicitly as full, adapter or merge (our three sync
+  payloads, ``Config.sync_mode``); any value contradicting the one derived from the LoRA flags
+  is an error, never silently overridden.
+- Sample arithmetic follows trainer/loop.py: each rank generates and trains on its own
+  ``rollout_batch_size / world`` groups, so the per-rank slice is
+  ``rollout_batch_size * n_samples_per_prompt / world`` (``local_sample_count``).
+- ``rollout.engine = "sglang"`` needs exactly one URL per rank (rank j talks to server j).
+- An engine's GPUs must be on one node (CUDA IPC is host-local), so ``gpus_per_node`` must
+  be divisible by ``num_gpus_per_engine`` as well as the world size.
+- A sampling config resolving to no SDE step at all is rejected here rather than when the
+  first trajectory is packed; eval SDE indices are checked like the training ones.
+- ``linear`` / ``cosine`` without ``lr_decay_iters`` is an error: the schedule would silently
+  stay constant.
+- fp16 is not an accepted dtype: the actor has no gradient scaler, and the spec lists bf16|fp32.
+- Dotpaths (adapter, scorer, custom reward) are only checked for their shape: importing them
+  would import torch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+from trainer.config import Config, ConfigError
+from trainer.tasks import GENERATION_TASKS
+
+log = logging.getLogger("trainer.preflight")
+
+SDE_TYPES: tuple[str, ...] = ("sde", "dance", "cps")  # kernels/: the types with a log-prob
+DTYPES: tuple[str, ...] = ("bf16", "fp32")
+TRAINABLE_MODES: tuple[str, ...] = ("full", "lora")
+SYNC_MODES: tuple[str, ...] = ("full", "adapter", "merge")
+STD_MODES: tuple[str, ...] = ("group", "batch", "none")
+REWARD_RUNTIMES: tuple[str, ...] = ("colocate", "cpu", "remote")
+LR_SCHEDULERS: tuple[str, ...] = ("constant", "linear", "cosine")
+ENGINES: tuple[str, ...] = ("embedded", "sglang")
+SYNC_BACKENDS: tuple[str, ...] = ("auto", "cuda", "shm")
+DEVICES: tuple[str, ...] = ("auto", "cuda", "cpu")
+SAMPLE_ID_MODES: tuple[str, ...] = ("metadata", "positional", "group_index")
+SAMPLING_KEYS: frozenset[str] = frozenset({
+    "height", "width", "num_inference_steps", "guidance_scale", "eta", "sde_type",
+    "sde_indices", "sde_pool", "num_sde_steps", "sde_timestep_fraction",
+    "sde_resample_per_rollout", "driver_xt", "driver_sigmas", "sample_id_mode", "sigma_max",
+    "init_noise_latent_shape"})
+_DOTPATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
+_FLOOR_EPS = 1e-9  # keeps lo = 1/12 from flooring to step 0 through float rounding
+
+
+# ---- SDE step resolution (torch-free twin of trainer.rollout.resolve_sde_indices) ---------
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def fraction_window(fraction: Any, num_steps: int) -> list[int]:
+    """Steps in the half-open window ``[floor(lo*T), floor(hi*T))`` of a T-step schedule.
+
+    ``[0.0, 1.0]`` is every step; ``[0.0, 0.5]`` over 12 steps is steps 0..5.
+    """
+    lo, hi = float(fraction[0]), float(fraction[1])
+    start = int(math.floor(lo * num_steps + _FLOOR_EPS))
+    stop = int(math.floor(hi * num_steps + _FLOOR_EPS))
+    return list(range(max(start, 0), min(stop, num_steps)))
+
+
+def static_sde_indices(sampling: dict[str, Any]) -> list[int]:
+    """The SDE steps resolved without a rollout id (evaluation, or resampling off).
+
+    ``sde_indices`` sorted and de-duplicated if given, else ``num_sde_steps`` points at stride
+    ``floor(k * len(window) / num_sde_steps)`` in the fraction window, else nothing.
+    Assumes the sampling keys are well-typed (``preflight`` reports them when not).
+    """
+    explicit = sampling.get("sde_indices")
+    if explicit is not None:
+        return sorted(set(explicit))
+    num_sde = sampling.get("num_sde_steps") or 0
+    if num_sde <= 0:
+        return []
+    window = fraction_window(sampling.get("sde_timestep_fraction") or (0.0, 1.0),
+                             sampling.get("num_inference_steps", 12))
+    if not window:
+        return []
+    return [window[(k * len(window)) // num_sde] for k in range(min(num_sde, len(window)))]
+
+
+def trainable_indices_upper_bound(sampling: dict[str, Any]) -> list[int]:
+    """Every step at which some rollout (any rollout id) or evaluation could inject SDE noise.
+
+    The union of the per-rollout resampling pool (``sde_pool``, or the fraction window when no
+    pool is given) and the static path (``static_sde_indices``). This is what the spec's step-0
+    rule must cover: a config that trains step 0 at *some* rollout is invalid, whichever path
+    the first rollout happens to take.
+    """
+    steps = set(static_sde_indices(sampling))
+    num_sde = sampling.get("num_sde_steps") or 0
+    if sampling.get("sde_resample_per_rollout") and num_sde > 0:
+        pool = sampling.get("sde_pool")
+        if pool is None:
+            pool = fraction_window(sampling.get("sde_timestep_fraction") or (0.0, 1.0),
+                                   sampling.get("num_inference_steps", 12))
+        steps |= set(pool)
+    return sorted(steps)
+
+
+def local_sample_count(cfg: Config, world_size: int) -> int:
+    """Candidates one rank generates and trains on per rollout (trainer/loop.py's split)."""
+    r = cfg.rollout
+    return (r.rollout_batch_size // world_size) * r.n_samples_per_prompt
+
+
+# ---- the checker --------------------------------------------------------------------------
+def _flags() -> dict[tuple[str, str], str]:
+    out = {}
+    for sec in dataclasses.fields(Config):
+        for f in dataclasses.fields(sec.default_factory):
+            out[(sec.name, f.name)] = f.metadata["flag"]
+    return out
+
+
+_FLAG_OF = _flags()
+
+
+def _key(dotted: str) -> str:
+    """``'fsdp.trainable_mode'`` -> ``'fsdp.trainable_mode (--fsdp-trainable-mode)'``."""
+    section, _, name = dotted.partition(".")
+    if section == "sampling":
+        return f"rollout.sampling.{name} (--sampling-config)"
+    flag = _FLAG_OF.get((section, name))
+    return f"{dotted} ({flag})" if flag else dotted
+
+
+@dataclasses.dataclass
+class _Checker:
+    cfg: Config
+    world_size: int | None
+    gpus_per_node: int | None
+    device: str
+    check_paths: bool
+    errors: list[str] = dataclasses.field(default_factory=list)
+    warnings: list[str] = dataclasses.field(default_factory=list)
+
+    def error(self, msg: str) -> None:
+        self.errors.append(msg)
+
+    def warn(self, msg: str) -> None:
+        self.warnings.append(msg)
+
+    def one_of(self, dotted: str, value: Any, allowed: tuple[str, ...]) -> bool:
+        if value not in allowed:
+            self.error(f"{_key(dotted)}={value!r} is not one of {', '.join(allowed)}")
+            return False
+        return True
+
+    def at_least(self, dotted: str, value: Any, low: float, what: str = "") -> bool:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) \
+            and math.isfinite(value) and value >= low
+        if not ok:
+            self.error(f"{_key(dotted)}={value!r} must be >= {low}{what}")
+        return ok
+
+
+def _check_model(c: _Checker) -> None:
+    m = c.cfg.model
+    if m.task not in GENERATION_TASKS:
+        c.error(f"{_key('model.task')}={m.task!r} is not a generation task "
+                f"(GENERATION_TASKS = {GENERATION_TASKS})")
+    if not m.adapter_path:
+        c.error(f"{_key('model.adapter_path')} is required")
+    elif not _DOTPATH.match(m.adapter_path):
+        c.error(f"{_key('model.adapter_path')}={m.adapter_path!r} is not a module.Class dotpath")
+    if not m.model_path:
+        c.error(f"{_key('model.model_path')} is required")
+    elif c.check_paths and m.model_path != "toy" and not Path(m.model_path).is_dir():
+        c.error(f"{_key('model.model_path')}={m.model_path!r} is not a directory")
+
+
+def _check_trainable(c: _Checker) -> None:
+    f, lora, ws = c.cfg.fsdp, c.cfg.lora, c.cfg.weight_sync
+    if c.one_of("fsdp.trainable_mode", f.trainable_mode, TRAINABLE_MODES):
+        if f.trainable_mode == "lora" and lora.rank <= 0:
+            c.error(f"{_key('fsdp.trainable_mode')}='lora' needs {_key('lora.rank')} > 0, "
+                    f"got {lora.rank}")
+        if f.trainable_mode == "full" and lora.rank > 0:
+            c.error(f"{_key('lora.rank')}={lora.rank} needs {_key('fsdp.trainable_mode')}='lora' "
+                    f"(got 'full'): the two must agree")
+    if lora.rank < 0:
+        c.error(f"{_key('lora.rank')}={lora.rank} must be >= 0")
+    if lora.rank > 0:
+        if lora.dropout != 0:
+            c.error(f"{_key('lora.dropout')}={lora.dropout} must be 0: a stochastic forward "
+                    f"breaks ratio == 1 on the first update")
+        if f.cpu_offload:
+            c.error(f"{_key('fsdp.cpu_offload')} is not allowed with LoRA: gradient clipping "
+                    f"of CPU-offloaded adapter DTensors has no communication backend")
+        if lora.alpha < 0:
+            c.error(f"{_key('lora.alpha')}={lora.alpha} must be >= 0 (0 means alpha = rank)")
+        if lora.target_modules is not None and (
+                not lora.target_modules
+                or not all(isinstance(t, str) and t for t in lora.target_modules)):
+            c.error(f"{_key('lora.target_modules')}={lora.target_modules!r} must be a "
+                    f"non-empty list of module-name suffixes (or unset: the adapter's default)")
+        if f.master_dtype != "fp32":
+            c.warn(f"LoRA without {_key('fsdp.master_dtype')}='fp32': a bf16 master copy rounds "
+                   f"away ~1e-4 relative RL updates and the policy stops moving")
+    elif lora.adapter_mode:
+        c.error(f"{_key('lora.adapter_mode')} needs LoRA ({_key('lora.rank')} > 0)")
+    if f.cpu_offload and lora.rank <= 0:
+        c.warn(f"{_key('fsdp.cpu_offload')}: FSDP collectives on CPU-offloaded DTensors "
+               f"(clip_grad_norm_) fail with 'No backend type associated with device type "
+               f"cpu'; prefer --offload-train")
+    if ws.mode is not None and c.one_of("weight_sync.mode", ws.mode, SYNC_MODES):
+        derived = c.cfg.sync_mode
+        if ws.mode != derived:
+            why = ("full training syncs the full transformer" if derived == "full" else
+                   f"LoRA with lora.adapter_mode={lora.adapter_mode} syncs {derived!r}")
+            c.error(f"{_key('weight_sync.mode')}={ws.mode!r} contradicts the mode derived from "
+                    f"the LoRA flags ({derived!r}: {why}); leave it unset")
+
+
+def _check_sampling(c: _Checker) -> None:
+    s = c.cfg.rollout.sampling
+    unknown = sorted(set(s) - SAMPLING_KEYS)
+    if unknown:
+        c.warn(f"unknown rollout.sampling keys {unknown} (--sampling-config) are ignored by "
+               f"the adapters and the driver (typo?)")
+    for name in ("height", "width", "num_inference_steps"):
+        v = s.get(name)
+        if not _is_int(v) or v < 1:
+            c.error(f"{_key('sampling.' + name)}={v!r} must be a positive integer")
+    steps = s.get("num_inference_steps")
+    steps = steps if _is_int(steps) and steps >= 1 else None
+    g = s.get("guidance_scale", 1.0)
+    if g != 1.0:
+        c.error(f"{_key('sampling.guidance_scale')}={g!r} must be 1.0: the actor replays a "
+                f"single conditional forward, a CFG rollout would train a policy it never "
+                f"sampled")
+    sde_type = s.get("sde_type")
+    if c.one_of("sampling.sde_type", sde_type, SDE_TYPES):
+        eta = s.get("eta")
+        if not isinstance(eta, (int, float)) or isinstance(eta, bool) or not eta > 0:
+            c.error(f"{_key('sampling.eta')}={eta!r} must be > 0 with sde_type={sde_type!r} "
+                    f"(eta 0 is the ODE: no noise, no log-prob to train)")
+    if "sample_id_mode" in s:
+        c.one_of("sampling.sample_id_mode", s["sample_id_mode"], SAMPLE_ID_MODES)
+    for name in ("sde_resample_per_rollout", "driver_xt", "driver_sigmas"):
+        if name in s and not isinstance(s[name], bool):
+            c.error(f"{_key('sampling.' + name)}={s[name]!r} must be true or false")
+    if steps is not None and _check_sde_keys(c, s, steps):
+        upper = trainable_indices_upper_bound(s)
+        if not upper:
+            c.error(f"{_key('sampling.sde_indices')}: the sampling config resolves to no SDE "
+                    f"step (set sde_indices, or num_sde_steps with sde_pool / "
+                    f"sde_timestep_fraction)")
+        if sde_type == "sde" and 0 in upper:
+            c.error(_step0_message(s, steps))
+
+
+def _check_sde_keys(c: _Checker, s: dict, steps: int) -> bool:
+    """Types and ranges of the SDE-step keys; True when their types allow resolving them."""
+    typed = True
+    for name in ("sde_indices", "sde_pool"):
+        v = s.get(name)
+        if v is None:
+            continue
+        if not isinstance(v, list) or not all(_is_int(i) for i in v):
+            c.error(f"{_key('sampling.' + name)}={v!r} must be a list of integers")
+            typed = False
+            continue
+        bad = sorted({i for i in v if not 0 <= i < steps})
+        if bad:
+            c.error(f"{_key('sampling.' + name)} {bad} outside the schedule's steps 0..{steps - 1}")
+        if name == "sde_pool" and not v:
+            c.error(f"{_key('sampling.sde_pool')} is empty")
+    num_sde = s.get("num_sde_steps", 0)
+    if num_sde is not None and (not _is_int(num_sde) or num_sde < 0):
+        c.error(f"{_key('sampling.num_sde_steps')}={num_sde!r} must be a non-negative integer")
+        return False
+    num_sde = num_sde or 0
+    frac = s.get("sde_timestep_fraction")
+    window = list(range(steps))
+    if frac is not None:
+        try:
+            lo, hi = (float(x) for x in frac)
+        except (TypeError, ValueError):
+            c.error(f"{_key('sampling.sde_timestep_fraction')}={frac!r} must be a pair [lo, hi]")
+            return False
+        if not 0.0 <= lo < hi <= 1.0:
+            c.error(f"{_key('sampling.sde_timestep_fraction')}={frac!r} must satisfy "
+                    f"0 <= lo < hi <= 1")
+            return False
+        window = fraction_window((lo, hi), steps)
+    if num_sde > 0 and s.get("sde_indices") is None and num_sde > len(window):
+        c.error(f"{_key('sampling.num_sde_steps')}={num_sde} exceeds the {len(window)} steps "
+                f"of the sde_timestep_fraction window {window}")
+    if s.get("sde_resample_per_rollout"):
+        pool = s.get("sde_pool")
+        pool = window if pool is None else pool
+        if num_sde <= 0:
+            c.error(f"{_key('sampling.sde_resample_per_rollout')} is set but num_sde_steps is 0")
+        elif typed and num_sde > len(set(pool)):
+            c.error(f"{_key('sampling.num_sde_steps')}={num_sde} exceeds the {len(set(pool))} "
+                    f"distinct steps of the resampling pool {sorted(set(pool))}")
+    return typed
+
+
+def _step0_message(s: dict, steps: int) -> str:
+    paths = []
+    if 0 in (s.get("sde_indices") or []):
+        paths.append("sde_indices contains 0")
+    if s.get("sde_resample_per_rollout") and (s.get("num_sde_steps") or 0) > 0:
+        if s.get("sde_pool") is not None and 0 in s["sde_pool"]:
+            paths.append("sde_pool contains 0")
+        elif s.get("sde_pool") is None:
+            paths.append("the resampling pool (no sde_pool: the fraction window) contains 0")
+    if s.get("sde_indices") is None and 0 in static_sde_indices(s):
+        paths.append(f"sde_timestep_fraction {s.get('sde_timestep_fraction', [0.0, 1.0])} "
+                     f"resolves to {static_sde_indices(s)}")
+    return (f"{_key('sampling.sde_indices')}: SDE step 0 could be trained with sde_type='sde' "
+            f"({'; '.join(paths)}); at sigma == 1 the coefficient sqrt(sigma / (1 - sigma)) is "
+            f"singular. Use steps >= 1 (e.g. sde_pool [1, 2, 3, 4, 5]) or a fraction window "
+            f"starting at or above 1/{steps}")
+
+
+def _check_geometry(c: _Checker) -> None:
+    r, t = c.cfg.rollout, c.cfg.train
+    rbs_ok = c.at_least("rollout.rollout_batch_size", r.rollout_batch_size, 1)
+    n_ok = c.at_least("rollout.n_samples_per_prompt", r.n_samples_per_prompt, 2,
+                      " for grpo: a group of one has no reward variance, every advantage is 0")
+    upd_ok = c.at_least("train.num_updates_per_batch", t.num_updates_per_batch, 1)
+    mb_ok = c.at_least("train.micro_batch_size", t.micro_batch_size, 1)
+    c.at_least("train.num_rollouts", t.num_rollouts, 1)
+    c.one_of("train.advantage_estimator", t.advantage_estimator, ("grpo",))
+    if t.num_updates_per_batch == 1:
+        c.warn(f"{_key('train.num_updates_per_batch')}=1: the ratio is 1 throughout, so with "
+               f"group-centred advantages the clipped loss is 0 by construction; use >= 2")
+    world = c.world_size
+    if rbs_ok and world is not None and r.rollout_batch_size % world:
+        c.error(f"{_key('rollout.rollout_batch_size')}={r.rollout_batch_size} is not divisible "
+                f"by the world size {world} (each rank generates its own groups)")
+        return
+    if not (rbs_ok and n_ok and upd_ok and mb_ok):
+        return
+    total = r.rollout_batch_size * r.n_samples_per_prompt
+    if r.global_batch_size is not None and r.global_batch_size != total:
+        c.error(f"{_key('rollout.global_batch_size')}={r.global_batch_size} != rollout_batch_size "
+                f"* n_samples_per_prompt = {r.rollout_batch_size} * {r.n_samples_per_prompt} "
+                f"= {total}")
+    # Without a world size, the global count is the necessary condition (it divides by world).
+    local = local_sample_count(c.cfg, world) if world is not None else total
+    where = f"the {local} samples per rank" if world is not None else f"the {total} samples"
+    n_upd = t.num_updates_per_batch
+    if local % n_upd:
+        c.error(f"{_key('train.num_updates_per_batch')}={n_upd} does not divide {where} "
+                f"(updates must be disjoint and equal)")
+    elif (local // n_upd) % t.micro_batch_size:
+        c.error(f"{_key('train.micro_batch_size')}={t.micro_batch_size} does not divide the "
+                f"{local // n_upd} samples of one update ({where} / {n_upd} updates)")
+
+
+def _check_optim(c: _Checker) -> None:
+    t = c.cfg.train
+    if not 0.0 < t.eps_clip < 1.0:
+        c.error(f"{_key('train.eps_clip')}={t.eps_clip!r} must be in (0, 1)")
+    if t.eps_clip_high is not None and not t.eps_clip_high > 0:
+        c.error(f"{_key('train.eps_clip_high')}={t.eps_clip_high!r} must be > 0")
+    if not t.adam_eps > 0:
+        c.error(f"{_key('train.adam_eps')}={t.adam_eps!r} must be > 0")
+    for name in ("adam_beta1", "adam_beta2"):
+        v = getattr(t, name)
+        if not 0.0 <= v < 1.0:
+            c.error(f"{_key('train.' + name)}={v!r} must be in [0, 1)")
+    if not t.lr > 0:
+        c.error(f"{_key('train.lr')}={t.lr!r} must be > 0")
+    if not 0.0 <= t.min_lr <= max(t.lr, 0.0):
+        c.error(f"{_key('train.min_lr')}={t.min_lr!r} must be in [0, lr={t.lr}]")
+    c.at_least("train.lr_warmup_iters", t.lr_warmup_iters, 0)
+    c.at_least("train.weight_decay", t.weight_decay, 0.0)
+    c.at_least("train.clip_grad", t.clip_grad, 0.0)
+    if t.lr_decay_iters is not None:
+        c.at_least("train.lr_decay_iters", t.lr_decay_iters, 1)
+    if c.one_of("train.lr_scheduler", t.lr_scheduler, LR_SCHEDULERS):
+        if t.lr_scheduler == "constant" and t.lr_decay_iters is not None:
+            c.warn(f"{_key('train.lr_decay_iters')}={t.lr_decay_iters} is ignored: "
+                   f"{_key('train.lr_scheduler')} is 'constant'")
+        if t.lr_scheduler != "constant" and t.lr_decay_iters is None:
+            c.error(f"{_key('train.lr_scheduler')}={t.lr_scheduler!r} needs "
+                    f"{_key('train.lr_decay_iters')} (the decay length in optimizer steps)")
+    if t.kl_coef < 0:
+        c.error(f"{_key('train.kl_coef')}={t.kl_coef} must be >= 0")
+    elif t.kl_coef > 0 and c.cfg.lora.rank <= 0:
+        c.error(f"{_key('train.kl_coef')}={t.kl_coef} needs LoRA: the KL reference is the model "
+                f"with its adapter disabled; full training keeps no reference model")
+
+
+def _check_dtypes(c: _Checker) -> None:
+    f, ws = c.cfg.fsdp, c.cfg.weight_sync
+    c.one_of("fsdp.param_dtype", f.param_dtype, DTYPES)
+    c.one_of("fsdp.reduce_dtype", f.reduce_dtype, DTYPES)
+    if f.master_dtype is not None:
+        c.one_of("fsdp.master_dtype", f.master_dtype, DTYPES)
+    c.one_of("rollout.engine_dtype", c.cfg.rollout.engine_dtype, DTYPES)
+    if ws.wire_dtype != "bf16":
+        if c.device == "cpu" and ws.wire_dtype == "fp32":
+            return  # our CPU-only extension, see the module docstring
+        c.error(f"{_key('weight_sync.wire_dtype')}={ws.wire_dtype!r} must be 'bf16' "
+                f"('fp32' is accepted only on a CPU-only run, launch.device='cpu')")
+
+
+def _check_launch(c: _Checker) -> None:
+    r, la, ws = c.cfg.rollout, c.cfg.launch, c.cfg.weight_sync
+    c.one_of("launch.device", la.device, DEVICES)
+    if not la.colocate:
+        c.error(f"{_key('launch.colocate')} must be on: only synchronous colocate is supported")
+    if la.nproc is not None:
+        c.at_least("launch.nproc", la.nproc, 1)
+    gpe = r.num_gpus_per_engine
+    if c.at_least("rollout.num_gpus_per_engine", gpe, 1):
+        if c.world_size is not None and c.world_size % gpe:
+            c.error(f"world size {c.world_size} is not divisible by "
+                    f"{_key('rollout.num_gpus_per_engine')}={gpe}: each engine's GPUs must tile "
+                    f"the FSDP ranks for CUDA-IPC weight sync")
+        elif c.gpus_per_node is not None and c.gpus_per_node % gpe:
+            c.error(f"{c.gpus_per_node} GPUs per node are not divisible by "
+                    f"{_key('rollout.num_gpus_per_engine')}={gpe}: an engine cannot span nodes "
+                    f"(CUDA IPC is host-local)")
+    if c.one_of("rollout.engine", r.engine, ENGINES):
+        if r.engine == "sglang":
+            urls = r.sglang_urls or []
+            if c.world_size is not None and len(urls) != c.world_size:
+                c.error(f"{_key('rollout.sglang_urls')}: engine 'sglang' needs one URL per rank "
+                        f"({c.world_size}), got {len(urls)}")
+            elif not urls:
+                c.error(f"{_key('rollout.sglang_urls')}: engine 'sglang' needs one URL per rank")
+            bad = [u for u in urls if not (isinstance(u, str) and u.startswith(("http://",
+                                                                              "https://")))]
+            if bad:
+                c.error(f"{_key('rollout.sglang_urls')}: not http(s) URLs: {bad}")
+        elif r.sglang_urls:
+            c.warn(f"{_key('rollout.sglang_urls')} is ignored with rollout.engine='embedded'")
+    if c.one_of("weight_sync.backend", ws.backend, SYNC_BACKENDS):
+        if ws.backend == "cuda" and la.device == "cpu":
+            c.error(f"{_key('weight_sync.backend')}='cuda' cannot run with launch.device='cpu'")
+    c.at_least("weight_sync.bucket_size_mb", ws.bucket_size_mb, 1)
+    if not ws.timeout_s > 0:
+        c.error(f"{_key('weight_sync.timeout_s')}={ws.timeout_s} must be > 0")
+    c.at_least("weight_sync.max_retries", ws.max_retries, 0)
+    if r.wave_size is not None:
+        c.at_least("rollout.wave_size", r.wave_size, 1)
+    if r.write_artifacts and r.artifact_retention_rollouts <= 0:
+        c.warn(f"{_key('rollout.artifact_retention_rollouts')}={r.artifact_retention_rollouts} "
+               f"keeps every rollout's sidecars and images: the volume grows without bound")
+
+
+def _check_reward(c: _Checker) -> None:
+    rw = c.cfg.reward
+    c.one_of("reward.std_mode", rw.std_mode, STD_MODES)
+    if c.one_of("reward.runtime", rw.runtime, REWARD_RUNTIMES) and rw.runtime == "remote":
+        if not rw.endpoint:
+            c.error(f"{_key('reward.endpoint')} is required with reward.runtime='remote'")
+        elif not rw.endpoint.startswith(("http://", "https://")):
+            c.error(f"{_key('reward.endpoint')}={rw.endpoint!r} is not an http(s) URL")
+    if not rw.scorer_path and not rw.custom_reward_path and rw.runtime != "remote":
+        c.error(f"{_key('reward.scorer_path')} is required unless "
+                f"{_key('reward.custom_reward_path')} is set or reward.runtime='remote'")
+    for name in ("scorer_path", "custom_reward_path"):
+        v = getattr(rw, name)
+        if v and not _DOTPATH.match(v):
+            c.error(f"{_key('reward.' + name)}={v!r} is not a dotpath")
+    missing = [comp for comp in rw.required_components if comp not in rw.component_weights]
+    if missing:
+        c.error(f"{_key('reward.required_components')} {missing} have no weight in "
+                f"{_key('reward.component_weights')}")
+    bad = {k: v for k, v in rw.component_weights.items()
+           if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)}
+    if bad:
+        c.error(f"{_key('reward.component_weights')} must be finite numbers, got {bad}")
+    if not rw.timeout_s > 0:
+        c.error(f"{_key('reward.timeout_s')}={rw.timeout_s} must be > 0")
+    if c.check_paths and rw.model_path and not Path(rw.model_path).exists():
+        c.error(f"{_key('reward.model_path')}={rw.model_path!r} does not exist")
+
+
+def _check_data(c: _Checker) -> None:
+    d, s = c.cfg.data, c.cfg.rollout.sampling
+    if not d.prompt_data:
+        c.error(f"{_key('data.prompt_data')} is required")
+    if d.eval_prompt_data:
+        c.at_least("data.n_samples_per_eval_prompt", d.n_samples_per_eval_prompt, 1)
+        c.at_least("data.eval_interval", d.eval_interval, 1)
+        if d.eval_max_prompts is not None:
+            c.at_least("data.eval_max_prompts", d.eval_max_prompts, 1)
+        steps = s.get("num_inference_steps")
+        ev = d.eval_sde_indices
+        if ev is not None:
+            if not isinstance(ev, list) or not all(_is_int(i) for i in ev):
+                c.error(f"{_key('data.eval_sde_indices')}={ev!r} must be a list of integers")
+            elif _is_int(steps):
+                bad = sorted({i for i in ev if not 0 <= i < steps})
+                if bad:
+                    c.error(f"{_key('data.eval_sde_indices')} {bad} outside the schedule's "
+                            f"steps 0..{steps - 1}")
+                if 0 in ev and s.get("sde_type") == "sde":
+                    c.error(f"{_key('data.eval_sde_indices')} contains step 0, singular under "
+                            f"sde_type='sde'")
+    if c.check_paths:
+        for name in ("prompt_data", "eval_prompt_data"):
+            v = getattr(d, name)
+            if v and not v.startswith("toy:") and not Path(v).is_file():
+                c.error(f"{_key('data.' + name)}={v!r} is not a file")
+        if c.cfg.checkpoint.load and not Path(c.cfg.checkpoint.load).is_dir():
+            c.error(f"{_key('checkpoint.load')}={c.cfg.checkpoint.load!r} is not a directory")
+
+
+def _check_logging(c: _Checker) -> None:
+    lg, ck = c.cfg.logging, c.cfg.checkpoint
+    c.at_least("logging.log_interval", lg.log_interval, 1)
+    c.at_least("checkpoint.save_interval", ck.save_interval, 0)
+    if lg.profile_steps is not None:
+        m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", str(lg.profile_steps))
+        if not m or int(m.group(1)) >= int(m.group(2)):
+            c.error(f"{_key('logging.profile_steps')}={lg.profile_steps!r} must be 'A:B' with "
+                    f"0 <= A < B")
+
+
+RULES: tuple[Callable[[_Checker], None], ...] = (
+    _check_model, _check_trainable, _check_sampling, _check_geometry, _check_optim,
+    _check_dtypes, _check_launch, _check_reward, _check_data, _check_logging)
+
+
+def preflight(cfg: Config, *, world_size: int | None = None, gpus_per_node: int | None = None,
+              device: str | None = None, check_paths: bool = True) -> list[str]:
+    """Check ``cfg``; return the warnings (also logged), raise ONE ConfigError with every error.
+
+    Args:
+        world_size: total ranks. Default: ``launch.nproc * launch.nnodes`` when both are plain
+            integers, else unknown, and the world-dependent rules check the global batch only.
+        gpus_per_node: ranks per node. Default: ``launch.nproc``.
+        device: the resolved device kind, ``"cpu"`` or ``"cuda"``. Default:
+            ``launch.device`` (``"auto"`` is treated as not CPU-only).
+        check_paths: check that model, data, reward-model and resume paths exist; shipped
+            recipes carry placeholder paths, so their tests turn it off.
+    """
+    la = cfg.launch
+    if world_size is None and la.nproc is not None and str(la.nnodes).strip().isdigit():
+        world_size = la.nproc * int(la.nnodes)
+    if gpus_per_node is None:
+        gpus_per_node = la.nproc
+    checker = _Checker(cfg, world_size, gpus_per_node, device or la.device, check_paths)
+    problems = []
+    if world_size is not None and (not _is_int(world_size) or world_size < 1):
+        problems.append(f"world_size={world_size!r} must be a positive integer")
+        checker.world_size = None
+    for rule in RULES:
+        rule(checker)
+    for w in checker.warnings:
+        log.warning("%s", w)
+    if problems or checker.errors:
+        raise ConfigError(problems + checker.errors)
+    return checker.warnings

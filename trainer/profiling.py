@@ -1,0 +1,86 @@
+"""NVTX ranges for every stage and a step window for `nsys --capture-range=cudaProfilerApi`.
+
+Ranges are no-ops without CUDA (and cost one Python call with it; NVTX itself is a no-op
+when no profiler is attached). Stage names are fixed by ARCHITECTURE.md: rollout,
+rollout/denoise, reward, train/replay, train/backward, train/optimizer, weight_sync/gather,
+weight_sync/transport, weight_sync/commit, offload, onload, checkpoint, eval.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Iterator
+
+import torch
+
+_CUDA = torch.cuda.is_available()
+
+
+@contextlib.contextmanager
+def nvtx_range(name: str) -> Iterator[None]:
+    if _CUDA:
+        torch.cuda.nvtx.range_push(name)
+        try:
+            yield
+        finally:
+            torch.cuda.nvtx.range_pop()
+    else:
+        yield
+
+
+class StageTimer:
+    """Wall time per stage (host clock) plus its NVTX range.
+
+    ``sync=True`` synchronises the device at the stage's end so the time is the stage's own
+    (one host sync per stage, five or six per step: negligible against the step).
+    """
+
+    def __init__(self, sync: bool = True) -> None:
+        self.times: dict[str, float] = {}
+        self.sync = sync and _CUDA
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        with nvtx_range(name):
+            yield
+            if self.sync:
+                torch.cuda.synchronize()  # NOTE: host sync, once per stage
+        self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+
+    def pop(self) -> dict[str, float]:
+        out, self.times = self.times, {}
+        return out
+
+
+def parse_profile_steps(spec: str | None) -> tuple[int, int] | None:
+    """'A:B' -> (A, B): rollouts A..B-1 are captured."""
+    if not spec:
+        return None
+    try:
+        a, b = (int(x) for x in spec.split(":"))
+    except ValueError as exc:
+        raise ValueError(f"--profile-steps expects A:B with integers, got {spec!r}") from exc
+    if not 0 <= a < b:
+        raise ValueError(f"--profile-steps {spec!r}: need 0 <= A < B")
+    return a, b
+
+
+class ProfileWindow:
+    """Calls cudaProfilerStart before rollout A and cudaProfilerStop after rollout B-1."""
+
+    def __init__(self, spec: str | None) -> None:
+        self.window = parse_profile_steps(spec)
+        self.active = False
+
+    def before(self, rollout_id: int) -> None:
+        if self.window and _CUDA and rollout_id == self.window[0] and not self.active:
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStart()
+            self.active = True
+
+    def after(self, rollout_id: int) -> None:
+        if self.active and rollout_id == self.window[1] - 1:
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStop()
+            self.active = False

@@ -1,0 +1,166 @@
+"""GRPO advantages from several reward components (spec: step 3 of "一个训练步", "奖励").
+
+Each weighted component is normalised within its prompt group, then the normalised components
+are summed with their weights:
+
+    A_i = sum_c w_c * (r_ci - mean_{j in g(i)} r_cj) / (std_c + eps)
+
+std_mode ``group``: std_c is the std of group g(i) (Relax / text GRPO); ``batch``: the std of
+the component over the whole batch (the Flow-GRPO reference code's ``global_std``); ``none``:
+no division (Dr. GRPO: mean-centring only).
+
+Design choices where the spec is silent:
+
+* stds are population stds (ddof 0, as numpy in the reference code); eps = 1e-4 as there.
+* A required component that is absent fails every group; a non-finite value fails the group
+  it is in. Failed groups get advantage 0, are listed in ``failed_groups``, are logged, and are
+  left out of the normalisation statistics and of the advantage metrics.
+* A weighted component that is not required may have gaps: a non-finite value contributes 0
+  to that sample's advantage and is left out of its group's statistics; if the component is
+  absent altogether it contributes nothing (a warning says so).
+* No weights at all means weight 1 for every component given.
+* A group is degenerate when every weighted component varies by less than variance 1e-6 in it
+  (no signal to rank its candidates); such groups are counted, not dropped: their centred
+  values are already about 0. ``reward/degenerate`` is 1 when the variance of the advantages
+  over the batch falls under 1e-6, the spec's definition.
+* Statistics are computed in float64 on the tensors' device; advantages come back fp32.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+
+import torch
+
+STD_MODES: tuple[str, ...] = ("group", "batch", "none")
+DEGENERATE_VARIANCE = 1e-6
+
+log = logging.getLogger(__name__)
+
+
+def _group_moments(values: torch.Tensor, mask: torch.Tensor, inverse: torch.Tensor,
+                   num_groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-group (count, mean, population variance) over the samples where ``mask`` holds."""
+    weight = mask.to(values.dtype)
+    x = torch.where(mask, values, torch.zeros_like(values))
+    count = torch.zeros(num_groups, dtype=values.dtype, device=values.device).index_add_(0, inverse, weight)
+    total = torch.zeros_like(count).index_add_(0, inverse, x)
+    mean = total / count.clamp_min(1)
+    dev = torch.where(mask, x - mean[inverse], torch.zeros_like(x))
+    var = torch.zeros_like(count).index_add_(0, inverse, dev * dev) / count.clamp_min(1)
+    return count, mean, var
+
+
+def _stats(values: torch.Tensor) -> tuple[float, float, float, float]:
+    if values.numel() == 0:
+        return (math.nan,) * 4
+    return (values.mean().item(), values.std(unbiased=False).item(), values.min().item(),
+            values.max().item())
+
+
+def _check(components, group_index, weights, required, std_mode) -> int:
+    problems = []
+    batch = None
+    if not isinstance(group_index, torch.Tensor) or group_index.dim() != 1 or \
+            group_index.dtype.is_floating_point or group_index.dtype == torch.bool:
+        problems.append("group_index must be a 1-D integer tensor")
+    else:
+        batch = group_index.shape[0]
+        if batch == 0:
+            problems.append("empty batch")
+    if std_mode not in STD_MODES:
+        problems.append(f"std_mode {std_mode!r} is not one of {list(STD_MODES)}")
+    for name, values in components.items():
+        if not isinstance(values, torch.Tensor) or values.dim() != 1 or \
+                (batch is not None and values.shape[0] != batch):
+            shape = list(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
+            problems.append(f"component {name!r} must be a [{batch}] tensor, got {shape}")
+    for name, weight in weights.items():
+        if not isinstance(weight, (int, float)) or not math.isfinite(weight):
+            problems.append(f"weight of {name!r} is {weight!r}, not a finite number")
+    if weights:
+        unweighted = [c for c in required if c not in weights]
+        if unweighted:
+            problems.append(f"required components {unweighted} have no weight")
+    if problems:
+        raise ValueError("compute_advantages: " + "; ".join(problems))
+    return int(batch)
+
+
+def compute_advantages(components: dict[str, torch.Tensor], group_index: torch.Tensor, *,
+                       weights: dict[str, float], required: list[str], std_mode: str = "group",
+                       eps: float = 1e-4) -> tuple[torch.Tensor, dict[str, float], list[int]]:
+    """-> (advantages fp32 [B], metrics, failed group ids). See the module docstring."""
+    _check(components, group_index, weights, required, std_mode)
+    device = group_index.device
+    groups, inverse = torch.unique(group_index, return_inverse=True)
+    num_groups = groups.numel()
+    values = {c: v.detach().to(device=device, dtype=torch.float64) for c, v in components.items()}
+    weights = dict(weights) if weights else {c: 1.0 for c in components}
+
+    failed = torch.zeros(num_groups, dtype=torch.bool, device=device)
+    reasons: list[str] = []
+    for name in required:
+        if name not in values:
+            failed[:] = True
+            reasons.append(f"required component {name!r} is missing")
+            continue
+        bad = ~torch.isfinite(values[name])
+        if bad.any():
+            failed.index_fill_(0, inverse[bad].unique(), True)
+            reasons.append(f"required component {name!r} is non-finite for {int(bad.sum())} "
+                           "sample(s)")
+    valid = ~failed[inverse]
+
+    advantages = torch.zeros(inverse.shape[0], dtype=torch.float64, device=device)
+    combined_raw = torch.zeros_like(advantages)
+    low_variance = torch.ones(num_groups, dtype=torch.bool, device=device)
+    absent = [c for c in weights if c not in values]
+    if absent:
+        warnings.warn(f"compute_advantages: weighted components {absent} were not produced; "
+                      "they contribute nothing this step", RuntimeWarning, stacklevel=2)
+    for name, weight in weights.items():
+        if name not in values:
+            continue
+        x = values[name]
+        usable = torch.isfinite(x) & valid
+        _, mean, var = _group_moments(x, usable, inverse, num_groups)
+        low_variance &= var < DEGENERATE_VARIANCE
+        centred = x - mean[inverse]
+        if std_mode == "group":
+            centred = centred / (var.sqrt()[inverse] + eps)
+        elif std_mode == "batch":
+            pooled = x[usable]
+            batch_std = pooled.std(unbiased=False) if pooled.numel() else x.new_zeros(())
+            centred = centred / (batch_std + eps)
+        advantages += weight * torch.where(usable, centred, torch.zeros_like(centred))
+        combined_raw += weight * torch.where(usable, x, torch.zeros_like(x))
+    advantages = torch.where(valid, advantages, torch.zeros_like(advantages))
+
+    failed_ids = groups[failed].tolist()
+    if failed_ids:
+        log.warning("reward: %d of %d groups failed and are not trained on (%s); group ids %s",
+                    len(failed_ids), num_groups, "; ".join(reasons), failed_ids[:16])
+
+    metrics: dict[str, float] = {}
+    for name, x in values.items():
+        finite = x[torch.isfinite(x)]
+        mean, std, lo, hi = _stats(finite)
+        metrics.update({f"reward/{name}_mean": mean, f"reward/{name}_std": std,
+                        f"reward/{name}_min": lo, f"reward/{name}_max": hi,
+                        f"reward/{name}_nonfinite": float(x.numel() - finite.numel())})
+    kept = advantages[valid]
+    adv_var = kept.var(unbiased=False).item() if kept.numel() else 0.0
+    _, _, raw_var = _group_moments(combined_raw, valid, inverse, num_groups)
+    ok = ~failed
+    metrics.update({
+        "reward/advantage_mean": kept.mean().item() if kept.numel() else 0.0,
+        "reward/advantage_std": math.sqrt(adv_var),
+        "reward/num_groups": float(num_groups),
+        "reward/failed_groups": float(len(failed_ids)),
+        "reward/group_std_mean": raw_var.sqrt()[ok].mean().item() if ok.any() else 0.0,
+        "reward/degenerate": float(adv_var < DEGENERATE_VARIANCE),
+        "reward/degenerate_groups": float((low_variance & ok).sum().item()),
+    })
+    return advantages.to(torch.float32), metrics, failed_ids

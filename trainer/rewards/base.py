@@ -1,0 +1,123 @@
+"""The scorer protocol: what every reward model, rule or remote client implements.
+
+A scorer declares the components it produces and the media tracks it reads, and turns a batch
+of decoded images (+ their prompts and metadata) into one fp32 value per sample and component.
+Everything else (caching, timing, device placement, validation of what comes back, group
+normalisation) lives in the manager and in ``advantages``, so a scorer stays a small class.
+"""
+from __future__ import annotations
+
+import abc
+import importlib
+import math
+from typing import Any, ClassVar, Mapping, Sequence
+
+import torch
+from torch import nn
+
+# Media a scorer can ask for. Only images exist in the t2i path; a scorer that needs another
+# track (video, audio) is refused when the manager is built, not in the middle of a rollout.
+SUPPORTED_TRACKS: tuple[str, ...] = ("image",)
+
+
+class RewardError(RuntimeError):
+    """A scorer produced something the trainer cannot use (wrong length, wrong keys...)."""
+
+
+class RewardScorer(abc.ABC):
+    """Abstract base of every scorer.
+
+    Subclasses set ``components`` (the names of the values ``score`` returns) and
+    ``required_tracks`` and implement ``score``. The constructor is the subclass's own:
+    the manager calls ``cls(device=..., **scorer_kwargs)`` and adds ``model_path=...`` only
+    when a model path is configured, so weight-free scorers need not accept one.
+
+    ``score`` may return a subset of ``components`` (a component it could not compute is simply
+    absent) and may use NaN for single samples it could not score; the advantage step turns
+    either into a failed group when the component is required.
+    """
+
+    components: ClassVar[tuple[str, ...]] = ()
+    required_tracks: ClassVar[tuple[str, ...]] = ("image",)
+
+    @abc.abstractmethod
+    def score(self, images: torch.Tensor, prompts: list[str],
+              metadata: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        """images uint8 [B, H, W, 3] (any device) -> {component: fp32 [B]}."""
+
+    def to(self, device: str | torch.device) -> "RewardScorer":
+        """Move every ``nn.Module`` attribute (the loaded weights) to ``device``.
+
+        Lets the training loop park a colocated scorer on the CPU while the actor trains, and
+        bring it back for the next rollout, without reloading it from disk.
+        """
+        device = torch.device(device)
+        for value in vars(self).values():
+            if isinstance(value, nn.Module):
+                value.to(device)
+        if hasattr(self, "device"):
+            self.device = device
+        return self
+
+
+def load_object(dotpath: str, what: str) -> Any:
+    """Import ``package.module.attr`` and return ``attr`` (a class or a function)."""
+    module_name, _, attr = dotpath.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"{what} {dotpath!r} is not a dotpath of the form module.attr")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"{what} {dotpath!r}: cannot import module {module_name!r} ({exc})") from exc
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise ValueError(f"{what} {dotpath!r}: module {module_name!r} has no attribute {attr!r}") \
+            from None
+
+
+def check_score_inputs(images: Any, prompts: Sequence[str], metadata: Sequence[Any]) -> int:
+    """Validate one scoring batch; returns B. Raises one ValueError naming every problem."""
+    problems: list[str] = []
+    batch = None
+    if not isinstance(images, torch.Tensor):
+        problems.append(f"images must be a torch.Tensor, got {type(images).__name__}")
+    else:
+        if images.dtype != torch.uint8:
+            problems.append(f"images must be uint8, got {images.dtype}")
+        if images.dim() != 4 or images.shape[-1] != 3:
+            problems.append(f"images must be [B, H, W, 3], got shape {list(images.shape)}")
+        else:
+            batch = images.shape[0]
+    if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
+        problems.append("prompts must be a list of str")
+    if not all(isinstance(m, Mapping) for m in metadata):
+        problems.append("metadata must be a list of dicts (one per sample)")
+    if batch is not None:
+        if len(prompts) != batch:
+            problems.append(f"{len(prompts)} prompts for {batch} images")
+        if len(metadata) != batch:
+            problems.append(f"{len(metadata)} metadata entries for {batch} images")
+    if problems:
+        raise ValueError("reward scoring input: " + "; ".join(problems))
+    return int(batch)
+
+
+def to_component_tensor(name: str, values: Any, batch: int, problems: list[str]) -> torch.Tensor | None:
+    """One scorer output -> CPU fp32 [B]; appends to ``problems`` instead of raising."""
+    if isinstance(values, torch.Tensor):
+        tensor = values.detach()
+    else:
+        try:
+            tensor = torch.as_tensor([math.nan if v is None else float(v) for v in values],
+                                     dtype=torch.float32)
+        except (TypeError, ValueError) as exc:
+            problems.append(f"component {name!r}: values are not numbers ({exc})")
+            return None
+    if tensor.dim() != 1 or tensor.shape[0] != batch:
+        problems.append(f"component {name!r}: expected shape [{batch}], got {list(tensor.shape)}")
+        return None
+    if tensor.is_complex() or tensor.dtype == torch.bool:
+        problems.append(f"component {name!r}: dtype {tensor.dtype} is not a real number type")
+        return None
+    return tensor.to(device="cpu", dtype=torch.float32)

@@ -1,0 +1,226 @@
+"""The reward manager: one cached, configured set of scorers behind a single ``score`` call.
+
+Runtimes (spec, "奖励"):
+
+* ``colocate``: in the rollout process, on its GPU (the actor is offloaded while it scores).
+  ``device`` defaults to the current CUDA device; without CUDA this is a configuration error.
+* ``cpu``: in the rollout process on the host (CUDA never touched by the scorer).
+* ``remote``: POST to ``endpoint`` (see ``remote`` for the wire schema). ``scorer_path`` is
+  optional there; when given, only its class attributes are read (the component names), its
+  weights are never loaded locally.
+
+A custom reward function (``custom_reward_path``) runs in-process next to the scorer in every
+runtime, so a remote PickScore and a local rule-based term can be combined.
+
+Managers are cached per configuration: building one twice with the same arguments returns the
+same object, so a model is loaded once per process, not once per rollout.
+"""
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+from typing import Any, Sequence
+
+import torch
+
+from trainer.rewards.base import (SUPPORTED_TRACKS, RewardError, RewardScorer, check_score_inputs,
+                                  load_object, to_component_tensor)
+from trainer.rewards.function import FunctionScorer
+from trainer.rewards.remote import RemoteScorer
+
+RUNTIMES: tuple[str, ...] = ("colocate", "cpu", "remote")
+
+_CACHE: dict[tuple, "RewardManager"] = {}
+_CACHE_LOCK = threading.Lock()
+
+
+class RewardManager:
+    """Scores a batch with every configured scorer and times it.
+
+    ``components`` is the union of the scorers' component names (each produced by exactly one
+    scorer). ``score`` returns CPU fp32 [B] tensors (B is a few hundred: the copy is nothing,
+    and advantage maths and metrics then cost no device syncs) and the timing metrics.
+    """
+
+    def __init__(self, scorers: Sequence[RewardScorer], *, runtime: str,
+                 device: torch.device | None) -> None:
+        self.scorers = list(scorers)
+        self.runtime = runtime
+        self.device = device
+        owner: dict[str, str] = {}
+        problems = []
+        for scorer in self.scorers:
+            name = getattr(scorer, "name", type(scorer).__name__)
+            for component in scorer.components:
+                if component in owner:
+                    problems.append(f"component {component!r} produced by both {owner[component]} "
+                                    f"and {name}")
+                owner[component] = name
+            missing_tracks = sorted(set(scorer.required_tracks) - set(SUPPORTED_TRACKS))
+            if missing_tracks:
+                problems.append(f"{name} needs media tracks {missing_tracks}; a rollout provides "
+                                f"only {list(SUPPORTED_TRACKS)}")
+        if problems:
+            raise ValueError("reward manager: " + "; ".join(problems))
+        self.components: tuple[str, ...] = tuple(owner)
+
+    def to(self, device: str | torch.device) -> "RewardManager":
+        """Move local scorers' weights (e.g. to "cpu" while the actor trains, and back)."""
+        for scorer in self.scorers:
+            if not isinstance(scorer, (RemoteScorer, FunctionScorer)):
+                scorer.to(device)
+        return self
+
+    def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]
+              ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        batch = check_score_inputs(images, prompts, metadata)
+        prompts, metadata = list(prompts), [dict(m) for m in metadata]
+        cuda = images.is_cuda or (self.device is not None and self.device.type == "cuda")
+        if cuda:  # host sync: time the scoring, not the rollout kernels still queued
+            torch.cuda.synchronize(images.device if images.is_cuda else self.device)
+        start = time.perf_counter()
+        components: dict[str, torch.Tensor] = {}
+        problems: list[str] = []
+        for scorer in self.scorers:
+            name = getattr(scorer, "name", type(scorer).__name__)
+            out = scorer.score(images, prompts, metadata)
+            if not isinstance(out, dict):
+                raise RewardError(f"{name}.score returned {type(out).__name__}, not a dict")
+            for component, values in out.items():
+                if component not in scorer.components:
+                    problems.append(f"{name} returned undeclared component {component!r}")
+                    continue
+                # .cpu() inside: the host sync that ends the timed region on CUDA.
+                tensor = to_component_tensor(component, values, batch, problems)
+                if tensor is not None:
+                    components[component] = tensor
+        if problems:
+            raise RewardError("reward scorers: " + "; ".join(problems))
+        elapsed = time.perf_counter() - start
+        metrics = {"reward/score_time": elapsed,
+                   "reward/score_samples_per_s": batch / elapsed if elapsed > 0 else float("inf")}
+        return components, metrics
+
+
+def _instantiate(cls: type, *, model_path: str | None, device: torch.device | None,
+                 kwargs: dict[str, Any], dotpath: str) -> RewardScorer:
+    params = inspect.signature(cls).parameters
+    accepts_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    call = dict(kwargs)
+    problems = []
+    if model_path is not None:
+        if "model_path" in params or accepts_any:
+            call["model_path"] = model_path
+        else:
+            problems.append(f"{dotpath} takes no model_path but --reward-model-path={model_path!r}")
+    elif "model_path" in params and params["model_path"].default is inspect.Parameter.empty:
+        problems.append(f"{dotpath} needs a model path (--reward-model-path)")
+    if "device" in params or accepts_any:
+        call["device"] = device
+    unknown = sorted(k for k in kwargs if k not in params) if not accepts_any else []
+    if unknown:
+        problems.append(f"{dotpath} has no option(s) {unknown}")
+    if problems:
+        raise ValueError("reward scorer: " + "; ".join(problems))
+    return cls(**call)
+
+
+def _scorer_class(dotpath: str) -> type:
+    cls = load_object(dotpath, "reward scorer path")
+    if not isinstance(cls, type) or not callable(getattr(cls, "score", None)) or \
+            not isinstance(getattr(cls, "components", None), tuple):
+        raise ValueError(f"reward scorer path {dotpath!r} is not a scorer class (needs a "
+                         "`components` tuple and a `score` method; see RewardScorer)")
+    return cls
+
+
+def _cache_key(args: dict[str, Any]) -> tuple:
+    def freeze(value: Any) -> Any:
+        if isinstance(value, dict):
+            return tuple(sorted((k, freeze(v)) for k, v in value.items()))
+        if isinstance(value, (list, tuple)):
+            return tuple(freeze(v) for v in value)
+        if isinstance(value, torch.device):
+            return str(value)
+        return value if isinstance(value, (str, int, float, bool, type(None))) else repr(value)
+    return freeze(args)
+
+
+def build_reward_manager(*, scorer_path: str | None, model_path: str | None, runtime: str,
+                         endpoint: str | None = None, device: str | torch.device | None = None,
+                         custom_reward_path: str | None = None, timeout_s: float = 60.0,
+                         max_retries: int = 3, **scorer_kwargs: Any) -> RewardManager:
+    """Build (or return the cached) manager for this configuration.
+
+    ``scorer_kwargs`` go to the scorer's constructor (e.g. ``dtype``, ``batch_size``); for the
+    remote runtime they go to RemoteScorer (``backoff_s``, ``components``).
+    """
+    key = _cache_key(dict(scorer_path=scorer_path, model_path=model_path, runtime=runtime,
+                          endpoint=endpoint, device=device, custom_reward_path=custom_reward_path,
+                          timeout_s=timeout_s, max_retries=max_retries, **scorer_kwargs))
+    with _CACHE_LOCK:
+        if key not in _CACHE:
+            _CACHE[key] = _build(scorer_path=scorer_path, model_path=model_path, runtime=runtime,
+                                 endpoint=endpoint, device=device,
+                                 custom_reward_path=custom_reward_path, timeout_s=timeout_s,
+                                 max_retries=max_retries, scorer_kwargs=scorer_kwargs)
+        return _CACHE[key]
+
+
+def clear_reward_manager_cache() -> None:
+    """Forget every cached manager (their models are freed once no one else holds them)."""
+    with _CACHE_LOCK:
+        _CACHE.clear()
+
+
+def _build(*, scorer_path, model_path, runtime, endpoint, device, custom_reward_path, timeout_s,
+           max_retries, scorer_kwargs) -> RewardManager:
+    problems = []
+    if runtime not in RUNTIMES:
+        problems.append(f"runtime {runtime!r} is not one of {list(RUNTIMES)}")
+    if runtime == "remote":
+        if not endpoint:
+            problems.append("runtime 'remote' needs an endpoint (--reward-endpoint)")
+        if model_path is not None:
+            problems.append("runtime 'remote' loads no local model; drop --reward-model-path")
+    else:
+        if endpoint:
+            problems.append(f"an endpoint is set but runtime is {runtime!r}, not 'remote'")
+        if scorer_path is None and custom_reward_path is None:
+            problems.append(f"runtime {runtime!r} needs --reward-scorer-path or "
+                            "--custom-reward-path")
+        if scorer_path is None and scorer_kwargs:
+            problems.append(f"scorer options {sorted(scorer_kwargs)} but no scorer path")
+    resolved = None
+    if runtime == "cpu":
+        if device is not None and torch.device(device).type != "cpu":
+            problems.append(f"runtime 'cpu' with device={device!r}")
+        resolved = torch.device("cpu")
+    elif runtime == "colocate":
+        if not torch.cuda.is_available():
+            problems.append("runtime 'colocate' scores on the rollout GPU but CUDA is not "
+                            "available; use runtime 'cpu'")
+        else:
+            resolved = torch.device(device) if device is not None else \
+                torch.device("cuda", torch.cuda.current_device())
+            if resolved.type != "cuda":
+                problems.append(f"runtime 'colocate' with non-CUDA device={device!r}")
+    if problems:
+        raise ValueError("reward configuration: " + "; ".join(problems))
+
+    scorers: list[RewardScorer] = []
+    if runtime == "remote":
+        components = scorer_kwargs.pop("components", None)
+        if scorer_path is not None:
+            components = _scorer_class(scorer_path).components
+        scorers.append(RemoteScorer(endpoint, components=components, timeout_s=timeout_s,
+                                    max_retries=max_retries, **scorer_kwargs))
+    elif scorer_path is not None:
+        cls = _scorer_class(scorer_path)
+        scorer = _instantiate(cls, model_path=model_path, device=resolved, kwargs=scorer_kwargs,
+                              dotpath=scorer_path)
+        scorers.append(scorer)
+    if custom_reward_path is not None:
+        scorers.append(FunctionScorer.from_dotpath(custom_reward_path))
+    return RewardManager(scorers, runtime=runtime, device=resolved)

@@ -1,0 +1,298 @@
+"""The remote runtime: score over HTTP (stdlib only), plus a reference server for any scorer.
+
+Wire schema, version ``flowgrpo.reward.v1`` (UTF-8 JSON both ways, one URL):
+
+``GET <endpoint>`` -> 200 ``{"schema": "flowgrpo.reward.v1", "components": [str, ...],
+"required_tracks": ["image"]}``: what the server produces (asked once, when the client is
+built without a component list).
+
+``POST <endpoint>`` with ``{"schema": "flowgrpo.reward.v1", "components": [str, ...],
+"prompts": [str] * B, "metadata": [object] * B, "images": [str] * B}`` where each image is a
+base64-encoded PNG (8-bit RGB) -> 200 ``{"rewards": {component: [number | null] * B}}``.
+``null`` marks a sample the server could not score (it becomes NaN, which fails the sample's
+group if the component is required). The reply must hold exactly the components the request
+listed. A non-2xx reply carries a plain-text or JSON body with the reason.
+
+Client policy: every request has a socket timeout (``timeout_s``); timeouts, refused or reset
+connections, 5xx and 429 are retried up to ``max_retries`` times with exponential backoff
+(``backoff_s * 2**attempt``, at most 30 s); a 4xx, malformed JSON, missing or unexpected
+components and wrong lengths are the server's or the configuration's bug and fail at once.
+Either way the error is a RemoteRewardError naming the endpoint and every attempt's failure.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import http.client
+import io
+import json
+import math
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+
+from trainer.rewards.base import RewardError, RewardScorer, check_score_inputs
+
+SCHEMA = "flowgrpo.reward.v1"
+_RETRY_STATUS = {429}
+_MAX_BACKOFF_S = 30.0
+
+
+class RemoteRewardError(RewardError):
+    """The remote scorer failed or replied something unusable."""
+
+
+def encode_png_base64(images: torch.Tensor, *, compress_level: int = 1) -> list[str]:
+    """uint8 [B, H, W, 3] -> base64 PNG strings. Level 1: lossless either way, and the
+    fastest zlib level (the payload is on a local network; encode time is on the step)."""
+    arrays = images.detach().to("cpu").numpy()
+
+    def one(array: np.ndarray) -> str:
+        buffer = io.BytesIO()
+        Image.fromarray(array, mode="RGB").save(buffer, format="PNG", compress_level=compress_level)
+        return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+    with ThreadPoolExecutor(max_workers=min(8, max(1, len(arrays)))) as pool:
+        return list(pool.map(one, arrays))
+
+
+def decode_png_base64(payloads: Sequence[str]) -> torch.Tensor:
+    """base64 PNG strings (one size) -> uint8 [B, H, W, 3]."""
+    arrays = [np.asarray(Image.open(io.BytesIO(base64.b64decode(p, validate=True))).convert("RGB"))
+              for p in payloads]
+    shapes = sorted({a.shape for a in arrays})
+    if len(shapes) > 1:
+        raise ValueError(f"images of different sizes in one request: {shapes}")
+    return torch.from_numpy(np.stack(arrays)) if arrays else torch.empty(0, 0, 0, 3, dtype=torch.uint8)
+
+
+class RemoteScorer(RewardScorer):
+    """Client for an HTTP reward endpoint speaking ``flowgrpo.reward.v1``.
+
+    Args:
+        endpoint: the URL (http or https).
+        components: what the server produces; None asks the server once (GET) at construction.
+        timeout_s: socket timeout per attempt.
+        max_retries: retries after the first attempt for retryable failures.
+        backoff_s: first backoff; doubles per retry.
+    """
+
+    def __init__(self, endpoint: str, *, components: Sequence[str] | None = None,
+                 timeout_s: float = 60.0, max_retries: int = 3, backoff_s: float = 0.5,
+                 png_compress_level: int = 1) -> None:
+        problems = []
+        if not endpoint.startswith(("http://", "https://")):
+            problems.append(f"endpoint {endpoint!r} is not an http(s) URL")
+        if not timeout_s > 0:
+            problems.append(f"timeout_s={timeout_s} must be > 0")
+        if max_retries < 0:
+            problems.append(f"max_retries={max_retries} must be >= 0")
+        if backoff_s < 0:
+            problems.append(f"backoff_s={backoff_s} must be >= 0")
+        if problems:
+            raise ValueError("remote reward: " + "; ".join(problems))
+        self.endpoint = endpoint
+        self.timeout_s = float(timeout_s)
+        self.max_retries = int(max_retries)
+        self.backoff_s = float(backoff_s)
+        self.png_compress_level = int(png_compress_level)
+        if components is None:
+            info = self._request(None)
+            components = info.get("components") if isinstance(info, dict) else None
+            if not isinstance(components, list) or not components or \
+                    not all(isinstance(c, str) for c in components):
+                raise RemoteRewardError(f"{endpoint}: GET reply has no list of component "
+                                        f"names: {str(info)[:200]}")
+        self.components = tuple(components)
+
+    def _request(self, body: bytes | None) -> Any:
+        """GET (body None) or POST JSON with retries; returns the parsed JSON reply."""
+        failures: list[str] = []
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                time.sleep(min(self.backoff_s * 2 ** (attempt - 1), _MAX_BACKOFF_S))
+            request = urllib.request.Request(
+                self.endpoint, data=body, method="GET" if body is None else "POST",
+                headers={"Content-Type": "application/json", "Accept": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
+                    raw = reply.read()
+            except urllib.error.HTTPError as exc:
+                detail = exc.read(500).decode("utf-8", "replace").strip()
+                failures.append(f"attempt {attempt + 1}: HTTP {exc.code} {detail}")
+                if exc.code >= 500 or exc.code in _RETRY_STATUS:
+                    continue
+                break
+            except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError,
+                    http.client.HTTPException) as exc:
+                reason = getattr(exc, "reason", exc)
+                kind = "timed out" if isinstance(reason, (socket.timeout, TimeoutError)) \
+                    else f"{type(reason).__name__}: {reason}"
+                failures.append(f"attempt {attempt + 1}: {kind}")
+                continue
+            try:
+                return json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                failures.append(f"attempt {attempt + 1}: malformed JSON reply ({exc}): "
+                                f"{raw[:200]!r}")
+                break
+        raise RemoteRewardError(f"remote reward {self.endpoint} failed after {len(failures)} "
+                                f"attempt(s): " + " | ".join(failures))
+
+    def score(self, images: torch.Tensor, prompts: list[str],
+              metadata: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        batch = check_score_inputs(images, prompts, metadata)
+        try:
+            body = json.dumps({"schema": SCHEMA, "components": list(self.components),
+                               "prompts": list(prompts), "metadata": list(metadata),
+                               "images": encode_png_base64(images,
+                                                           compress_level=self.png_compress_level)},
+                              allow_nan=False).encode("utf-8")
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"remote reward: metadata is not JSON-serialisable ({exc})") from exc
+        reply = self._request(body)
+        rewards = reply.get("rewards") if isinstance(reply, dict) else None
+        if not isinstance(rewards, dict):
+            raise RemoteRewardError(f"{self.endpoint}: reply has no 'rewards' object: "
+                                    f"{str(reply)[:200]}")
+        problems = []
+        missing = [c for c in self.components if c not in rewards]
+        extra = sorted(set(rewards) - set(self.components))
+        if missing:
+            problems.append(f"missing components {missing}")
+        if extra:
+            problems.append(f"unexpected components {extra}")
+        out = {}
+        for name in self.components:
+            values = rewards.get(name)
+            if values is None:
+                continue
+            if not isinstance(values, list) or len(values) != batch:
+                got = len(values) if isinstance(values, list) else type(values).__name__
+                problems.append(f"{name!r}: expected a list of {batch} values, got {got}")
+                continue
+            bad = [i for i, v in enumerate(values)
+                   if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)))]
+            if bad:
+                problems.append(f"{name!r}: non-numeric values at {bad[:5]}")
+                continue
+            out[name] = torch.tensor([math.nan if v is None else float(v) for v in values],
+                                     dtype=torch.float32)
+        if problems:
+            raise RemoteRewardError(f"{self.endpoint}: bad reply: " + "; ".join(problems))
+        return out
+
+
+class RewardServer(ThreadingHTTPServer):
+    """Serves a local scorer over ``flowgrpo.reward.v1`` (one scoring call at a time).
+
+    ``RewardServer(scorer, ("127.0.0.1", 0))``; ``.url`` is the endpoint once bound;
+    ``start()`` serves from a daemon thread, ``close()`` stops and joins it.
+    """
+
+    daemon_threads = True
+
+    def __init__(self, scorer: RewardScorer, address: tuple[str, int] = ("127.0.0.1", 0)) -> None:
+        super().__init__(address, _RewardHandler)
+        self.scorer = scorer
+        self.lock = threading.Lock()  # a scorer's model is not re-entrant
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host}:{port}/"
+
+    def start(self) -> "RewardServer":
+        self._thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05},
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self.shutdown()
+        self.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+
+class _RewardHandler(BaseHTTPRequestHandler):
+    server: RewardServer
+
+    def log_message(self, format: str, *args: Any) -> None:  # keep test and job logs quiet
+        pass
+
+    def _reply(self, status: int, payload: dict[str, Any]) -> None:
+        data = json.dumps(payload, allow_nan=False).encode("utf-8")
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        scorer = self.server.scorer
+        self._reply(200, {"schema": SCHEMA, "components": list(scorer.components),
+                          "required_tracks": list(scorer.required_tracks)})
+
+    def do_POST(self) -> None:  # noqa: N802
+        try:
+            request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+            if request.get("schema") != SCHEMA:
+                raise ValueError(f"schema {request.get('schema')!r} is not {SCHEMA!r}")
+            images = decode_png_base64(request["images"])
+            prompts, metadata = list(request["prompts"]), list(request["metadata"])
+            check_score_inputs(images, prompts, metadata)
+        except (ValueError, KeyError, TypeError) as exc:
+            self._reply(400, {"error": f"bad request: {exc}"})
+            return
+        try:
+            with self.server.lock:
+                scores = self.server.scorer.score(images, prompts, metadata)
+        except Exception as exc:  # the client sees the reason; the server keeps serving
+            self._reply(500, {"error": f"{type(exc).__name__}: {exc}"})
+            return
+        rewards = {name: [float(v) if math.isfinite(v) else None
+                          for v in torch.as_tensor(values, dtype=torch.float64).cpu().tolist()]
+                   for name, values in scores.items()}
+        self._reply(200, {"rewards": rewards})
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m trainer.rewards.remote --scorer-path X [--model-path Y] --port N``."""
+    from trainer.rewards.manager import build_reward_manager
+
+    parser = argparse.ArgumentParser(description="Serve a reward scorer over HTTP "
+                                     f"({SCHEMA}; see trainer/rewards/remote.py)")
+    parser.add_argument("--scorer-path", required=True)
+    parser.add_argument("--model-path")
+    parser.add_argument("--device", help="e.g. cuda:0 (default: cpu)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device or "cpu")
+    manager = build_reward_manager(scorer_path=args.scorer_path, model_path=args.model_path,
+                                   runtime="colocate" if device.type == "cuda" else "cpu",
+                                   device=device)
+    server = RewardServer(manager.scorers[0], (args.host, args.port))
+    print(f"serving {args.scorer_path} {list(manager.components)} at {server.url}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,74 @@
+"""Joining per-request ``RolloutBatch``es into the rollout's batch.
+
+Conditions of different requests can differ in padded length (a text encoder pads to the
+longest prompt of its call). They are right-padded with zeros to a common shape (a zero mask
+entry is a masked token), so the rollout batch stays one tensor per condition. Design note:
+with the driver's default of one prompt group per request, each group's conditions were
+encoded alone and are unpadded at sampling time; an actor that wants the sampled shapes back
+for a group can drop the trailing columns where the group's mask is zero.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from trainer.models.base import RolloutBatch
+
+
+def _pad_to(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    if tuple(t.shape[1:]) == shape:
+        return t
+    pad: list[int] = []
+    for have, want in reversed(list(zip(t.shape[1:], shape))):
+        pad += [0, want - have]
+    return F.pad(t, pad)
+
+
+def pad_and_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate along dim 0 after right-padding every other dim to the largest size."""
+    ranks = {t.dim() for t in tensors}
+    if len(ranks) != 1:
+        raise ValueError(f"cannot join condition tensors of different ranks {sorted(ranks)}")
+    shape = tuple(max(t.shape[d] for t in tensors) for d in range(1, tensors[0].dim()))
+    return torch.cat([_pad_to(t, shape) for t in tensors], dim=0)
+
+
+def concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:
+    """One RolloutBatch from several with the same SDE steps, geometry and sampling."""
+    if not batches:
+        raise ValueError("no batches to join")
+    first = batches[0]
+    problems = []
+    for b in batches[1:]:
+        for field in ("sde_indices", "height", "width", "eta", "sde_type"):
+            if getattr(b, field) != getattr(first, field):
+                problems.append(f"{field} differs: {getattr(first, field)!r} vs {getattr(b, field)!r}")
+        if set(b.conditions) != set(first.conditions):
+            problems.append(f"condition keys differ: {sorted(first.conditions)} vs {sorted(b.conditions)}")
+    if problems:
+        raise ValueError("cannot join rollout batches:\n  - " + "\n  - ".join(sorted(set(problems))))
+    if len(batches) == 1:
+        return first
+    images = None
+    if all(b.images is not None for b in batches):
+        images = torch.cat([b.images for b in batches])
+    return RolloutBatch(
+        prompts=[p for b in batches for p in b.prompts],
+        sample_ids=[s for b in batches for s in b.sample_ids],
+        group_index=torch.cat([b.group_index for b in batches]),
+        sde_indices=list(first.sde_indices),
+        latents=torch.cat([b.latents for b in batches]),
+        next_latents=torch.cat([b.next_latents for b in batches]),
+        sigmas=torch.cat([b.sigmas for b in batches]),
+        sigmas_next=torch.cat([b.sigmas_next for b in batches]),
+        log_probs=torch.cat([b.log_probs for b in batches]),
+        conditions={k: pad_and_cat([b.conditions[k] for b in batches]) for k in first.conditions},
+        height=first.height,
+        width=first.width,
+        eta=first.eta,
+        sde_type=first.sde_type,
+        images=images,
+        metadata=[m for b in batches for m in b.metadata],
+        policy_version=first.policy_version,
+        rollout_id=first.rollout_id,
+    )

@@ -1,0 +1,134 @@
+"""Pretrain the toy model: transformer + text encoder jointly, rectified flow on rendered pairs.
+
+    python -m trainer.toy.pretrain --out DIR --seed S --minutes M [--steps N] [--threads T]
+
+Objective (SD3's): x0 = rendered image in [-1, 1], noise ~ N(0, I), sigma ~ logit-normal(0, 1),
+x = (1 - sigma) x0 + sigma noise, loss = mse(v(x, sigma, prompt), noise - x0). Prompts come
+from the *train* split only, so the eval split measures generalisation to unseen prompts.
+Each step draws fresh (prompt, placement) pairs: there is no fixed dataset to overfit.
+
+Determinism: everything random comes from ``--seed`` (torch.manual_seed for init and noise,
+a numpy Generator for prompts and rendering), and the schedule is a fixed ``--steps``. With
+the same seed, torch build, CPU and ``--threads``, the weights come out bit-identical; other
+thread counts reorder float reductions and give slightly different weights. ``--minutes`` is
+a wall-clock cap: if it stops training before ``--steps``, the result depends on machine speed,
+and toy_config.json records ``"stopped_early": true`` with the steps reached.
+
+What is saved is an exponential moving average of the weights (``--ema``), the usual choice
+for diffusion models: the raw weights of a short, high-learning-rate run sample worse.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainer.toy import modeling, world
+
+
+def _batch(rng: np.random.Generator, specs: list[dict[str, Any]], singles: list[dict[str, Any]],
+           batch: int, size: int) -> tuple[list[str], torch.Tensor]:
+    prompts, images = [], np.empty((batch, size, size, 3), dtype=np.uint8)
+    for i in range(batch):
+        pool = singles if rng.random() < world.SINGLE_FRACTION else specs
+        spec = pool[int(rng.integers(len(pool)))]
+        prompts.append(world.spec_to_prompt(spec))
+        images[i] = world.render(spec, size, rng)
+    x0 = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+    return prompts, x0
+
+
+def pretrain(out: str | Path, *, seed: int = 0, steps: int = 4000, minutes: float = 20.0,
+             batch: int = 32, lr: float = 1e-3, warmup: int = 200, ema: float = 0.999,
+             resolution: int = 32, threads: int | None = None, log_every: int = 100,
+             transformer_config: dict[str, Any] | None = None,
+             text_encoder_config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Train and write the model directory to ``out``; returns the run's info dict."""
+    if threads:
+        torch.set_num_threads(threads)
+    transformer, text_encoder, tokenizer = modeling.build_untrained(
+        seed, transformer=dict(transformer_config or {}, sample_size=resolution),
+        text_encoder=text_encoder_config)
+    modules = torch.nn.ModuleDict({"transformer": transformer, "text_encoder": text_encoder})
+    ema_modules = copy.deepcopy(modules).requires_grad_(False)
+    opt = torch.optim.AdamW(modules.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
+
+    def lr_at(step: int) -> float:  # linear warmup, cosine to 10 %
+        if step < warmup:
+            return lr * (step + 1) / warmup
+        frac = (step - warmup) / max(1, steps - warmup)
+        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+    singles, pairs = world.split_specs("train")
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator().manual_seed(seed)
+    length = modeling.MAX_PROMPT_TOKENS
+    start, step, recent = time.perf_counter(), 0, []
+    while step < steps and time.perf_counter() - start < minutes * 60:
+        prompts, x0 = _batch(rng, pairs, singles, batch, resolution)
+        ids = tokenizer(prompts, padding="max_length", max_length=length,
+                        return_tensors="pt").input_ids
+        noise = torch.randn(x0.shape, generator=gen)
+        sigma = torch.sigmoid(torch.randn(batch, generator=gen))
+        s = sigma.view(-1, 1, 1, 1)
+        text = text_encoder(input_ids=ids)
+        v = transformer(hidden_states=(1 - s) * x0 + s * noise,
+                        encoder_hidden_states=text.last_hidden_state,
+                        pooled_projections=text.pooler_output, timestep=sigma * 1000,
+                        return_dict=False)[0]
+        loss = torch.nn.functional.mse_loss(v, noise - x0)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(modules.parameters(), 1.0)
+        opt.step()
+        decay = min(ema, (1 + step) / (10 + step))  # short warm-up of the average
+        with torch.no_grad():
+            for p_ema, p in zip(ema_modules.parameters(), modules.parameters()):
+                p_ema.lerp_(p, 1 - decay)
+        recent.append(loss.item())  # host sync (CPU: free)
+        step += 1
+        if step % log_every == 0 or step == steps:
+            print(f"step {step}/{steps} loss {np.mean(recent):.4f} lr {lr_at(step - 1):.2e} "
+                  f"{time.perf_counter() - start:.0f}s", flush=True)
+            recent = []
+    wall = time.perf_counter() - start
+    info = {"seed": seed, "steps": step, "planned_steps": steps, "batch": batch, "lr": lr,
+            "ema": ema, "threads": torch.get_num_threads(), "wall_seconds": round(wall, 1),
+            "stopped_early": step < steps, "torch": torch.__version__}
+    modeling.save_model_dir(out, transformer=ema_modules["transformer"],
+                            text_encoder=ema_modules["text_encoder"], tokenizer=tokenizer,
+                            resolution=resolution, info=info)
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainer.toy.pretrain", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="output model directory")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--minutes", type=float, default=20.0, help="wall-clock cap")
+    p.add_argument("--steps", type=int, default=4000, help="optimizer steps (the schedule)")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    args = p.parse_args(argv)
+    problems = [f"--{k}={getattr(args, k)} must be > 0" for k in ("minutes", "steps", "batch", "lr")
+                if getattr(args, k) <= 0]
+    if problems:
+        p.error("; ".join(problems))
+    info = pretrain(args.out, seed=args.seed, steps=args.steps, minutes=args.minutes,
+                    batch=args.batch, lr=args.lr, threads=args.threads)
+    print(info)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
