@@ -206,12 +206,13 @@ class WeightReceiver:
         }
 
     def _sync(self, seq: int, version: int, mode: str, header: dict, entries) -> None:
+        key = header.get("key")
         if entries is not None:
-            self._manifests[header.get("hash")] = entries
-            self._manifests.move_to_end(header.get("hash"))
+            self._manifests[key] = entries
+            self._manifests.move_to_end(key)
             while len(self._manifests) > _MANIFEST_CACHE:
                 self._manifests.popitem(last=False)
-        entries = self._manifests.get(header.get("hash"))
+        entries = self._manifests.get(key)
         if entries is None:
             send(self._conn, ("reject", seq, ["manifest unknown to the receiver"], True))
             return
@@ -279,7 +280,7 @@ class WeightReceiver:
         theirs = theirs.reshape(-1, 2).astype(np.uint32)
         if self._written_event is not None:
             self._written_event.wait(torch.cuda.current_stream(self._device))
-        mine = self._lanes((header["hash"], mode), idx) if self._verify == "full" else theirs
+        mine = self._lanes((header["key"], mode), idx) if self._verify == "full" else theirs
         bad = np.nonzero((mine != theirs).any(axis=1))[0]
         if len(bad):
             names = ", ".join(self._names[idx[k]] for k in bad)
@@ -306,7 +307,8 @@ class WeightReceiver:
 
     # ---------------------------------------------------------------- checks
     def _check(self, header: dict, entries: list, mode: str) -> _Checked:
-        key = (header.get("hash"), header.get("count"), header.get("nbytes"), mode)
+        key = (header.get("key"), header.get("hash"), header.get("count"),
+               header.get("nbytes"), mode)
         hit = self._checked.get(key)
         if hit is not None:
             return hit

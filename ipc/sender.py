@@ -16,6 +16,7 @@ Design choices (where the spec is silent):
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from dataclasses import dataclass
@@ -78,7 +79,7 @@ class WeightSender:
             raise ValueError("WeightSender: " + "; ".join(problems))
         self._conn = conn
         self._backend_arg = backend
-        self.bucket_bytes = bucket_bytes
+        self._bucket_bytes = bucket_bytes
         self._timeout = float(timeout_s)
         self._copy_impl = copy_impl
         self._seq = 0
@@ -93,9 +94,21 @@ class WeightSender:
         self._event_exported = False
         self.handle_opens = 0
         self._manifest: _Manifest | None = None
-        self._sent_hashes: set[str] = set()
+        self._sent_keys: set[str] = set()
 
     # ---------------------------------------------------------------- public
+    @property
+    def bucket_bytes(self) -> int:
+        return self._bucket_bytes
+
+    @bucket_bytes.setter
+    def bucket_bytes(self, value: int) -> None:
+        """Takes effect at the next sync (the cached plan is rebuilt)."""
+        if not isinstance(value, int) or value < (1 << 16):
+            raise ValueError(f"bucket_bytes must be an int >= 65536, got {value!r}")
+        self._bucket_bytes = value
+        self._manifest = None
+
     def sync(self, version: int, tensors, *, mode: str = "full") -> SyncStats:
         """Write `tensors` (dict or iterable of (name, tensor)) as weight version `version`.
         Returns SyncStats; raises WeightSyncError naming every problem on failure."""
@@ -221,7 +234,7 @@ class WeightSender:
         if self.backend == "cuda" and not self._event_exported:
             header["written_event"] = self._written_event.handle
             header["uuid"] = self._mem.export()["uuid"]
-        entries = None if m.header["hash"] in self._sent_hashes else m.entries
+        entries = None if m.header["key"] in self._sent_keys else m.entries
         deadline = time.perf_counter() + self._timeout
         try:
             for _ in range(2):
@@ -235,7 +248,7 @@ class WeightSender:
             # The receiver may have accepted (and marked itself dirty) before we lost it.
             raise WeightSyncError("post-write", [f"no answer to begin: {_why(exc)}"],
                                   version) from None
-        self._sent_hashes.add(m.header["hash"])
+        self._sent_keys.add(m.header["key"])
         if "written_event" in header and reply[0] == "accept":
             self._event_exported = True
         return reply
@@ -261,7 +274,9 @@ class WeightSender:
         entries = [(n, s, dtype_name(a), dtype_name(b))
                    for n, s, a, b in zip(names, shapes, src, wire)]
         nbytes = sum(numel(s) * itemsize(w) for s, w in zip(shapes, wire))
-        header = {"count": len(entries), "nbytes": nbytes, "hash": manifest_hash(entries)}
+        header = {"count": len(entries), "nbytes": nbytes, "hash": manifest_hash(entries),
+                  # identifies the full entries (source dtypes too) for the receiver's cache
+                  "key": hashlib.sha256(repr(entries).encode()).hexdigest()}
         self._manifest = _Manifest(key, names, shapes, src, entries, header,
                                    digest_header(names, wire, shapes))
         return self._manifest
@@ -271,7 +286,7 @@ class WeightSender:
             offsets = [self._layout[n][0] for n in m.names]
             dst = [self._layout[n][2] for n in m.names]
             numels = [numel(s) for s in m.shapes]
-            buckets = plan_buckets(numels, [itemsize(d) for d in dst], self.bucket_bytes)
+            buckets = plan_buckets(numels, [itemsize(d) for d in dst], self._bucket_bytes)
             use_kernel = _kernels.triton_available() and (
                 self._copy_impl == "triton" or (self._copy_impl == "auto"
                                                 and self.backend == "cuda"))

@@ -13,6 +13,10 @@ STD_MODES = ("group", "batch", "none")
 DEGENERATE_VARIANCE = 1e-6
 
 
+def _describe(t) -> str:
+    return f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+
+
 def normalize_grouped(values: torch.Tensor, group_index: torch.Tensor, *, std_mode: str = "group",
                       eps: float = 1e-6) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Centre each value on its group's mean, then divide by a std chosen by ``std_mode``.
@@ -32,15 +36,16 @@ def normalize_grouped(values: torch.Tensor, group_index: torch.Tensor, *, std_mo
     ``[num_groups]``), ``inverse`` (``[N]``, each value's group position) and ``batch_std`` (0-dim).
     """
     problems = []
-    if not isinstance(values, torch.Tensor) or not values.is_floating_point() or values.dim() != 1:
-        problems.append("values must be a 1-D floating tensor, got "
-                        f"{(values.dtype, tuple(values.shape)) if isinstance(values, torch.Tensor) else type(values).__name__}")
-    if not isinstance(group_index, torch.Tensor) or group_index.dtype != torch.int64 or group_index.dim() != 1:
-        problems.append("group_index must be a 1-D int64 tensor, got "
-                        f"{(group_index.dtype, tuple(group_index.shape)) if isinstance(group_index, torch.Tensor) else type(group_index).__name__}")
-    elif isinstance(values, torch.Tensor) and values.dim() == 1:
+    values_ok = isinstance(values, torch.Tensor) and values.is_floating_point() and values.dim() == 1
+    if not values_ok:
+        problems.append(f"values must be a 1-D floating tensor, got {_describe(values)}")
+    if not (isinstance(group_index, torch.Tensor) and group_index.dtype == torch.int64
+            and group_index.dim() == 1):
+        problems.append(f"group_index must be a 1-D int64 tensor, got {_describe(group_index)}")
+    elif values_ok:
         if group_index.shape != values.shape:
-            problems.append(f"group_index has shape {tuple(group_index.shape)}, expected {tuple(values.shape)}")
+            problems.append(f"group_index has shape {tuple(group_index.shape)}, "
+                            f"expected {tuple(values.shape)}")
         if group_index.device != values.device:
             problems.append(f"group_index is on {group_index.device}, values on {values.device}")
         if values.numel() == 0:
@@ -61,10 +66,10 @@ def normalize_grouped(values: torch.Tensor, group_index: torch.Tensor, *, std_mo
                                               return_counts=True)
     num_groups = group_ids.numel()
     sizes = counts.to(dtype)
-    group_mean = torch.zeros(num_groups, dtype=dtype, device=vals.device).index_add_(0, inverse, vals) / sizes
+    zeros = torch.zeros(num_groups, dtype=dtype, device=vals.device)
+    group_mean = zeros.index_add(0, inverse, vals) / sizes
     centered = vals - group_mean[inverse]
-    group_var = torch.zeros(num_groups, dtype=dtype, device=vals.device).index_add_(
-        0, inverse, centered * centered) / sizes
+    group_var = zeros.index_add(0, inverse, centered * centered) / sizes
     group_std = group_var.sqrt()
     batch_std = vals.std(correction=0)
     if std_mode == "group":

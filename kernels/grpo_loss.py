@@ -14,29 +14,34 @@ import torch
 
 def _problems(log_prob, old_log_prob, advantages, eps, eps_high) -> list[str]:
     problems = []
-    for name, t in (("log_prob", log_prob), ("old_log_prob", old_log_prob), ("advantages", advantages)):
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            problems.append(f"{name} must be a floating tensor, got "
-                            f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
-    for name, value in (("eps", eps), ("eps_high", eps_high)):
+    for name, value, upper in (("eps", eps, 1.0), ("eps_high", eps_high, None)):
         if value is None and name == "eps_high":
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             problems.append(f"{name} must be a finite python float, got {value!r}")
-        elif value <= 0 or (name == "eps" and value >= 1):
-            problems.append(f"{name} must be in (0, 1) for eps and > 0 for eps_high, got {value}")
-    if problems:
+        elif value <= 0 or (upper is not None and value >= upper):
+            bound = f"in (0, {upper:g})" if upper else "> 0"
+            problems.append(f"{name} must be {bound}, got {value}")
+    tensors_ok = True
+    for name, t in (("log_prob", log_prob), ("old_log_prob", old_log_prob), ("advantages", advantages)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            tensors_ok = False
+            problems.append(f"{name} must be a floating tensor, got "
+                            f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if not tensors_ok:
         return problems
     if log_prob.dim() != 2 or log_prob.numel() == 0:
         problems.append(f"log_prob must be a non-empty [B, S] matrix, got shape {tuple(log_prob.shape)}")
     if old_log_prob.shape != log_prob.shape:
-        problems.append(f"old_log_prob has shape {tuple(old_log_prob.shape)}, expected {tuple(log_prob.shape)}")
+        problems.append(f"old_log_prob has shape {tuple(old_log_prob.shape)}, "
+                        f"expected {tuple(log_prob.shape)}")
     if log_prob.dim() == 2 and advantages.shape not in (log_prob.shape[:1], log_prob.shape):
         problems.append(f"advantages must have shape [B]={tuple(log_prob.shape[:1])} or "
                         f"[B, S]={tuple(log_prob.shape)}, got {tuple(advantages.shape)}")
     devices = {t.device for t in (log_prob, old_log_prob, advantages)}
     if len(devices) > 1:
-        problems.append(f"log_prob, old_log_prob and advantages must share a device, got {sorted(map(str, devices))}")
+        problems.append("log_prob, old_log_prob and advantages must share a device, got "
+                        f"{sorted(map(str, devices))}")
     return problems
 
 

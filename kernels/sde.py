@@ -65,9 +65,16 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+_SDE_TRITON = None
+
+
 def _triton_module():
-    from . import sde_triton  # lazy: decorating the kernels reads TRITON_INTERPRET
-    return sde_triton
+    """kernels.sde_triton, imported on first use: decorating its kernels reads TRITON_INTERPRET."""
+    global _SDE_TRITON
+    if _SDE_TRITON is None:
+        from . import sde_triton
+        _SDE_TRITON = sde_triton
+    return _SDE_TRITON
 
 
 def _sample_list(mask: torch.Tensor, values: torch.Tensor) -> str:
@@ -89,7 +96,9 @@ def _sigma_value_problems(sigma, sigma_next, batch: int, device, *, sde_type: st
         (s >= 1.0) & (replay and stochastic and sde_type == "sde"),
         (sn == 0.0) & (replay and stochastic and sde_type == "cps"),
     ])
-    masks, s, sn = masks.cpu(), s.cpu(), sn.cpu()  # NOTE: host sync for device tensors
+    # NOTE: the one host sync of validation (one copy holds the flags and the values to report)
+    on_host = torch.cat([masks.to(torch.float64), s[None], sn[None]]).cpu()
+    masks, s, sn = on_host[:4].bool(), on_host[4], on_host[5]
     if not masks.any():
         return []
     problems = []
@@ -120,7 +129,8 @@ def check_step_inputs(op: str, named: list[tuple[str, object]], sigma, sigma_nex
     if not eta_ok or eta < 0:
         problems.append(f"eta must be a finite python float >= 0, got {eta!r}")
     elif sde_type == "cps" and eta > 1:
-        problems.append(f"sde_type='cps' needs eta in [0, 1] (std_dev_t = sigma_next*sin(eta*pi/2)), got {eta}")
+        problems.append("sde_type='cps' needs eta in [0, 1] (std_dev_t = sigma_next*sin(eta*pi/2)), "
+                        f"got {eta}")
     if replay and eta_ok and sde_type in SDE_TYPES and is_deterministic(eta, sde_type):
         problems.append("the log-prob is undefined for the deterministic ODE step (sde_type='ode' or "
                         "eta == 0): there is no noise, hence no density")
@@ -138,7 +148,8 @@ def check_step_inputs(op: str, named: list[tuple[str, object]], sigma, sigma_nex
         if t.dtype not in _FLOAT_DTYPES:
             problems.append(f"{name} must be float32, bfloat16, float16 or float64, got {t.dtype}")
         if t.shape != ref.shape:
-            problems.append(f"{name} has shape {tuple(t.shape)}, expected {tuple(ref.shape)} (like {ref_name})")
+            problems.append(f"{name} has shape {tuple(t.shape)}, expected {tuple(ref.shape)} "
+                            f"(like {ref_name})")
         if t.device != device:
             problems.append(f"{name} is on {t.device}, expected {device} (like {ref_name})")
     sigmas_ok = True
@@ -166,7 +177,8 @@ def check_step_inputs(op: str, named: list[tuple[str, object]], sigma, sigma_nex
             if any(isinstance(t, torch.Tensor) and t.dtype == torch.float64 for _, t in named):
                 problems.append("backend='triton' computes in fp32; use backend='torch' for float64 inputs")
             if batch > _MAX_GRID_Y:
-                problems.append(f"backend='triton' supports at most {_MAX_GRID_Y} samples per call, got {batch}")
+                problems.append(f"backend='triton' supports at most {_MAX_GRID_Y} samples per call, "
+                                f"got {batch}")
 
     if not problems and sigmas_ok and validate and eta_ok:
         problems += _sigma_value_problems(sigma, sigma_next, batch, device, sde_type=sde_type,
@@ -178,7 +190,8 @@ def check_step_inputs(op: str, named: list[tuple[str, object]], sigma, sigma_nex
 
 def _flat(t: torch.Tensor, batch: int) -> torch.Tensor:
     """``[B, N]`` contiguous and 16-byte aligned (see kernels/sde_triton.py on determinism)."""
-    t = t.reshape(batch, -1).contiguous()
+    if t.dim() != 2 or not t.is_contiguous():
+        t = t.reshape(batch, -1).contiguous()
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
@@ -216,7 +229,7 @@ def sde_step(x: torch.Tensor, v: torch.Tensor, sigma, sigma_next, *, eta: float,
     batch = x.shape[0]
     prev, log_prob, mean, std = tri.sde_step(
         _flat(x, batch), _flat(v, batch), None if deterministic else _flat(noise, batch),
-        sigma, sigma_next, tri.StepParams(sde_type, float(eta)), x.dtype)
+        sigma, sigma_next, tri.step_params(sde_type, float(eta)), x.dtype)
     return SDEStepOutput(prev.view(x.shape), log_prob, mean.view(x.shape), std)
 
 
@@ -237,7 +250,7 @@ def sde_log_prob(x: torch.Tensor, v: torch.Tensor, prev_sample: torch.Tensor, si
     tri = _triton_module()
     batch = x.shape[0]
     return tri.sde_log_prob(_flat(x.detach(), batch), _flat(v, batch), _flat(prev_sample.detach(), batch),
-                            sigma, sigma_next, tri.StepParams(sde_type, float(eta)))
+                            sigma, sigma_next, tri.step_params(sde_type, float(eta)))
 
 
 def sde_kl(v: torch.Tensor, v_ref: torch.Tensor, sigma, sigma_next, *, eta: float,

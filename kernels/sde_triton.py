@@ -21,8 +21,9 @@ Design choices:
   sample's log-prob does not depend on what it was batched with. For the same reason every tensor
   reaches the kernels 16-byte aligned (misaligned views are copied): Triton specialises on pointer
   alignment, and another specialisation could sum in another order.
-- The elementwise kernels (sampling, backward) are autotuned over a few BLOCK sizes on CUDA (their
-  result does not depend on the tiling); under the interpreter a single large BLOCK is used.
+- The elementwise kernels (sampling, backward) are tuned over a few (BLOCK, num_warps) on CUDA the
+  first time a shape is seen (their result does not depend on the tiling); under the interpreter a
+  single large BLOCK is used.
 - The backward saves nothing but the inputs: it recomputes ``mean`` from x, v and prev_sample and
   writes ``dv = g * b * (prev - mean) / (var * N)`` in one pass.
 - The workspace (partials + counters) is cached per device and stream. The last program leaves
@@ -33,7 +34,8 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 import triton
@@ -67,6 +69,7 @@ class ReductionConfig:
         return triton.cdiv(n, self.block * self.tiles)
 
 
+@lru_cache(maxsize=256)
 def reduction_config(n: int, block: int | None = None, tiles: int = 1,
                      num_warps: int | None = None) -> ReductionConfig:
     """Default forward tiling for ``N`` elements per sample.
@@ -81,11 +84,47 @@ def reduction_config(n: int, block: int | None = None, tiles: int = 1,
     return ReductionConfig(block, tiles, num_warps, min(1024, triton.next_power_of_2(chunks)))
 
 
-def _elementwise_configs() -> list[triton.Config]:
-    if INTERPRET:
-        return [triton.Config({"BLOCK": 4096}, num_warps=4)]
-    return [triton.Config({"BLOCK": block}, num_warps=warps)
-            for block in (1024, 2048, 4096) for warps in (4, 8)]
+# Candidate (BLOCK, num_warps) of the elementwise kernels, timed once per key on CUDA for
+# samples of at least TUNE_MIN_N elements; smaller ones are launch-bound and take the default
+# (which also spares tests on a GPU from compiling every candidate).
+ELEMENTWISE_CONFIGS = tuple((block, warps) for block in (1024, 2048, 4096) for warps in (4, 8))
+DEFAULT_ELEMENTWISE_CONFIG = (2048, 8)  # one 16-byte load per bf16 tensor and thread
+TUNE_MIN_N = 1 << 16
+_INTERPRETER_CONFIG = (4096, 4)  # one large block: the interpreter's cost is per program
+_TUNED: dict[tuple, tuple[int, int]] = {}
+
+
+def _launch_elementwise(kernel, key: tuple, n: int, batch: int, args: tuple, constexprs: dict) -> None:
+    """Launch on a ``(cdiv(N, BLOCK), B)`` grid with the fastest (BLOCK, num_warps) for ``key``.
+
+    NOTE: this replaces ``triton.autotune``, whose per-call dispatch (argument dicts, dtype
+    strings, knob look-ups) measured 57 us against 4.7 us for a ``torch.empty`` on the 2-core CI
+    box: an order of magnitude more than the launch budget of the 8 x 36,864 case. Here a cached
+    call costs one dict look-up. The first call per key times every candidate (the kernels are
+    idempotent), so warm a shape up before capturing it in a CUDA graph.
+    """
+    config = _TUNED.get(key)
+    if config is None:
+        if INTERPRET:
+            config = _INTERPRETER_CONFIG
+        elif n < TUNE_MIN_N:
+            config = DEFAULT_ELEMENTWISE_CONFIG
+        else:
+            config = _fastest(kernel, n, batch, args, constexprs)
+        _TUNED[key] = config
+    block, warps = config
+    kernel[(triton.cdiv(n, block), batch)](*args, BLOCK=block, num_warps=warps, **constexprs)
+
+
+def _fastest(kernel, n, batch, args, constexprs) -> tuple[int, int]:
+    from triton.testing import do_bench
+    timings = {}
+    for block, warps in ELEMENTWISE_CONFIGS:
+        grid = (triton.cdiv(n, block), batch)
+        timings[block, warps] = do_bench(
+            lambda: kernel[grid](*args, BLOCK=block, num_warps=warps, **constexprs),
+            warmup=5, rep=20, return_mode="median")
+    return min(timings, key=timings.get)
 
 
 # ---------------------------------------------------------------------------------- device code
@@ -194,7 +233,6 @@ def _sde_log_prob_fwd_kernel(
         tl.store(count_ptr + b, 0)  # leave the workspace ready for the next launch
 
 
-@triton.autotune(configs=_elementwise_configs(), key=["N"])
 @triton.jit
 def _sde_log_prob_bwd_kernel(
         x_ptr, v_ptr, prev_ptr, grad_ptr, grad_stride, dv_ptr,
@@ -221,7 +259,6 @@ def _sde_log_prob_bwd_kernel(
     tl.store(dv_ptr + row + offs, _cast_for_store(dv_ptr, scale * resid), mask=mask)
 
 
-@triton.autotune(configs=_elementwise_configs(), key=["N"])
 @triton.jit
 def _sde_sample_kernel(
         x_ptr, v_ptr, noise_ptr, prev_ptr, mean_ptr, std_ptr,
@@ -260,14 +297,18 @@ class StepParams:
     """Everything about a transition except the tensors: the kernels' scalar arguments."""
     sde_type: str
     eta: float
+    code: int = field(init=False)  # SDE_TYPE constexpr; eta == 0 is the ODE step for every type
+    scalars: tuple[float, float, float] = field(init=False)  # eta^2, sin(eta pi/2), cos(eta pi/2)
 
-    @property
-    def code(self) -> int:
-        return 0 if self.eta == 0.0 else SDE_TYPE_CODES[self.sde_type]
-
-    def scalars(self) -> tuple[float, float, float]:
+    def __post_init__(self):
         half_angle = self.eta * math.pi / 2.0
-        return self.eta * self.eta, math.sin(half_angle), math.cos(half_angle)
+        object.__setattr__(self, "code", 0 if self.eta == 0.0 else SDE_TYPE_CODES[self.sde_type])
+        object.__setattr__(self, "scalars", (self.eta * self.eta, math.sin(half_angle), math.cos(half_angle)))
+
+
+@lru_cache(maxsize=64)
+def step_params(sde_type: str, eta: float) -> StepParams:
+    return StepParams(sde_type, eta)
 
 
 def _sigma_args(sigma, batch: int, dummy: torch.Tensor) -> tuple[tuple, bool]:
@@ -307,7 +348,7 @@ def log_prob_forward(x: torch.Tensor, v: torch.Tensor, prev: torch.Tensor, sigma
     sig, sig_is_tensor = _sigma_args(sigma, batch, x)
     sign, sign_is_tensor = _sigma_args(sigma_next, batch, x)
     _sde_log_prob_fwd_kernel[(num_chunks, batch)](
-        x, v, prev, *sig, *sign, partials, counts, out, n, num_chunks, *params.scalars(),
+        x, v, prev, *sig, *sign, partials, counts, out, n, num_chunks, *params.scalars,
         SDE_TYPE=params.code, SIG_TENSOR=sig_is_tensor, SIGN_TENSOR=sign_is_tensor,
         BLOCK=cfg.block, TILES=cfg.tiles, BLOCK_P=cfg.block_partials,
         LOG_SQRT_TWO_PI=LOG_SQRT_2PI, num_warps=cfg.num_warps)
@@ -321,11 +362,11 @@ def log_prob_backward(x, v, prev, grad: torch.Tensor, sigma, sigma_next,
     grad = grad.reshape(-1)
     sig, sig_is_tensor = _sigma_args(sigma, batch, x)
     sign, sign_is_tensor = _sigma_args(sigma_next, batch, x)
-    grid = lambda meta: (triton.cdiv(n, meta["BLOCK"]), batch)  # noqa: E731
-    _sde_log_prob_bwd_kernel[grid](
-        x, v, prev, grad, grad.stride(0) if grad.numel() > 1 else 0, dv, *sig, *sign,
-        n, *params.scalars(),
-        SDE_TYPE=params.code, SIG_TENSOR=sig_is_tensor, SIGN_TENSOR=sign_is_tensor)
+    constexprs = dict(SDE_TYPE=params.code, SIG_TENSOR=sig_is_tensor, SIGN_TENSOR=sign_is_tensor)
+    args = (x, v, prev, grad, grad.stride(0) if grad.numel() > 1 else 0, dv, *sig, *sign,
+            n, *params.scalars)
+    key = ("bwd", n, x.dtype, v.dtype, prev.dtype)
+    _launch_elementwise(_sde_log_prob_bwd_kernel, key, n, batch, args, constexprs)
     return dv
 
 
@@ -369,10 +410,10 @@ def sde_step(x, v, noise, sigma, sigma_next, params: StepParams, out_dtype: torc
     sig, sig_is_tensor = _sigma_args(sigma, batch, x)
     sign, sign_is_tensor = _sigma_args(sigma_next, batch, x)
     has_noise = params.code != 0
-    grid = lambda meta: (triton.cdiv(n, meta["BLOCK"]), batch)  # noqa: E731
-    _sde_sample_kernel[grid](
-        x, v, noise if has_noise else x, prev, mean, std, *sig, *sign, n, *params.scalars(),
-        SDE_TYPE=params.code, SIG_TENSOR=sig_is_tensor, SIGN_TENSOR=sign_is_tensor,
-        HAS_NOISE=has_noise)
+    constexprs = dict(SDE_TYPE=params.code, SIG_TENSOR=sig_is_tensor, SIGN_TENSOR=sign_is_tensor,
+                      HAS_NOISE=has_noise)
+    args = (x, v, noise if has_noise else x, prev, mean, std, *sig, *sign, n, *params.scalars)
+    key = ("sample", n, x.dtype, v.dtype, out_dtype, noise.dtype if has_noise else None)
+    _launch_elementwise(_sde_sample_kernel, key, n, batch, args, constexprs)
     log_prob = log_prob_forward(x, v, prev, sigma, sigma_next, params, config) if has_noise else None
     return prev, log_prob, mean, std

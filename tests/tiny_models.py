@@ -24,13 +24,11 @@ from pathlib import Path
 
 import torch
 
+from trainer.models import ADAPTERS
+
 FAMILIES = ("qwen_image", "sd3", "flux")
 TINY_HEIGHT, TINY_WIDTH = 32, 32
-ADAPTER_PATHS = {
-    "qwen_image": "trainer.models.qwen_image.QwenImageAdapter",
-    "sd3": "trainer.models.sd3.SD3Adapter",
-    "flux": "trainer.models.flux.FluxAdapter",
-}
+ADAPTER_PATHS = {family: ADAPTERS[family] for family in FAMILIES}  # dotpath of each family's adapter
 
 # Text the tiny T5 / Qwen2 tokenizers are trained on (their vocabularies come from it).
 _CORPUS = [

@@ -125,6 +125,9 @@ class TrainConfig:
     adam_eps: float = _f(1e-8, "--adam-eps", "AdamW eps.")
     clip_grad: float = _f(1.0, "--clip-grad", "Grad-norm clip before each optimizer step.")
     seed: int = _f(0, "--seed", "Seed of model init (LoRA) and everything not sampling.")
+    anchor: str = _f("replay", "--train-anchor",
+                     "pi_old source: 'replay' (actor's own no-grad replay before any optimizer "
+                     "step: first ratio exactly 1) or 'engine' (the engine's recorded log-probs).")
 
 
 @dataclass
@@ -166,6 +169,8 @@ class WeightSyncConfig:
     backend: str = _f("auto", "--weight-sync-backend", "auto | cuda | shm.")
     timeout_s: float = _f(120.0, "--weight-sync-timeout", "Bound on every wait of a sync.")
     max_retries: int = _f(1, "--weight-sync-max-retries", "Retries of a failed sync.")
+    verify_engine_checksum: bool = _f(True, "--weight-sync-verify-checksum",
+                                      "Cross-check the engine's weights checksum after commit.")
 
 
 @dataclass

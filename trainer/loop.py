@@ -158,11 +158,15 @@ class Trainer:
         metrics["reward/failed_groups"] = float(len(failed))
         return adv, metrics
 
-    def forward_backward_step(self, mb, adv: torch.Tensor, scale: float) -> dict[str, torch.Tensor]:
+    def forward_backward_step(self, mb, adv: torch.Tensor, scale: float,
+                              anchor: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """One micro-batch. ``anchor`` is pi_old for these rows; None means "this forward is
+        itself the anchor" (an update-0 micro-batch: no optimizer step has happened yet)."""
         t = self.cfg.train
         with nvtx_range("train/replay"):
             logp = replay_log_probs(self.adapter, self.model, mb)
-        old = mb.log_probs.to(logp.device)
+        engine_logp = mb.log_probs.to(logp.device)
+        old = logp.detach() if anchor is None else anchor.to(logp.device)
         adv = adv.to(logp.device)
         loss, stats = kernels.grpo_clip_loss(logp, old, adv, eps=t.eps_clip,
                                              eps_high=t.eps_clip_high)
@@ -173,7 +177,8 @@ class Trainer:
         with nvtx_range("train/backward"):
             (loss * scale).backward()
         stats["loss"] = loss.detach()
-        stats["logp_parity"] = (logp.detach() - old).abs().max()
+        if anchor is None:  # replay vs the engine's own sampling log-prob, same weights
+            stats["logp_parity"] = (logp.detach() - engine_logp).abs().max()
         return stats
 
     def _kl_to_reference(self, mb) -> torch.Tensor:
@@ -204,6 +209,7 @@ class Trainer:
             return {"train/optimizer_steps": 0.0, "train/optimizer_skips": float(len(plan.updates)),
                     "train/num_microbatches": float(plan.num_micro_batches)}
         self.model.train()
+        anchors = self._anchors(batch, plan)
         sums: dict[str, list[torch.Tensor]] = {}
         grad_norms, skips, first_ratio, lr = [], 0, None, lr_at_step(self.lr_steps, cfg)
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -211,7 +217,9 @@ class Trainer:
             update_size = sum(len(m) for m in micro_batches)
             for rows in micro_batches:
                 stats = self.forward_backward_step(batch.select(rows), advantages[rows],
-                                                   len(rows) / update_size)
+                                                   len(rows) / update_size,
+                                                   None if u == 0 and self.cfg.train.anchor
+                                                   == "replay" else anchors[rows])
                 if u == 0 and first_ratio is None:
                     first_ratio = stats["ratio_mean"]
                 for k, v in stats.items():
@@ -234,7 +242,8 @@ class Trainer:
         out = {f"train/{k}": torch.stack(v).mean() for k, v in sums.items()}
         out["train/ratio_max"] = torch.stack(sums["ratio_max"]).max()
         out["train/ratio_min"] = torch.stack(sums["ratio_min"]).min()
-        out["train/logp_parity"] = torch.stack(sums["logp_parity"]).max()
+        if "logp_parity" in sums:
+            out["train/logp_parity"] = torch.stack(sums["logp_parity"]).max()
         out["train/first_update_ratio_mean"] = first_ratio
         out["train/grad_norm"] = torch.stack(grad_norms).mean()
         out = {k: float(v) for k, v in out.items()}  # NOTE: one host sync for all of them
@@ -242,6 +251,25 @@ class Trainer:
                     "train/optimizer_skips": float(skips),
                     "train/num_microbatches": float(plan.num_micro_batches)})
         return out
+
+    def _anchors(self, batch, plan) -> torch.Tensor | None:
+        """pi_old for every row, frozen before the first optimizer step (spec).
+
+        --train-anchor replay (default): the actor's own no-grad replay of updates 1.. (update
+        0's grad forward doubles as its anchor), so the first update's ratio is exactly 1
+        whatever the numerics of the engine's batch shapes; costs one no-grad forward for
+        (U-1)/U of the samples. --train-anchor engine: the engine's recorded log-probs (no extra
+        forward; the ratio then starts within train/logp_parity of 1).
+        """
+        if self.cfg.train.anchor == "engine":
+            return batch.log_probs
+        anchors = torch.zeros_like(batch.log_probs)
+        with torch.no_grad(), nvtx_range("train/anchor"):
+            for micro_batches in plan.updates[1:]:
+                for rows in micro_batches:
+                    anchors[rows] = replay_log_probs(self.adapter, self.model,
+                                                     batch.select(rows)).float().cpu()
+        return anchors
 
     def _all_ranks_degenerate(self, advantages: torch.Tensor) -> bool:
         flag = torch.tensor([float(advantages.abs().max() > 0)], dtype=torch.float64,
@@ -281,6 +309,13 @@ class Trainer:
                                            else "full", scaling=scaling, first=first)
                     stats = self.sender.sync(version, payload,
                                              mode="full" if first and mode == "adapter" else mode)
+                if cfg.weight_sync.verify_engine_checksum:
+                    with self.timer.stage("weight_sync/verify"):
+                        got = self.engine.checksum()
+                    if got != stats.checksum:
+                        raise ipc.WeightSyncError(
+                            "post-write", [f"engine checksum {got} != sent {stats.checksum} "
+                                           "after commit"], version)
                 self.policy_version = version
                 return {"weight_sync/seconds": float(getattr(stats, "seconds", 0.0)),
                         "train/weight_sync_gb": float(getattr(stats, "bytes", 0)) / 1e9,

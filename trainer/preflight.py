@@ -355,6 +355,7 @@ def _check_geometry(c: _Checker) -> None:
     mb_ok = c.at_least("train.micro_batch_size", t.micro_batch_size, 1)
     c.at_least("train.num_rollouts", t.num_rollouts, 1)
     c.one_of("train.advantage_estimator", t.advantage_estimator, ("grpo",))
+    c.one_of("train.anchor", t.anchor, ("replay", "engine"))
     if t.num_updates_per_batch == 1:
         c.warn(f"{_key('train.num_updates_per_batch')}=1: the ratio is 1 throughout, so with "
                f"group-centred advantages the clipped loss is 0 by construction; use >= 2")

@@ -109,7 +109,8 @@ def convert_pickapic(input_path: str, *, task: str, id_prefix: str | None,
                      prompt_column: str | None, stats: dict[str, int],
                      problems: list[str]) -> Iterator[dict[str, Any]]:
     files = _input_files(input_path, PARQUET_SUFFIXES)
-    rows = ((value, {}) for path in files for value in _parquet_column(path, prompt_column or "caption"))
+    column = prompt_column or "caption"
+    rows = ((value, {}) for path in files for value in _parquet_column(path, column))
     return _emit(rows, task=task, id_prefix="pickapic_" if id_prefix is None else id_prefix,
                  stats=stats)
 
@@ -156,6 +157,7 @@ def prepare(*, source: str, input_path: str, output: str, task: str = "t2i",
                             f"and {index + 1} of the output")
         ids.setdefault(sample_id, index)
     if problems:
-        raise PrepareError(f"{len(problems)} problem(s) in {input_path}:\n  " + "\n  ".join(problems))
+        raise PrepareError(f"{len(problems)} problem(s) in {input_path}:\n  "
+                           + "\n  ".join(problems))
     write_jsonl(output, records)
     return stats

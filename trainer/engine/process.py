@@ -102,7 +102,12 @@ def launch_embedded_engine(*, adapter_path: str, model_path: str, adapter_option
         if time.monotonic() > deadline:
             proc.terminate()
             raise EngineError(f"engine did not become ready within {startup_timeout_s:.0f} s")
-    status, payload = parent.recv()
+    try:
+        status, payload = parent.recv()
+    except EOFError:
+        proc.join(30)
+        raise EngineError(f"engine process exited during startup (exit code {proc.exitcode}); "
+                          "see its stderr") from None
     if status != "ready":
         proc.join(30)
         raise_remote(payload)

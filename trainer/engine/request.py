@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -128,7 +129,7 @@ def parse_generate_request(adapter: GenerativeModelAdapter, request: Any) -> Gen
         sample_ids = [f"seed:{seed}:{k}" for k in range(len(prompts))]
     elif prompts and len(sample_ids) != len(prompts):
         problems.append(f"{len(sample_ids)} sample ids for {len(prompts)} prompts (one per candidate)")
-    dupes = sorted({s for s in sample_ids if sample_ids.count(s) > 1})
+    dupes = sorted(s for s, c in Counter(sample_ids).items() if c > 1)
     if dupes:
         problems.append(f"duplicate sample ids {dupes[:5]}: their candidates would be identical")
 

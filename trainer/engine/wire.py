@@ -11,8 +11,6 @@ from __future__ import annotations
 import base64
 from typing import Any
 
-import torch
-
 from trainer.models.schema import TENSOR_TAG, decode_tensor, to_jsonable
 
 __all__ = ["to_wire", "from_wire"]
@@ -41,7 +39,3 @@ def from_wire(obj: Any) -> Any:
     if isinstance(obj, list):
         return [from_wire(v) for v in obj]
     return obj
-
-
-def is_tensor_list(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(v, torch.Tensor) for v in value)

@@ -198,6 +198,10 @@ class DiffusersAdapter(GenerativeModelAdapter):
 
     def _cast_inputs(self, transformer: nn.Module, latents: torch.Tensor,
                      conditions: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.dtype]:
+        """Inputs in the transformer's dtype and contiguous. NOTE: layout changes the bits: a
+        bf16 CPU forward of a strided view (``batch.latents[:, s]``) differed in the last bit
+        from the same values contiguous, which broke replay == recorded; a copy of an already
+        contiguous tensor is free."""
         dtype = module_dtype(transformer)
-        cast = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in conditions.items()}
+        cast = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in conditions.items()}
         return latents.to(dtype), cast, dtype

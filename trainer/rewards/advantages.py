@@ -1,28 +1,29 @@
 """GRPO advantages from several reward components (spec: step 3 of "一个训练步", "奖励").
 
-Each weighted component is normalised within its prompt group, then the normalised components
-are summed with their weights:
+Each weighted component is normalised within its prompt group by ``kernels.normalize_grouped``
+(the one implementation of the maths: population stds, ``std + eps``, groups with variance
+under 1e-6 zeroed), then the normalised components are summed with their weights:
 
     A_i = sum_c w_c * (r_ci - mean_{j in g(i)} r_cj) / (std_c + eps)
 
 std_mode ``group``: std_c is the std of group g(i) (Relax / text GRPO); ``batch``: the std of
-the component over the whole batch (the Flow-GRPO reference code's ``global_std``); ``none``:
-no division (Dr. GRPO: mean-centring only).
+the component over the batch (the Flow-GRPO reference code's ``global_std``); ``none``: no
+division (Dr. GRPO: mean-centring only).
 
 Design choices where the spec is silent:
 
-* stds are population stds (ddof 0, as numpy in the reference code); eps = 1e-4 as there.
 * A required component that is absent fails every group; a non-finite value fails the group
   it is in. Failed groups get advantage 0, are listed in ``failed_groups``, are logged, and are
-  left out of the normalisation statistics and of the advantage metrics.
+  left out of the normalisation (including the batch std) and of the advantage metrics.
 * A weighted component that is not required may have gaps: a non-finite value contributes 0
   to that sample's advantage and is left out of its group's statistics; if the component is
   absent altogether it contributes nothing (a warning says so).
 * No weights at all means weight 1 for every component given.
-* A group is degenerate when every weighted component varies by less than variance 1e-6 in it
-  (no signal to rank its candidates); such groups are counted, not dropped: their centred
-  values are already about 0. ``reward/degenerate`` is 1 when the variance of the advantages
-  over the batch falls under 1e-6, the spec's definition.
+* ``reward/degenerate_groups`` counts groups in which every weighted component is degenerate
+  (no signal to rank the candidates: their advantages are all 0); ``reward/degenerate`` is 1
+  when the variance of the advantages over the batch falls under 1e-6, the spec's definition.
+* ``reward/group_std_mean`` is the mean over groups of the std of the weighted raw reward
+  ``sum_c w_c r_c`` (the plain reward's group std when there is one component).
 * Statistics are computed in float64 on the tensors' device; advantages come back fp32.
 """
 from __future__ import annotations
@@ -33,23 +34,10 @@ import warnings
 
 import torch
 
-STD_MODES: tuple[str, ...] = ("group", "batch", "none")
-DEGENERATE_VARIANCE = 1e-6
+from kernels import normalize_grouped
+from kernels.advantages import DEGENERATE_VARIANCE, STD_MODES
 
 log = logging.getLogger(__name__)
-
-
-def _group_moments(values: torch.Tensor, mask: torch.Tensor, inverse: torch.Tensor,
-                   num_groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-group (count, mean, population variance) over the samples where ``mask`` holds."""
-    weight = mask.to(values.dtype)
-    x = torch.where(mask, values, torch.zeros_like(values))
-    count = torch.zeros(num_groups, dtype=values.dtype, device=values.device).index_add_(0, inverse, weight)
-    total = torch.zeros_like(count).index_add_(0, inverse, x)
-    mean = total / count.clamp_min(1)
-    dev = torch.where(mask, x - mean[inverse], torch.zeros_like(x))
-    var = torch.zeros_like(count).index_add_(0, inverse, dev * dev) / count.clamp_min(1)
-    return count, mean, var
 
 
 def _stats(values: torch.Tensor) -> tuple[float, float, float, float]:
@@ -74,7 +62,8 @@ def _check(components, group_index, weights, required, std_mode) -> int:
     for name, values in components.items():
         if not isinstance(values, torch.Tensor) or values.dim() != 1 or \
                 (batch is not None and values.shape[0] != batch):
-            shape = list(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
+            shape = list(values.shape) if isinstance(values, torch.Tensor) \
+                else type(values).__name__
             problems.append(f"component {name!r} must be a [{batch}] tensor, got {shape}")
     for name, weight in weights.items():
         if not isinstance(weight, (int, float)) or not math.isfinite(weight):
@@ -90,8 +79,12 @@ def _check(components, group_index, weights, required, std_mode) -> int:
 
 def compute_advantages(components: dict[str, torch.Tensor], group_index: torch.Tensor, *,
                        weights: dict[str, float], required: list[str], std_mode: str = "group",
-                       eps: float = 1e-4) -> tuple[torch.Tensor, dict[str, float], list[int]]:
-    """-> (advantages fp32 [B], metrics, failed group ids). See the module docstring."""
+                       eps: float | None = None
+                       ) -> tuple[torch.Tensor, dict[str, float], list[int]]:
+    """-> (advantages fp32 [B], metrics, failed group ids). See the module docstring.
+
+    ``eps`` None uses normalize_grouped's own default.
+    """
     _check(components, group_index, weights, required, std_mode)
     device = group_index.device
     groups, inverse = torch.unique(group_index, return_inverse=True)
@@ -116,25 +109,23 @@ def compute_advantages(components: dict[str, torch.Tensor], group_index: torch.T
     advantages = torch.zeros(inverse.shape[0], dtype=torch.float64, device=device)
     combined_raw = torch.zeros_like(advantages)
     low_variance = torch.ones(num_groups, dtype=torch.bool, device=device)
-    absent = [c for c in weights if c not in values]
+    absent = [c for c in weights if c not in values and c not in required]
     if absent:
         warnings.warn(f"compute_advantages: weighted components {absent} were not produced; "
                       "they contribute nothing this step", RuntimeWarning, stacklevel=2)
+    gi = group_index.to(torch.int64)
+    options = {"std_mode": std_mode} if eps is None else {"std_mode": std_mode, "eps": eps}
     for name, weight in weights.items():
         if name not in values:
             continue
         x = values[name]
         usable = torch.isfinite(x) & valid
-        _, mean, var = _group_moments(x, usable, inverse, num_groups)
-        low_variance &= var < DEGENERATE_VARIANCE
-        centred = x - mean[inverse]
-        if std_mode == "group":
-            centred = centred / (var.sqrt()[inverse] + eps)
-        elif std_mode == "batch":
-            pooled = x[usable]
-            batch_std = pooled.std(unbiased=False) if pooled.numel() else x.new_zeros(())
-            centred = centred / (batch_std + eps)
-        advantages += weight * torch.where(usable, centred, torch.zeros_like(centred))
+        if not usable.any():
+            continue
+        normalized, info = normalize_grouped(x[usable], gi[usable], **options)
+        advantages[usable] += weight * normalized.to(torch.float64)
+        signal = info["group_ids"][~info["degenerate"]]
+        low_variance &= ~torch.isin(groups, signal)
         combined_raw += weight * torch.where(usable, x, torch.zeros_like(x))
     advantages = torch.where(valid, advantages, torch.zeros_like(advantages))
 
@@ -152,14 +143,17 @@ def compute_advantages(components: dict[str, torch.Tensor], group_index: torch.T
                         f"reward/{name}_nonfinite": float(x.numel() - finite.numel())})
     kept = advantages[valid]
     adv_var = kept.var(unbiased=False).item() if kept.numel() else 0.0
-    _, _, raw_var = _group_moments(combined_raw, valid, inverse, num_groups)
     ok = ~failed
+    group_std_mean = 0.0
+    if valid.any():
+        _, raw = normalize_grouped(combined_raw[valid], gi[valid], std_mode="none")
+        group_std_mean = raw["group_std"].mean().item()
     metrics.update({
         "reward/advantage_mean": kept.mean().item() if kept.numel() else 0.0,
         "reward/advantage_std": math.sqrt(adv_var),
         "reward/num_groups": float(num_groups),
         "reward/failed_groups": float(len(failed_ids)),
-        "reward/group_std_mean": raw_var.sqrt()[ok].mean().item() if ok.any() else 0.0,
+        "reward/group_std_mean": group_std_mean,
         "reward/degenerate": float(adv_var < DEGENERATE_VARIANCE),
         "reward/degenerate_groups": float((low_variance & ok).sum().item()),
     })

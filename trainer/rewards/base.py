@@ -68,7 +68,8 @@ def load_object(dotpath: str, what: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"{what} {dotpath!r}: cannot import module {module_name!r} ({exc})") from exc
+        raise ValueError(f"{what} {dotpath!r}: cannot import module {module_name!r} "
+                         f"({exc})") from exc
     try:
         return getattr(module, attr)
     except AttributeError:
@@ -103,7 +104,8 @@ def check_score_inputs(images: Any, prompts: Sequence[str], metadata: Sequence[A
     return int(batch)
 
 
-def to_component_tensor(name: str, values: Any, batch: int, problems: list[str]) -> torch.Tensor | None:
+def to_component_tensor(name: str, values: Any, batch: int,
+                        problems: list[str]) -> torch.Tensor | None:
     """One scorer output -> CPU fp32 [B]; appends to ``problems`` instead of raising."""
     if isinstance(values, torch.Tensor):
         tensor = values.detach()

@@ -17,13 +17,14 @@ from PIL import Image
 from trainer.rewards.base import RewardScorer
 
 
-def jpeg_kilobytes(images: torch.Tensor, *, quality: int = 95, workers: int | None = None) -> torch.Tensor:
+def jpeg_kilobytes(images: torch.Tensor, *, quality: int = 95,
+                   workers: int | None = None) -> torch.Tensor:
     """uint8 [B, H, W, 3] -> fp32 [B]: JPEG size in kB (1000 bytes) at ``quality``."""
     arrays = images.detach().to("cpu").numpy()
 
     def encode(array: np.ndarray) -> float:
         buffer = io.BytesIO()
-        Image.fromarray(array, mode="RGB").save(buffer, format="JPEG", quality=quality)
+        Image.fromarray(array).save(buffer, format="JPEG", quality=quality)
         return buffer.tell() / 1000.0
 
     workers = workers or min(8, os.cpu_count() or 1, max(1, len(arrays)))

@@ -68,7 +68,7 @@ class RewardManager:
     def to(self, device: str | torch.device) -> "RewardManager":
         """Move local scorers' weights (e.g. to "cpu" while the actor trains, and back)."""
         for scorer in self.scorers:
-            if not isinstance(scorer, (RemoteScorer, FunctionScorer)):
+            if not isinstance(scorer, (RemoteScorer, FunctionScorer)) and hasattr(scorer, "to"):
                 scorer.to(device)
         return self
 

@@ -2,16 +2,18 @@
 
 The published processors (transformers' CLIPImageProcessor, open_clip's torchvision
 transforms) work image by image on the host. In the colocated runtime the decoded images
-already sit on the rollout GPU, so we read the processor's *configuration* with the library
-that owns it and apply the same recipe as one batched torch op there: resize the shortest edge
+already sit on the rollout GPU, so we read the processor's *configuration* (transformers'
+preprocessor_config.json, read as plain JSON because the processor classes moved between
+transformers 4 and 5; open_clip's model preprocess cfg) and apply the same recipe as one
+batched torch op there: resize the shortest edge
 (bicubic, antialiased, rounded to uint8 levels as PIL does), centre crop, rescale, normalise.
 
 Agreement with the libraries (tests check it): within one uint8 level per pixel (PIL works in
 fixed point), on either resize path.
-NOTE: measured on the 2-core CPU box, 384x384 -> 224x224 bicubic AA: PIL 10.9 ms per image,
-torch float32 11.0 ms, torch uint8 channels-last 3.4 ms; so on the CPU the resize runs on
-uint8 channels-last (torch's PIL-compatible fast path), on CUDA in float32 (there is no uint8
-bicubic kernel there).
+NOTE: measured on the shared 2-core CPU box (one thread, under load), 384x384 -> 224x224
+bicubic AA: PIL 15-18 ms per image, torch float32 14-19 ms, torch uint8 channels-last 4 ms; so
+on the CPU the resize runs on uint8 channels-last (torch's PIL-compatible fast path), on CUDA
+in float32 (there is no uint8 bicubic kernel there).
 """
 from __future__ import annotations
 

@@ -28,6 +28,7 @@ import io
 import json
 import math
 import socket
+import sys
 import threading
 import time
 import urllib.error
@@ -36,9 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Sequence
 
-import numpy as np
 import torch
-from PIL import Image
 
 from trainer.rewards.base import RewardError, RewardScorer, check_score_inputs
 
@@ -54,11 +53,13 @@ class RemoteRewardError(RewardError):
 def encode_png_base64(images: torch.Tensor, *, compress_level: int = 1) -> list[str]:
     """uint8 [B, H, W, 3] -> base64 PNG strings. Level 1: lossless either way, and the
     fastest zlib level (the payload is on a local network; encode time is on the step)."""
+    from PIL import Image
+
     arrays = images.detach().to("cpu").numpy()
 
-    def one(array: np.ndarray) -> str:
+    def one(array) -> str:
         buffer = io.BytesIO()
-        Image.fromarray(array, mode="RGB").save(buffer, format="PNG", compress_level=compress_level)
+        Image.fromarray(array).save(buffer, format="PNG", compress_level=compress_level)
         return base64.b64encode(buffer.getvalue()).decode("ascii")
 
     with ThreadPoolExecutor(max_workers=min(8, max(1, len(arrays)))) as pool:
@@ -67,12 +68,17 @@ def encode_png_base64(images: torch.Tensor, *, compress_level: int = 1) -> list[
 
 def decode_png_base64(payloads: Sequence[str]) -> torch.Tensor:
     """base64 PNG strings (one size) -> uint8 [B, H, W, 3]."""
+    import numpy as np
+    from PIL import Image
+
     arrays = [np.asarray(Image.open(io.BytesIO(base64.b64decode(p, validate=True))).convert("RGB"))
               for p in payloads]
     shapes = sorted({a.shape for a in arrays})
     if len(shapes) > 1:
         raise ValueError(f"images of different sizes in one request: {shapes}")
-    return torch.from_numpy(np.stack(arrays)) if arrays else torch.empty(0, 0, 0, 3, dtype=torch.uint8)
+    if not arrays:
+        return torch.empty(0, 0, 0, 3, dtype=torch.uint8)
+    return torch.from_numpy(np.stack(arrays))
 
 
 class RemoteScorer(RewardScorer):
@@ -206,6 +212,11 @@ class RewardServer(ThreadingHTTPServer):
         self.scorer = scorer
         self.lock = threading.Lock()  # a scorer's model is not re-entrant
         self._thread: threading.Thread | None = None
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            return  # the client gave up (its timeout) before the reply was written
+        super().handle_error(request, client_address)
 
     @property
     def url(self) -> str:

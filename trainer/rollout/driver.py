@@ -20,10 +20,12 @@ Design choices where the spec is silent:
   first_group_index * n``, so candidates differ by their position in the request.
 - Evaluation (``rollout_id=None``) writes under ``<root>/eval/<task>/rollout_<policy_version>``.
 - The engine's reported weight version must equal ``policy_version``: a mismatch means a
-  rollout from stale weights, which is raised rather than trained on.
+  rollout from stale weights, which is raised rather than trained on (an engine that reports
+  no version, such as a stock SGLang server, is not checked).
 """
 from __future__ import annotations
 
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -138,8 +140,7 @@ class RolloutDriver:
         n = n_samples_per_prompt
         sde = resolve_sde_indices(self.sampling, rollout_id=rollout_id)
         ids = self.sample_ids(records, n)
-        flat = [s for group in ids for s in group]
-        dupes = sorted({s for s in flat if flat.count(s) > 1})
+        dupes = sorted(s for s, c in Counter(s for group in ids for s in group).items() if c > 1)
         if dupes:
             raise ValueError(f"duplicate sample ids in one rollout {dupes[:5]} (sample_id_mode="
                              f"{self.sample_id_mode!r}): records share a prompt_id/sample_id")
@@ -155,6 +156,11 @@ class RolloutDriver:
                 prompts, [s for g in groups for s in ids[g]], self.sampling, rollout_id=rollout_id,
                 seed=req_seed, sde_indices=sde, group_index=[g for g in groups for _ in range(n)]))
 
+        # One weight checksum per engine per rollout, recorded in every candidate's manifest
+        # (spec: train_metadata carries the policy version, sampling fingerprint, weights hash).
+        checksums = {e: engine.checksum() for e, engine in enumerate(self.engines)} \
+            if directory is not None else {}
+        metadata = self._metadata(records, ids, n, policy_version, directory, checksums)
         bar = None
         if progress:
             from tqdm.auto import tqdm
@@ -162,7 +168,6 @@ class RolloutDriver:
             bar = tqdm(total=len(records), desc="rollout" if rollout_id is not None else "eval",
                        unit="group", leave=False)
         packed: list[RolloutBatch] = [None] * len(requests)  # type: ignore[list-item]
-        checksums: dict[int, str] = {}
         writes: list[Future] = []
         num_engines = len(self.engines)
         with nvtx_range("rollout"), ThreadPoolExecutor(num_engines, "rollout-engine") as pool, \
@@ -172,35 +177,36 @@ class RolloutDriver:
                 futures = {i: pool.submit(self._serve, self.engines[i % num_engines], requests[i])
                            for i in wave}
                 for i in wave:
-                    packed[i] = futures[i].result()
+                    packed[i], reported = futures[i].result()
+                    if reported is not None and reported != policy_version:
+                        raise RuntimeError(
+                            f"rollout at policy version {policy_version} got stale weights: engine "
+                            f"{i % num_engines} served version {reported} for groups {chunks[i]}")
+                    packed[i].policy_version, packed[i].rollout_id = int(policy_version), rollout_id
+                    packed[i].metadata = [metadata[g * n + s] for g in chunks[i] for s in range(n)]
                     if bar is not None:
                         bar.update(len(chunks[i]))
-                if directory is not None:
-                    for i in wave:
-                        engine_idx = i % num_engines
-                        if engine_idx not in checksums:
-                            checksums[engine_idx] = self.engines[engine_idx].checksum()
+                    if directory is not None:
                         writes.append(writer.submit(self._write_request, directory, packed[i],
-                                                    requests[i], chunks[i], n, checksums[engine_idx]))
+                                                    requests[i], chunks[i], n,
+                                                    checksums[i % num_engines]))
             for w in writes:
                 w.result()  # surface a failed write here, not silently
         if bar is not None:
             bar.close()
 
         batch = concat_batches(packed)
-        problems = [f"engine served policy version {b.policy_version} for groups {chunks[i]}"
-                    for i, b in enumerate(packed) if b.policy_version != policy_version]
-        if problems:
-            raise RuntimeError(f"rollout at policy version {policy_version} got stale weights: "
-                               + "; ".join(problems))
         batch.policy_version = int(policy_version)
         batch.rollout_id = rollout_id
-        batch.metadata = self._metadata(records, ids, n, policy_version, directory, checksums)
         return batch
 
-    def _serve(self, engine: Any, request: dict[str, Any]) -> RolloutBatch:
-        """One request on one engine; the adapter validates the answer (one error, all problems)."""
-        return self.adapter.pack_trajectory(engine.generate(request), request)
+    def _serve(self, engine: Any, request: dict[str, Any]) -> tuple[RolloutBatch, int | None]:
+        """One request on one engine; the adapter validates the answer (one error, all problems).
+        Also returns the weight version the engine reported (None: it reports none, e.g. a
+        stock SGLang server)."""
+        response = engine.generate(request)
+        reported = response.get("policy_version") if isinstance(response, dict) else None
+        return self.adapter.pack_trajectory(response, request), reported
 
     def _prepare_directory(self, rollout_id: int | None, policy_version: int,
                            write_artifacts: bool) -> Path | None:

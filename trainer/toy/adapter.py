@@ -1,163 +1,137 @@
 """ToyAdapter: the tiny pixel-space SD3-family model behind the real adapter contract.
 
-The shipped model (``trainer.toy.weights_dir()``) is a diffusers ``SD3Transformer2DModel`` whose
-latent is the image itself in [-1, 1] (``[3, H, W]``), conditioned on a tiny transformers
-``CLIPTextModel``: its last hidden states are the joint-attention context and its EOS-pooled
-output the pooled projection, the two inputs SD3 takes. The velocity convention is the
-rectified-flow one of diffusers' FlowMatchEulerDiscreteScheduler: x_sigma = (1 - sigma) x0 +
-sigma noise, v = noise - x0, and the transformer sees timestep = 1000 sigma, as in SD3.
+The toy model (``trainer.toy.weights_dir()``, written by ``trainer.toy.modeling``) is a diffusers
+``SD3Transformer2DModel`` whose latent is the image itself in [-1, 1] (``[3, H, W]``; the
+transformer patchifies it), conditioned on a tiny transformers ``CLIPTextModel``: its last
+hidden states are the joint-attention context and its EOS-pooled output the pooled projection,
+the two inputs SD3 takes. So everything but the text encoding and the decode is the SD3 path:
+the same ``DiffusersAdapter`` loading, block list, LoRA targets, engine-name map, schedule
+(the directory's own FlowMatchEulerDiscreteScheduler, shift 1) and timestep = 1000 sigma.
 
-Noise is a pure function of (seed, sample id[, step]) through a CPU ``torch.Generator`` seeded
-from sha256, drawn in fp32 and only then cast and moved: the same candidate gets the same x_T
-and step noise on any device, dtype, batch composition or rank.
+x_T and the SDE step noise come from the base class, i.e. the shared recipe of
+``trainer.models.noise`` (a CPU generator seeded from a hashlib digest of seed, sample id and
+stream): a toy candidate is bit-identical on any device, batch, rank or engine.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from trainer.models.base import GenerativeModelAdapter
+from trainer.models.diffusers_base import DiffusersAdapter, freeze
 
 
-def stable_seed(*parts: object) -> int:
-    """A 63-bit seed from sha256 of the parts joined by ':' (never Python's salted hash())."""
-    digest = hashlib.sha256(":".join(str(p) for p in parts).encode()).digest()
-    return int.from_bytes(digest[:8], "big") & ((1 << 63) - 1)
-
-
-def _seeded_normal(shape: Sequence[int], *parts: object) -> torch.Tensor:
-    gen = torch.Generator(device="cpu").manual_seed(stable_seed(*parts))
-    return torch.randn(tuple(shape), generator=gen, dtype=torch.float32)
-
-
-class ToyAdapter(GenerativeModelAdapter):
-    """Adapter for the toy model directory (default: the shipped weights).
+class ToyAdapter(DiffusersAdapter):
+    """Adapter for a toy model directory (dotpath ``trainer.toy.adapter.ToyAdapter``).
 
     Args:
-        model_path: diffusers-style directory written by ``trainer.toy.modeling``; None or
-            "toy" means ``trainer.toy.weights_dir()``.
-        **options: kept in ``self.options`` (none are read yet).
+        model_path: the directory; None or "toy" means the shipped ``trainer.toy.weights_dir()``.
+        revision: unused (local directory), accepted like every diffusers adapter.
+        max_sequence_length: prompt tokens incl. BOS/EOS, padded to; default and maximum are
+            the text encoder's ``max_prompt_tokens`` from toy_config.json (12).
     """
 
     family: ClassVar[str] = "toy"
+    transformer_class: ClassVar[str] = "SD3Transformer2DModel"
     supported_tasks: ClassVar[tuple[str, ...]] = ("t2i",)
+    condition_keys: ClassVar[tuple[str, ...]] = ("prompt_embeds", "pooled_prompt_embeds")
+    block_attrs: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
+    # Both streams' joint-attention projections, as the SD3 adapter (the last block is
+    # context_pre_only and has no to_add_out; peft only needs each name to match somewhere).
+    lora_targets: ClassVar[tuple[str, ...]] = (
+        "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+        "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
+    default_max_sequence_length: ClassVar[int] = 12
 
     def __init__(self, model_path: str | Path | None = None, **options: Any) -> None:
-        if model_path in (None, "toy"):
+        if model_path is None or str(model_path) == "toy":
             from trainer.toy import weights_dir
             model_path = weights_dir()
         root = Path(model_path)
-        missing = [p for p in ("transformer", "text_encoder", "tokenizer", "toy_config.json")
-                   if not (root / p).exists()]
+        missing = [p for p in ("transformer", "text_encoder", "tokenizer", "scheduler",
+                               "toy_config.json") if not (root / p).exists()]
         if missing:
             raise FileNotFoundError(f"{root} is not a toy model directory: missing {missing}")
         super().__init__(str(root), **options)
         self.root = root
         self.toy_config = json.loads((root / "toy_config.json").read_text())
-        tcfg = json.loads((root / "transformer" / "config.json").read_text())
-        self.patch_size = int(tcfg["patch_size"])
-        self.channels = int(tcfg["in_channels"])
-        self.max_grid = int(tcfg["pos_embed_max_size"])
         self.resolution = int(self.toy_config["resolution"])
+        limit = int(self.toy_config["max_prompt_tokens"])
+        if not 3 <= self.max_sequence_length <= limit:
+            raise ValueError(f"ToyAdapter: max_sequence_length={self.max_sequence_length} must be "
+                             f"in [3, {limit}] (the text encoder's positions)")
 
-    # ---- actor side -------------------------------------------------------------------
-    def load_train_model(self, *, dtype: torch.dtype = torch.float32,
-                         device: str | torch.device = "cpu") -> nn.Module:
-        from diffusers import SD3Transformer2DModel
-        model = SD3Transformer2DModel.from_pretrained(self.root, subfolder="transformer",
-                                                      torch_dtype=dtype)
-        return model.to(device)
+    # ---- geometry -----------------------------------------------------------------------
+    def resolution_problems(self, height: int, width: int) -> list[str]:
+        patch = int(self.transformer_config["patch_size"])
+        limit = int(self.transformer_config["pos_embed_max_size"]) * patch
+        problems = []
+        for name, v in (("height", height), ("width", width)):
+            if v <= 0 or v % patch:
+                problems.append(f"{name}={v} must be a positive multiple of the patch size {patch}")
+            elif v > limit:
+                problems.append(f"{name}={v} exceeds {limit} px (pos_embed_max_size x patch)")
+        return problems
 
-    def transformer_blocks(self, model: nn.Module) -> list[nn.Module]:
-        return list(model.transformer_blocks)
+    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
+        problems = self.resolution_problems(height, width)
+        if problems:
+            raise ValueError("ToyAdapter: " + "; ".join(problems))
+        return int(self.transformer_config["in_channels"]), int(height), int(width)
 
-    def lora_target_modules(self) -> list[str]:
-        # Both streams' attention projections. The last SD3 block is context_pre_only and has
-        # no to_add_out; peft matches by suffix, so its absence there is fine.
-        return ["to_q", "to_k", "to_v", "to_out.0",
-                "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+    def scheduler_sigmas(self, num_inference_steps: int, height: int, width: int) -> torch.Tensor:
+        return self._scheduler_sigmas(num_inference_steps)
 
-    # ---- engine side ------------------------------------------------------------------
+    # ---- engine side --------------------------------------------------------------------
     def load_frozen(self, *, device: str | torch.device = "cpu",
                     dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-        """{"tokenizer", "text_encoder"}; no VAE in pixel space (``decode`` is arithmetic)."""
-        from transformers import CLIPTextModel, PreTrainedTokenizerFast
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(self.root / "tokenizer")
-        text_encoder = CLIPTextModel.from_pretrained(self.root / "text_encoder",
-                                                     torch_dtype=dtype).to(device)
-        text_encoder.eval().requires_grad_(False)
-        return {"tokenizer": tokenizer, "text_encoder": text_encoder}
+        """{"tokenizer", "text_encoder", "device", "dtype"}: no VAE in pixel space."""
+        from transformers import CLIPTextModel
+
+        text_encoder = self._from_pretrained(CLIPTextModel, "text_encoder", dtype, device)
+        tokenizer = self._load_tokenizer("tokenizer")
+        self._check_tokenizers({"tokenizer": (tokenizer, text_encoder)})
+        return {"tokenizer": tokenizer, "text_encoder": freeze(text_encoder),
+                "device": torch.device(device), "dtype": dtype}
 
     def tokenize(self, tokenizer: Any, prompts: list[str]) -> torch.Tensor:
-        """input_ids [B, max_prompt_tokens]; ValueError naming every prompt that is too long."""
-        length = int(self.toy_config["max_prompt_tokens"])
+        """input_ids [B, max_sequence_length]; one ValueError naming every too-long prompt."""
+        length = self.max_sequence_length
         ids = tokenizer(list(prompts), padding="max_length", max_length=length,
-                        truncation=False, return_tensors=None)["input_ids"]
+                        truncation=False)["input_ids"]
         long = [f"{i}: {p!r} ({len(t)} tokens)" for i, (p, t) in enumerate(zip(prompts, ids))
                 if len(t) > length]
         if long:
             raise ValueError(f"prompts longer than {length} tokens: " + "; ".join(long))
         return torch.tensor(ids, dtype=torch.long)
 
+    @torch.no_grad()
     def encode_prompts(self, frozen: dict[str, Any], prompts: list[str]) -> dict[str, torch.Tensor]:
-        """{"prompt_embeds": [B, L, D], "pooled_prompt_embeds": [B, D]} from the text encoder."""
+        """{"prompt_embeds": [B, L, D] last hidden states, "pooled_prompt_embeds": [B, D]}."""
         encoder = frozen["text_encoder"]
-        ids = self.tokenize(frozen["tokenizer"], prompts).to(encoder.device)
-        out = encoder(input_ids=ids)
+        out = encoder(input_ids=self.tokenize(frozen["tokenizer"], list(prompts)).to(encoder.device))
         return {"prompt_embeds": out.last_hidden_state, "pooled_prompt_embeds": out.pooler_output}
-
-    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
-        problems = []
-        for name, v in (("height", height), ("width", width)):
-            if v % self.patch_size:
-                problems.append(f"{name}={v} is not a multiple of the patch size {self.patch_size}")
-            elif v // self.patch_size > self.max_grid:
-                problems.append(f"{name}={v} exceeds {self.max_grid * self.patch_size} px "
-                                f"(pos_embed_max_size {self.max_grid} x patch {self.patch_size})")
-        if problems:
-            raise ValueError("ToyAdapter.latent_shape: " + "; ".join(problems))
-        return (self.channels, height, width)
 
     def velocity(self, transformer: nn.Module, latents: torch.Tensor, sigma: torch.Tensor,
                  conditions: dict[str, torch.Tensor], height: int, width: int) -> torch.Tensor:
-        b = latents.shape[0]
-        sigma = torch.as_tensor(sigma, device=latents.device, dtype=torch.float32)
-        timestep = (sigma.reshape(-1).expand(b) if sigma.numel() == 1 else sigma.reshape(b)) * 1000
-        dtype = latents.dtype
+        latents, cond, _ = self._cast_inputs(transformer, latents, conditions)
+        batch = latents.shape[0]
+        sigma = torch.as_tensor(sigma, device=latents.device).reshape(-1).expand(batch)
+        timestep = sigma.to(torch.float32) * float(self.scheduler.config.num_train_timesteps)
         return transformer(
             hidden_states=latents,
-            encoder_hidden_states=conditions["prompt_embeds"].to(dtype),
-            pooled_projections=conditions["pooled_prompt_embeds"].to(dtype),
             timestep=timestep,
+            encoder_hidden_states=cond["prompt_embeds"],
+            pooled_projections=cond["pooled_prompt_embeds"],
             return_dict=False,
         )[0]
 
+    @torch.no_grad()
     def decode(self, frozen: dict[str, Any], latents: torch.Tensor, height: int,
                width: int) -> torch.Tensor:
-        """[-1, 1] pixels [B, 3, H, W] -> uint8 [B, H, W, 3] (clamped, rounded)."""
+        """Pixels in [-1, 1], [B, 3, H, W] -> uint8 [B, H, W, 3], clamped and rounded."""
         img = (latents.float().clamp(-1.0, 1.0) + 1.0) * 127.5
         return img.round().to(torch.uint8).permute(0, 2, 3, 1).contiguous()
-
-    # ---- per-candidate noise ----------------------------------------------------------
-    def initial_latents(self, sample_ids: Sequence[str], height: int, width: int, *, seed: int,
-                        dtype: torch.dtype = torch.float32,
-                        device: str | torch.device = "cpu") -> torch.Tensor:
-        """x_T [B, *latent_shape]: row i depends only on (seed, sample_ids[i])."""
-        shape = self.latent_shape(height, width)
-        rows = [_seeded_normal(shape, "toy-xT", seed, sid) for sid in sample_ids]
-        return torch.stack(rows).to(device=device, dtype=dtype)
-
-    def step_noise(self, sample_ids: Sequence[str], step_index: int, shape: Sequence[int], *,
-                   seed: int, dtype: torch.dtype = torch.float32,
-                   device: str | torch.device = "cpu") -> torch.Tensor:
-        """Noise [B, *shape] for SDE step ``step_index``; ``shape`` is the per-sample shape.
-
-        Row i depends only on (seed, sample_ids[i], step_index).
-        """
-        rows = [_seeded_normal(shape, "toy-step", seed, sid, int(step_index)) for sid in sample_ids]
-        return torch.stack(rows).to(device=device, dtype=dtype)

@@ -5,9 +5,9 @@
 
 Sampling is the plain Euler loop over ``adapter.scheduler_sigmas`` (ODE, what
 FlowMatchEulerDiscreteScheduler.step does), or with ``--eta > 0`` the Flow-GRPO SDE through
-``kernels.sde_step`` (required then; the math lives only in kernels/). The SDE's std is
-singular at sigma = 1, so the first step (sigma = 1) is always taken as ODE, like the spec's
-rule that such a step is never trained.
+``kernels.sde_step`` (the math lives only in kernels/; at sigma = 1, where the SDE's std is
+singular, it takes the Euler step itself). Step noise is the adapter's ``step_noise``, so a
+sample is a pure function of (weights, prompt, seed, sample id).
 """
 from __future__ import annotations
 
@@ -46,13 +46,11 @@ def sample_images(adapter: ToyAdapter, transformer: torch.nn.Module, frozen: dic
         for i, (s, s_next) in enumerate(zip(sigmas[:-1], sigmas[1:])):
             sig = torch.full((len(ps),), s, device=device)
             v = adapter.velocity(transformer, x, sig, cond, height, width)
-            if sde_step is None or s >= 1.0:
+            if sde_step is None:
                 x = x + v * (s_next - s)
             else:
-                noise = adapter.step_noise(ids, i, x.shape[1:], seed=seed, dtype=dtype,
-                                           device=device)
-                x = sde_step(x, v, sig, torch.full_like(sig, s_next), eta=eta,
-                             sde_type="sde", noise=noise)[0]
+                noise = adapter.step_noise(ids, i, x.shape[1:], seed=seed, device=device)
+                x = sde_step(x, v, s, s_next, eta=eta, sde_type="sde", noise=noise).prev_sample
         out.append(adapter.decode(frozen, x, height, width).cpu())
     return torch.cat(out)
 

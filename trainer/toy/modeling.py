@@ -10,8 +10,9 @@ Layout written by ``save_model_dir`` (and read back only through ``from_pretrain
     scheduler/            diffusers FlowMatchEulerDiscreteScheduler (shift 1, the default schedule)
 
 Pixel space, no VAE: the latent *is* the image in [-1, 1] ([3, H, W]) and the transformer's
-own 2x2 patch embedding does the patchifying. A VAE at 32x32 would compress 3,072 numbers to
-at most 4x fewer and add a second model to pretrain, for images that are flat colour blobs.
+own 4x4 patch embedding does the patchifying. A VAE would shorten the token sequence as a
+larger patch does, at the price of a second model to pretrain and a lossy decode that the
+reward would see; for flat colour blobs on black that was not worth trying (not measured).
 ``model_index.json`` names a class diffusers does not have (``ToyPixelFlowPipeline``): the
 directory is a bag of diffusers/transformers parts that ToyAdapter loads one by one, not a
 pipeline that DiffusionPipeline.from_pretrained should try to assemble.
@@ -35,11 +36,13 @@ PAD, UNK, BOS, EOS = "[PAD]", "[UNK]", "[BOS]", "[EOS]"
 SPECIAL_TOKENS = (PAD, UNK, BOS, EOS)
 MAX_PROMPT_TOKENS = 12     # longest prompt: 8 words + BOS + EOS
 
-# NOTE: sized on the 2-core CPU (see README.md, "Pretraining"): patch 2 at 32 px gives 256 image
-# tokens; width 96 x 4 joint blocks trains at the throughput recorded there.
+# NOTE: measured on the 2-core CPU, one thread, batch 32, train step / forward: patch 2, width
+# 96, 4 blocks (256 tokens) 1407 / 424 ms; patch 4, width 96, 4 blocks (64 tokens) 322 / 103
+# ms; patch 4, width 128, 6 blocks 735 / 240 ms. Patch 4 x width 96 x 4 blocks (1.3 M params)
+# is the one that pretrains within the budget and leaves RL rollouts cheap on a CPU.
 DEFAULT_TRANSFORMER: dict[str, Any] = dict(
-    sample_size=32, patch_size=2, in_channels=3, out_channels=3, num_layers=4,
-    attention_head_dim=32, num_attention_heads=3, pos_embed_max_size=16,
+    sample_size=32, patch_size=4, in_channels=3, out_channels=3, num_layers=4,
+    attention_head_dim=32, num_attention_heads=3, pos_embed_max_size=8,
 )
 DEFAULT_TEXT_ENCODER: dict[str, Any] = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,

@@ -47,9 +47,14 @@ def _batch(rng: np.random.Generator, specs: list[dict[str, Any]], singles: list[
 def pretrain(out: str | Path, *, seed: int = 0, steps: int = 4000, minutes: float = 20.0,
              batch: int = 32, lr: float = 1e-3, warmup: int = 200, ema: float = 0.999,
              resolution: int = 32, threads: int | None = None, log_every: int = 100,
+             snapshot_every: int = 0,
              transformer_config: dict[str, Any] | None = None,
              text_encoder_config: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Train and write the model directory to ``out``; returns the run's info dict."""
+    """Train and write the model directory to ``out``; returns the run's info dict.
+
+    ``snapshot_every`` > 0 also writes the EMA model every that many steps to
+    ``out/snapshots/step-N`` (how the shipped step count was chosen: see README.md).
+    """
     if threads:
         torch.set_num_threads(threads)
     transformer, text_encoder, tokenizer = modeling.build_untrained(
@@ -70,6 +75,12 @@ def pretrain(out: str | Path, *, seed: int = 0, steps: int = 4000, minutes: floa
     gen = torch.Generator().manual_seed(seed)
     length = modeling.MAX_PROMPT_TOKENS
     start, step, recent = time.perf_counter(), 0, []
+
+    def info(wall: float) -> dict[str, Any]:
+        return {"seed": seed, "steps": step, "planned_steps": steps, "batch": batch, "lr": lr,
+                "ema": ema, "threads": torch.get_num_threads(), "wall_seconds": round(wall, 1),
+                "stopped_early": step < steps, "torch": torch.__version__}
+
     while step < steps and time.perf_counter() - start < minutes * 60:
         prompts, x0 = _batch(rng, pairs, singles, batch, resolution)
         ids = tokenizer(prompts, padding="max_length", max_length=length,
@@ -99,14 +110,16 @@ def pretrain(out: str | Path, *, seed: int = 0, steps: int = 4000, minutes: floa
             print(f"step {step}/{steps} loss {np.mean(recent):.4f} lr {lr_at(step - 1):.2e} "
                   f"{time.perf_counter() - start:.0f}s", flush=True)
             recent = []
-    wall = time.perf_counter() - start
-    info = {"seed": seed, "steps": step, "planned_steps": steps, "batch": batch, "lr": lr,
-            "ema": ema, "threads": torch.get_num_threads(), "wall_seconds": round(wall, 1),
-            "stopped_early": step < steps, "torch": torch.__version__}
+        if snapshot_every and step % snapshot_every == 0 and step < steps:
+            modeling.save_model_dir(
+                Path(out) / "snapshots" / f"step-{step}", transformer=ema_modules["transformer"],
+                text_encoder=ema_modules["text_encoder"], tokenizer=tokenizer,
+                resolution=resolution, info=info(time.perf_counter() - start))
+    final = info(time.perf_counter() - start)
     modeling.save_model_dir(out, transformer=ema_modules["transformer"],
                             text_encoder=ema_modules["text_encoder"], tokenizer=tokenizer,
-                            resolution=resolution, info=info)
-    return info
+                            resolution=resolution, info=final)
+    return final
 
 
 def main(argv: list[str] | None = None) -> int:

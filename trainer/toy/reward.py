@@ -13,8 +13,9 @@ Pipeline per image (batched in torch, so it runs on the rollout GPU as well as o
    * ``color`` = mean over groups of [group's own colour found] x purity, where purity is the
      share of all blob area that is in requested colours (an extra object in another colour
      costs colour, not count).
-   * ``count`` = mean over groups of min(k, n) / max(k, n), k = blobs matched, n = asked
-     (0 for an unmatched group). Partial credit: one object off is not as bad as none.
+   * ``count`` = mean over groups of 0.5 ** |k - n|, k = blobs matched (>= 1), n = asked; 0
+     for an unmatched group. Partial credit halves per object off, so a scatter of many
+     blobs earns next to nothing (min(k, n) / max(k, n) gave such images 0.4-0.6).
    * ``position`` = for a relation, the share of (a, b) blob pairs whose centroids satisfy it
      with a margin of ``position_margin`` px along its axis; for one group, 1 when the group is
      matched at all (no relation to get wrong, but an empty image still scores 0).
@@ -181,7 +182,7 @@ class ToyCompositionScorer(_ScorerBase):
         count = 0.0
         for m, g in zip(matched, groups):
             k = len(by_color[m]) if m is not None else 0
-            count += min(k, g["count"]) / max(k, g["count"])
+            count += 0.5 ** abs(k - g["count"]) if k else 0.0
         count /= len(groups)
         if any(m is None for m in matched):
             position = 0.0

@@ -1,0 +1,271 @@
+"""Shared pieces of the checkpoint tests (no tests of its own), and the torchrun worker of
+the 2-rank resume test (``python -m torch.distributed.run ... tests/test_checkpoint_harness.py``).
+
+The model is a tiny transformer-shaped ``nn.Module`` saved to disk (config.json +
+safetensors) and loaded through an adapter, then wrapped exactly as the trainer does it
+(``trainer.actor.model.build_actor``: peft LoRA, fully_shard per block then the root). The
+"trainer" is the set of attributes the checkpoint code reads from ``trainer.loop.Trainer``,
+without engines or rewards.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+class TinyBlock(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.to_q, self.to_v, self.ff = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.ff(torch.tanh(self.to_q(x)) * self.to_v(x))
+
+
+class TinyNet(nn.Module):
+    """Blocks of attention-named linears, so LoRA targets look like a real transformer's."""
+
+    def __init__(self, dim: int = 16, num_blocks: int = 2):
+        super().__init__()
+        self.config = {"dim": dim, "num_blocks": num_blocks}
+        self.blocks = nn.ModuleList(TinyBlock(dim) for _ in range(num_blocks))
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+
+def save_tinynet(root: Path, dim: int = 16, num_blocks: int = 2, seed: int = 0) -> Path:
+    """A diffusers-layout directory (``transformer/``) holding a TinyNet."""
+    from safetensors.torch import save_file
+    torch.manual_seed(seed)
+    net = TinyNet(dim, num_blocks)
+    tdir = Path(root) / "transformer"
+    tdir.mkdir(parents=True, exist_ok=True)
+    (tdir / "config.json").write_text(json.dumps(net.config))
+    save_file({k: v.contiguous() for k, v in net.state_dict().items()},
+              str(tdir / "model.safetensors"))
+    return Path(root)
+
+
+class TinyNetAdapter:
+    """The three adapter methods the actor builder calls (load, blocks, LoRA targets)."""
+
+    def __init__(self, model_path: str | Path, **options):
+        self.model_path = str(model_path)
+
+    def load_train_model(self, *, dtype=torch.float32, device="cpu") -> nn.Module:
+        from safetensors.torch import load_file
+        tdir = Path(self.model_path) / "transformer"
+        net = TinyNet(**json.loads((tdir / "config.json").read_text()))
+        net.load_state_dict(load_file(str(tdir / "model.safetensors")))
+        return net.to(dtype=dtype, device=device)
+
+    def transformer_blocks(self, model: nn.Module) -> list[nn.Module]:
+        return list(model.blocks)
+
+    def lora_target_modules(self) -> list[str]:
+        return ["to_q", "to_v"]
+
+
+class DiffusersDirAdapter(TinyNetAdapter):
+    """The same for a diffusers transformer saved under ``<model_path>/transformer``."""
+
+    def load_train_model(self, *, dtype=torch.float32, device="cpu") -> nn.Module:
+        import diffusers
+        tdir = Path(self.model_path) / "transformer"
+        cls = getattr(diffusers, json.loads((tdir / "config.json").read_text())["_class_name"])
+        return cls.from_pretrained(str(tdir), torch_dtype=dtype).to(device)
+
+    def transformer_blocks(self, model: nn.Module) -> list[nn.Module]:
+        return list(model.transformer_blocks)
+
+    def lora_target_modules(self) -> list[str]:
+        return ["to_q", "to_k", "to_v", "to_out.0"]
+
+
+class FakeTrainer:
+    """The attributes of ``trainer.loop.Trainer`` that checkpoints read and restore."""
+
+    def __init__(self, cfg, adapter, model_path: str, *, rank: int = 0, world: int = 1):
+        from trainer.actor.model import build_actor, build_optimizer
+        import torch.distributed as dist
+        self.cfg, self.adapter, self.model_path = cfg, adapter, str(model_path)
+        self.rank, self.world = rank, world
+        self.device = torch.device("cpu")
+        self.model = build_actor(adapter, cfg, self.device,
+                                 distributed=dist.is_available() and dist.is_initialized())
+        self.optimizer = build_optimizer(self.model, cfg)
+        self.policy_version = 0
+        self.lr_steps = 0
+        self.next_rollout = 0
+        self.sync_failures = 0
+        self.metrics = None
+
+
+def tiny_config(save_root: Path, model_path: Path, *, lora: bool, extra: list[str] = ()):
+    from trainer.config import load_config
+    sets = [f"checkpoint.save={save_root}", f"model.model_path={model_path}",
+            f"logging.run_dir={Path(save_root) / 'run'}", "train.lr=0.05",
+            "train.lr_warmup_iters=10", "train.weight_decay=0.01", "fsdp.param_dtype=fp32",
+            "checkpoint.max_actor_ckpt_to_keep=2"]
+    if lora:
+        sets += ["lora.rank=4", "lora.alpha=8", "fsdp.trainable_mode=lora"]
+    return load_config(None, sets + list(extra))
+
+
+def make_trainer(model_path: Path, save_root: Path, *, lora: bool, rank: int = 0,
+                 world: int = 1, extra: list[str] = (), adapter_cls=TinyNetAdapter
+                 ) -> FakeTrainer:
+    cfg = tiny_config(save_root, model_path, lora=lora, extra=extra)
+    return FakeTrainer(cfg, adapter_cls(str(model_path)), str(model_path), rank=rank,
+                       world=world)
+
+
+def seed_all(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def train_step(trainer: FakeTrainer) -> dict:
+    """One optimizer step on RNG-driven data (torch, numpy and Python RNGs all feed it)."""
+    from trainer.actor.model import inner_model, lr_at_step
+    dim = inner_model(trainer.model).config["dim"]
+    x = torch.randn(4, dim)
+    scale = float(np.random.uniform(0.5, 1.5))
+    shift = random.random()
+    loss = (trainer.model(x) * scale - shift).square().mean()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_([p for p in trainer.model.parameters() if p.requires_grad],
+                                   trainer.cfg.train.clip_grad)
+    for group in trainer.optimizer.param_groups:
+        group["lr"] = lr_at_step(trainer.lr_steps, trainer.cfg)
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    trainer.lr_steps += 1
+    trainer.policy_version += 1
+    trainer.next_rollout += 1
+    return {"loss": loss.detach(), "sample": x, "scale": scale, "shift": shift}
+
+
+def trainable_weights(trainer: FakeTrainer) -> dict[str, torch.Tensor]:
+    """Full (gathered) copies of every trainable tensor; a collective under FSDP2."""
+    out = {}
+    for n, p in trainer.model.named_parameters():
+        if p.requires_grad:
+            t = p.detach()
+            out[n] = (t.full_tensor() if hasattr(t, "full_tensor") else t).clone()
+    return out
+
+
+# ---- crash test child --------------------------------------------------------------------
+def expected_weight(n: int, index: int, shape: torch.Size) -> torch.Tensor:
+    return torch.arange(int(np.prod(shape)), dtype=torch.float32).reshape(shape) * 1e-3 \
+        + n + 100 * index
+
+
+def crash_child(model_path: str, save_root: str, log_path: str) -> None:
+    """Save iterations n, n+1, ... forever (weights a function of n) until SIGKILLed;
+    resumes first from the newest committed checkpoint, as a restarted run would."""
+    torch.set_num_threads(1)
+    from trainer.checkpoint import latest_committed, load_checkpoint, save_checkpoint
+    trainer = make_trainer(Path(model_path), Path(save_root), lora=False)
+    if latest_committed(save_root) is not None:
+        load_checkpoint(trainer, save_root)
+    n = trainer.next_rollout
+    with open(log_path, "a", buffering=1) as log:
+        log.write(f"start {n}\n")
+        while True:
+            n += 1
+            with torch.no_grad():
+                for i, p in enumerate(trainer.model.parameters()):
+                    p.copy_(expected_weight(n, i, p.shape))
+            trainer.next_rollout = trainer.policy_version = trainer.lr_steps = n
+            if save_checkpoint(trainer, n) is None:
+                raise RuntimeError(f"save {n} failed")
+            log.write(f"saved {n}\n")
+
+
+# ---- torchrun worker of the 2-rank resume test -------------------------------------------
+RESUME_STEPS = 3  # steps before the save; the compared step is RESUME_STEPS + 1
+MODES = {"full": (False, []), "lora": (True, ["fsdp.activation_checkpointing=true",
+                                              "fsdp.param_dtype=bf16"])}
+
+
+def _failure_injection(trainer: FakeTrainer, step: int) -> dict:
+    """A write failing on rank 1 only, then a rotation failing on rank 0 only."""
+    import trainer.checkpoint.layout as layout_mod
+    import trainer.checkpoint.save as save_mod
+    from trainer.checkpoint import CheckpointError, save_checkpoint
+    out = {}
+    real_write_rng, real_remove = save_mod.write_rng, layout_mod.remove_tree
+    if trainer.rank == 1:
+        def failing_write_rng(*a, **k):
+            raise OSError("injected: disk full")
+        save_mod.write_rng = failing_write_rng
+    try:
+        out["failed_save_returned"] = str(save_checkpoint(trainer, step))
+        out["failures_after_write_error"] = trainer.checkpoint_failures
+    finally:
+        save_mod.write_rng = real_write_rng
+    if trainer.rank == 0:
+        def failing_remove(path):
+            raise PermissionError(f"injected: cannot remove {path}")
+        layout_mod.remove_tree = failing_remove
+    try:
+        save_checkpoint(trainer, step + 1)
+        out["rotation_error"] = None
+    except CheckpointError as exc:
+        out["rotation_error"] = str(exc)
+    finally:
+        layout_mod.remove_tree = real_remove
+    return out
+
+
+def worker_main(argv: list[str]) -> int:
+    import torch.distributed as dist
+    from trainer.checkpoint import load_checkpoint, save_checkpoint
+    phase, out_dir, model_path = argv[0], Path(argv[1]), Path(argv[2])
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    report = {}
+    for mode, (lora, extra) in MODES.items():
+        root = out_dir / f"ckpt_{mode}"
+        t0 = time.perf_counter()
+        trainer = make_trainer(model_path, root, lora=lora, rank=rank, world=world, extra=extra)
+        seed_all((100 if phase == "reference" else 9000) + rank)
+        if phase == "reference":
+            for _ in range(RESUME_STEPS):
+                train_step(trainer)
+            saved = save_checkpoint(trainer, RESUME_STEPS)
+            assert saved is not None, "reference save failed"
+        else:
+            load_checkpoint(trainer, root)
+        state = {"policy_version": trainer.policy_version, "lr_steps": trainer.lr_steps,
+                 "next_rollout": trainer.next_rollout}
+        record = train_step(trainer)
+        record.update(state, weights=trainable_weights(trainer))
+        torch.save(record, out_dir / f"{phase}_{mode}_rank{rank}.pt")
+        if phase == "reference" and mode == "full":
+            report.update(_failure_injection(trainer, RESUME_STEPS + 2))
+        report[f"{mode}_seconds"] = time.perf_counter() - t0
+    (out_dir / f"{phase}_report_rank{rank}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main(sys.argv[1:]))

@@ -1,0 +1,210 @@
+"""Save -> resume reproduces the uninterrupted run bit for bit (one process, and 2 ranks of
+FSDP2 on gloo under torchrun); sidecars, rotation, failure accounting, contract refusal."""
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import test_checkpoint_harness as h
+from trainer.checkpoint import (CheckpointError, ContractMismatchError, latest_committed,
+                                load_checkpoint, save_checkpoint)
+from trainer.checkpoint import layout
+
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+REPO = Path(__file__).resolve().parents[1]
+K = 3  # steps before the save
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return h.save_tinynet(tmp_path_factory.mktemp("tinynet"))
+
+
+def trained(model_dir, root, lora, steps=K, **kw):
+    tr = h.make_trainer(model_dir, root, lora=lora, **kw)
+    h.seed_all(7)
+    for _ in range(steps):
+        h.train_step(tr)
+    return tr
+
+
+def assert_same_step(ref, got):
+    for key in ("loss", "sample"):
+        assert torch.equal(ref[key], got[key]), key
+    assert (ref["scale"], ref["shift"]) == (got["scale"], got["shift"])
+    assert ref["weights"].keys() == got["weights"].keys()
+    for k in ref["weights"]:
+        assert torch.equal(ref["weights"][k], got["weights"][k]), k
+
+
+def step_record(tr):
+    rec = h.train_step(tr)
+    rec["weights"] = h.trainable_weights(tr)
+    return rec
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_resume_in_one_process_is_bit_exact(model_dir, tmp_path, lora):
+    tr = trained(model_dir, tmp_path, lora)
+    assert save_checkpoint(tr, K) is not None
+    ref = step_record(tr)
+
+    fresh = h.make_trainer(model_dir, tmp_path, lora=lora)
+    h.seed_all(99)
+    control = step_record(h.make_trainer(model_dir, tmp_path / "unused", lora=lora))
+    assert not torch.equal(control["loss"], ref["loss"])  # without the resume it differs
+    assert load_checkpoint(fresh, tmp_path).name == layout.iter_name(K)
+    assert (fresh.next_rollout, fresh.policy_version, fresh.lr_steps) == (K, K, K)
+    assert_same_step(ref, step_record(fresh))
+
+
+def test_checkpoint_files_and_sidecars(model_dir, tmp_path):
+    from ipc.protocol import manifest_hash
+    from torch.distributed.checkpoint import FileSystemReader
+    tr = trained(model_dir, tmp_path, lora=True)
+    d = save_checkpoint(tr, K)
+    assert d == tmp_path / "t2i" / "iter_0000003"
+    for name in ("fsdp/.metadata", "rng_rank0.pt", "trainer_state.json",
+                 "weight_sync_manifest.json", "adapter_contract.json", "COMMITTED"):
+        assert (d / name).is_file(), name
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "3\n"
+    assert (tmp_path / "t2i" / "latest_checkpointed_iteration.txt").read_text() == "3\n"
+    state = json.loads((d / "trainer_state.json").read_text())
+    assert (state["rollout_id"], state["policy_version"], state["lr_scheduler_steps"]) == (2, 3, 3)
+    assert state["task"] == "t2i" and state["trainable_mode"] == "lora"
+    assert len(state["sampling_fingerprint"]) == 16
+    contract = json.loads((d / "adapter_contract.json").read_text())
+    assert (contract["mode"], contract["rank"], contract["alpha"]) == ("lora", 4, 8.0)
+    assert contract["target_modules"] == ["to_q", "to_v"]
+    assert contract["base_model_hash"].startswith("sha256:")
+    # the model part of a LoRA checkpoint is the adapter and nothing else
+    meta = FileSystemReader(str(d / "fsdp")).read_metadata().state_dict_metadata
+    model_keys = [k for k in meta if k.startswith("model.")]
+    assert len(model_keys) == 2 * 2 * 2 and all(".lora_" in k for k in model_keys)
+    # merge-mode sync: plain names, merged shapes, nothing LoRA
+    manifest = json.loads((d / "weight_sync_manifest.json").read_text())
+    plain = h.TinyNet().state_dict()
+    assert manifest["mode"] == "merge"
+    assert [e[0] for e in manifest["entries"]] == list(plain)
+    assert [tuple(e[1]) for e in manifest["entries"]] == [tuple(v.shape) for v in plain.values()]
+    assert manifest["hash"] == manifest_hash([tuple(e) for e in manifest["entries"]])
+    assert manifest["nbytes"] == sum(v.numel() * 2 for v in plain.values())  # bf16 engine
+    listed = json.loads((d / "COMMITTED").read_text())["files"]
+    assert "fsdp/.metadata" in listed and "rng_rank0.pt" in listed
+
+
+def test_rotation_keeps_newest_n(model_dir, tmp_path):
+    tr = h.make_trainer(model_dir, tmp_path, lora=False)
+    for n in range(1, 6):
+        save_checkpoint(tr, n)
+    assert [n for n, _ in layout.iteration_dirs(tmp_path / "t2i")] == [4, 5]
+    tr.cfg.checkpoint.max_actor_ckpt_to_keep = 0
+    for n in (6, 7, 8):
+        save_checkpoint(tr, n)
+    assert [n for n, _ in layout.iteration_dirs(tmp_path / "t2i")] == [4, 5, 6, 7, 8]
+
+
+class RecordingMetrics:
+    def __init__(self):
+        self.rows = []
+
+    def log(self, step, metrics, console=True):
+        self.rows.append((step, dict(metrics)))
+
+
+def test_failed_write_is_counted_and_training_goes_on(model_dir, tmp_path, monkeypatch,
+                                                      caplog):
+    import trainer.checkpoint.shards as shards
+    tr = trained(model_dir, tmp_path, lora=False)
+    tr.metrics = RecordingMetrics()
+    first = save_checkpoint(tr, 1)
+    real_save = shards.dcp.save
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shards.dcp, "save", disk_full)
+    with caplog.at_level(logging.ERROR, "trainer.checkpoint"):
+        assert save_checkpoint(tr, 2) is None
+    assert "CHECKPOINT FAILED" in caplog.text and "No space left" in caplog.text
+    assert tr.checkpoint_failures == 1
+    assert tr.metrics.rows == [(2, {"train/checkpoint_failures": 1.0})]
+    assert not (tmp_path / "t2i" / "iter_0000002" / "COMMITTED").exists()
+    assert latest_committed(tmp_path) == first
+    assert (tmp_path / "t2i" / "latest_checkpointed_iteration.txt").read_text() == "1\n"
+
+    monkeypatch.setattr(shards.dcp, "save", real_save)
+    h.train_step(tr)  # training went on
+    assert save_checkpoint(tr, 3) is not None
+    assert [n for n, _ in layout.iteration_dirs(tmp_path / "t2i")] == [1, 3]  # leftover gone
+    resumed = h.make_trainer(model_dir, tmp_path, lora=False)
+    load_checkpoint(resumed, tmp_path)
+    assert resumed.checkpoint_failures == 1  # the counter survives a resume
+
+
+def test_resume_refuses_a_different_contract(model_dir, tmp_path):
+    tr = trained(model_dir, tmp_path / "ckpt", lora=True, steps=1)
+    save_checkpoint(tr, 1)
+    other_base = tmp_path / "other_base"
+    shutil.copytree(model_dir, other_base)
+    h.save_tinynet(other_base, seed=1)  # same architecture, other weights
+    changed = h.make_trainer(other_base, tmp_path / "ckpt", lora=True,
+                             extra=["lora.alpha=16", 'lora.target_modules=["to_q"]'])
+    with pytest.raises(ContractMismatchError) as e:
+        load_checkpoint(changed, tmp_path / "ckpt")
+    text = str(e.value)
+    for key in ("alpha: checkpoint has 8.0, current config has 16.0", "target_modules:",
+                "base_model_hash:"):
+        assert key in text
+    full = h.make_trainer(model_dir, tmp_path / "ckpt", lora=False)
+    with pytest.raises(ContractMismatchError, match="mode: checkpoint has 'lora'"):
+        load_checkpoint(full, tmp_path / "ckpt")
+
+
+def test_resume_without_a_committed_checkpoint_says_why(model_dir, tmp_path):
+    (tmp_path / "t2i" / "iter_0000004" / "fsdp").mkdir(parents=True)
+    tr = h.make_trainer(model_dir, tmp_path, lora=False)
+    with pytest.raises(CheckpointError, match="iter_0000004: no COMMITTED marker"):
+        load_checkpoint(tr, tmp_path)
+
+
+def _torchrun(phase, out, model_dir):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]),
+               OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", str(Path(h.__file__)), phase, str(out), str(model_dir)]
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_two_rank_fsdp_resume_is_bit_exact(model_dir, tmp_path):
+    """Process 1 trains K steps on 2 ranks, saves, trains step K+1; process 2 resumes from
+    the save (with other seeds, and an uncommitted newer iteration on disk) and trains step
+    K+1: loss, RNG-driven samples and weights must be identical on both ranks."""
+    _torchrun("reference", tmp_path, model_dir)
+    _torchrun("resume", tmp_path, model_dir)
+    for mode in h.MODES:
+        for rank in (0, 1):
+            ref = torch.load(tmp_path / f"reference_{mode}_rank{rank}.pt", weights_only=False)
+            got = torch.load(tmp_path / f"resume_{mode}_rank{rank}.pt", weights_only=False)
+            assert (got["next_rollout"], got["policy_version"], got["lr_steps"]) == (K, K, K)
+            assert_same_step(ref, got)
+        r0 = torch.load(tmp_path / f"resume_{mode}_rank0.pt", weights_only=False)
+        r1 = torch.load(tmp_path / f"resume_{mode}_rank1.pt", weights_only=False)
+        assert not torch.equal(r0["sample"], r1["sample"])  # per-rank RNG, really restored
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"reference_report_rank{rank}.json").read_text())
+        assert report["failed_save_returned"] == "None"     # rank 1's RNG write failed
+        assert report["failures_after_write_error"] == 1     # counted on both ranks
+        assert "failed on rank 0" in report["rotation_error"]  # raised on both ranks
+    task = tmp_path / "ckpt_full" / "t2i"
+    assert not (task / "iter_0000005" / "COMMITTED").exists()
+    assert latest_committed(tmp_path / "ckpt_full") == task / "iter_0000003"

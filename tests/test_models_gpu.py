@@ -1,0 +1,64 @@
+"""The adapters in bf16 on a CUDA device (skipped without one).
+
+Same oracles as the CPU tests, where the dtype and device handling actually matters: the
+pipeline's timestep rounding to bf16, the casts of fp32 conditions, ids built on the device.
+Needs diffusers, transformers, tokenizers and open_clip_torch (for the tiny CLIP vocabulary).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("open_clip")
+
+from test_models_adapters import PROMPTS, _pipeline_kwargs, _pipeline_with  # noqa: E402
+from test_models_rollout import serve  # noqa: E402
+from tiny_models import FAMILIES, TINY_HEIGHT, TINY_WIDTH  # noqa: E402
+from trainer.models import adapter_class  # noqa: E402
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+H, W = TINY_HEIGHT, TINY_WIDTH
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_cuda_ode_sampling_equals_the_diffusers_pipeline(family, tiny_model_dir):
+    adapter = adapter_class(family)(str(tiny_model_dir(family)))
+    frozen = adapter.load_frozen(device="cuda", dtype=torch.bfloat16)
+    transformer = adapter.load_train_model(dtype=torch.bfloat16, device="cuda")
+    cond = adapter.encode_prompts(frozen, PROMPTS)
+    x_t = adapter.initial_latents(["a", "b"], H, W, seed=5, dtype=torch.bfloat16, device="cuda")
+    assert torch.equal(x_t.cpu(), adapter.initial_latents(["a", "b"], H, W, seed=5, dtype=torch.bfloat16))
+    steps = 4
+    sigmas = adapter.scheduler_sigmas(steps, H, W).cuda()
+    x = x_t.clone()
+    with torch.no_grad():
+        for i in range(steps):  # the scheduler's step as it is written: dt * v stays bf16
+            v = adapter.velocity(transformer, x, sigmas[i].expand(2), cond, H, W)
+            x = (x.float() + (sigmas[i + 1] - sigmas[i]) * v).to(torch.bfloat16)
+    expected = _pipeline_with(frozen, transformer)(
+        **_pipeline_kwargs(family, adapter, cond, x_t, steps), output_type="latent").images
+    assert torch.equal(x, expected)
+
+
+def test_bf16_cuda_rollout_replays_to_the_recorded_log_probs(tiny_model_dir):
+    """Sampled with kernels.sde_step, replayed with kernels.sde_log_prob (default backend)."""
+    import kernels
+
+    adapter = adapter_class("qwen_image")(str(tiny_model_dir("qwen_image")))
+    frozen = adapter.load_frozen(device="cuda", dtype=torch.bfloat16)
+    transformer = adapter.load_train_model(dtype=torch.bfloat16, device="cuda")
+    ids = ["prompt:0:sample:0", "prompt:0:sample:1"]
+    request = adapter.build_rollout_request(["a red cat"] * 2, ids, {"height": H, "width": W,
+                                            "num_inference_steps": 4}, rollout_id=0, seed=3,
+                                            sde_indices=[1, 2])
+    batch = adapter.pack_trajectory(serve(adapter, frozen, transformer, request, device="cuda",
+                                          dtype=torch.bfloat16, backend="auto"), request)
+    with torch.no_grad():
+        replayed = torch.stack([
+            kernels.sde_log_prob(batch.latents[:, s], adapter.replay_velocity(transformer, batch, s),
+                                 batch.next_latents[:, s], batch.sigmas[:, s].cuda(),
+                                 batch.sigmas_next[:, s].cuda(), eta=batch.eta, sde_type=batch.sde_type)
+            for s in range(2)], dim=1)
+    assert torch.equal(replayed, batch.log_probs)

@@ -1,0 +1,197 @@
+"""The toy model: directory round trip, adapter contract, seeded noise, pretrain determinism,
+and the shipped weights loading through ToyAdapter and sampling better than noise."""
+from __future__ import annotations
+
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from trainer.models import noise
+from trainer.models.base import GenerativeModelAdapter
+from trainer.toy import modeling, weights_dir, world
+from trainer.toy.adapter import ToyAdapter
+from trainer.toy.evaluate import sample_images
+from trainer.toy.pretrain import main as pretrain_main, pretrain
+from trainer.toy.reward import ToyCompositionScorer
+
+TINY_TRANSFORMER = dict(patch_size=4, attention_head_dim=8, num_attention_heads=2, num_layers=2,
+                        pos_embed_max_size=8)
+TINY_TEXT = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    tr, te, tok = modeling.build_untrained(0, transformer=TINY_TRANSFORMER, text_encoder=TINY_TEXT)
+    return modeling.save_model_dir(tmp_path_factory.mktemp("toy") / "model", transformer=tr,
+                                   text_encoder=te, tokenizer=tok, resolution=32)
+
+
+def test_directory_is_diffusers_style_and_loads_through_from_pretrained(tiny_dir):
+    index = json.loads((tiny_dir / "model_index.json").read_text())
+    assert index["transformer"] == ["diffusers", "SD3Transformer2DModel"]
+    assert index["text_encoder"] == ["transformers", "CLIPTextModel"]
+    for sub in ("transformer", "text_encoder", "tokenizer", "scheduler"):
+        assert (tiny_dir / sub).is_dir()
+    adapter = ToyAdapter(tiny_dir)
+    assert isinstance(adapter, GenerativeModelAdapter)
+    model = adapter.load_train_model()
+    assert len(adapter.transformer_blocks(model)) == 2
+    frozen = adapter.load_frozen(device="cpu", dtype=torch.float32)
+    assert not any(p.requires_grad for p in frozen["text_encoder"].parameters())
+
+
+def test_tokenizer_is_word_level_over_the_world_and_pools_at_eos(tiny_dir):
+    adapter = ToyAdapter(tiny_dir)
+    frozen = adapter.load_frozen()
+    tok = frozen["tokenizer"]
+    prompts = [world.spec_to_prompt(s) for s in world.all_specs()]
+    ids = adapter.tokenize(tok, prompts)
+    assert ids.shape == (len(prompts), modeling.MAX_PROMPT_TOKENS)
+    assert not (ids == tok.unk_token_id).any()
+    n_words = torch.tensor([len(p.split()) for p in prompts])
+    assert torch.all((ids == tok.eos_token_id).int().argmax(1) == n_words + 1)
+    assert tok.eos_token_id != 2   # CLIPTextModel's legacy argmax pooling
+    # pooled output is the EOS position's hidden state, so padding cannot move it
+    cond = adapter.encode_prompts(frozen, ["a red circle", "two blue squares above a red circle"])
+    assert cond["prompt_embeds"].shape == (2, modeling.MAX_PROMPT_TOKENS, 16)
+    assert torch.allclose(cond["pooled_prompt_embeds"][0], cond["prompt_embeds"][0, 4])
+    with pytest.raises(ValueError, match="0: .* 1: "):
+        adapter.tokenize(tok, ["a " * 20, "red " * 11])
+
+
+def test_velocity_survives_the_save_load_round_trip(tiny_dir, tmp_path):
+    adapter = ToyAdapter(tiny_dir)
+    model, frozen = adapter.load_train_model(), adapter.load_frozen()
+    cond = adapter.encode_prompts(frozen, ["a red circle", "three green squares"])
+    x = adapter.initial_latents(["a", "b"], 32, 32, seed=0)
+    v = adapter.velocity(model, x, torch.tensor([0.9, 0.3]), cond, 32, 32)
+    assert v.shape == x.shape == (2, *adapter.latent_shape(32, 32)) == (2, 3, 32, 32)
+    # same forward, called the way the diffusers pipeline does
+    ref = model(hidden_states=x, encoder_hidden_states=cond["prompt_embeds"],
+                pooled_projections=cond["pooled_prompt_embeds"],
+                timestep=torch.tensor([900.0, 300.0])).sample
+    assert torch.equal(v, ref)
+    # scalar sigma broadcasts
+    v_scalar = adapter.velocity(model, x, torch.tensor(0.5), cond, 32, 32)
+    assert torch.equal(v_scalar, adapter.velocity(model, x, torch.full((2,), 0.5), cond, 32, 32))
+    with pytest.raises(ValueError, match="height=30.*width=64"):
+        adapter.latent_shape(30, 64)
+
+
+def test_noise_is_a_pure_function_of_seed_id_and_step(tiny_dir):
+    adapter = ToyAdapter(tiny_dir)
+    a = adapter.initial_latents(["p:0:sample:0", "p:0:sample:1"], 32, 32, seed=5)
+    b = adapter.initial_latents(["p:0:sample:1", "x", "p:0:sample:0"], 32, 32, seed=5)
+    assert a.shape == (2, 3, 32, 32)
+    assert torch.equal(a[0], b[2]) and torch.equal(a[1], b[0])
+    assert not torch.equal(a[0], a[1])
+    assert not torch.equal(a, adapter.initial_latents(["p:0:sample:0", "p:0:sample:1"], 32, 32,
+                                                      seed=6))
+    assert a.std().item() == pytest.approx(1.0, abs=0.05)
+    # the project's shared x_T recipe, so engines and drivers agree on toy candidates
+    assert torch.equal(a, noise.gaussian(["p:0:sample:0", "p:0:sample:1"],
+                                         noise.initial_stream(), (3, 32, 32), seed=5))
+    n3 = adapter.step_noise(["u", "v"], 3, (3, 32, 32), seed=5)
+    assert n3.shape == (2, 3, 32, 32)
+    assert torch.equal(n3[1], adapter.step_noise(["v"], 3, (3, 32, 32), seed=5)[0])
+    assert not torch.equal(n3, adapter.step_noise(["u", "v"], 4, (3, 32, 32), seed=5))
+    assert not torch.equal(n3[0], adapter.initial_latents(["u"], 32, 32, seed=5)[0])
+    half = adapter.step_noise(["u"], 3, (3, 32, 32), seed=5, dtype=torch.bfloat16)
+    assert half.dtype == torch.bfloat16 and torch.equal(half[0], n3[0].bfloat16())
+
+
+def test_schedule_and_option_checks(tiny_dir):
+    adapter = ToyAdapter(tiny_dir)
+    sigmas = adapter.scheduler_sigmas(8, 32, 32)
+    assert sigmas.shape == (9,) and sigmas[0] == 1.0 and sigmas[-1] == 0.0
+    assert torch.all(sigmas[1:] < sigmas[:-1])
+    assert torch.equal(adapter.timesteps_from_sigmas(sigmas), sigmas[:-1] * 1000)
+    assert adapter.resolution_problems(32, 32) == []
+    assert len(adapter.resolution_problems(30, 64)) == 2
+    with pytest.raises(ValueError, match="max_sequence_length=40"):
+        ToyAdapter(tiny_dir, max_sequence_length=40)
+    with pytest.raises(ValueError, match="unknown options"):
+        ToyAdapter(tiny_dir, colour="red")
+    with pytest.raises(FileNotFoundError, match="missing"):
+        ToyAdapter(tiny_dir / "transformer")
+
+
+def test_lora_targets_match_the_transformer(tiny_dir):
+    from peft import LoraConfig, get_peft_model
+    adapter = ToyAdapter(tiny_dir)
+    model = get_peft_model(adapter.load_train_model(),
+                           LoraConfig(r=2, target_modules=adapter.lora_target_modules()))
+    names = [n for n, _ in model.named_modules() if n.endswith("lora_A")]
+    for target in adapter.lora_target_modules():
+        assert any(n.endswith(f"{target}.lora_A") for n in names), target
+
+
+def test_pretrain_is_deterministic_for_a_seed(tmp_path):
+    kw = dict(steps=3, minutes=5, batch=4, warmup=1, threads=1, log_every=1000,
+              transformer_config=TINY_TRANSFORMER, text_encoder_config=TINY_TEXT)
+    infos = [pretrain(tmp_path / name, seed=seed, **kw)
+             for name, seed in (("a", 1), ("b", 1), ("c", 2))]
+    assert all(i["steps"] == 3 and not i["stopped_early"] for i in infos)
+    w = {n: load_file(tmp_path / n / "transformer" / "diffusion_pytorch_model.safetensors")
+         for n in "abc"}
+    init, _, _ = modeling.build_untrained(1, transformer=TINY_TRANSFORMER, text_encoder=TINY_TEXT)
+    key = "transformer_blocks.0.attn.to_q.weight"
+    assert all(torch.equal(w["a"][k], w["b"][k]) for k in w["a"])
+    assert not torch.equal(w["a"][key], w["c"][key])
+    assert not torch.equal(w["a"][key], init.state_dict()[key])   # it trained
+    info = json.loads((tmp_path / "a" / "toy_config.json").read_text())["info"]
+    assert info["seed"] == 1 and info["steps"] == 3
+    ToyAdapter(tmp_path / "a")   # loadable
+
+
+def test_pretrain_cli_rejects_bad_arguments_at_once(capsys):
+    with pytest.raises(SystemExit):
+        pretrain_main(["--out", "x", "--minutes", "0", "--steps", "-1"])
+    err = capsys.readouterr().err
+    assert "--minutes=0.0" in err and "--steps=-1" in err
+
+
+def test_shipped_weights_sample_better_than_noise():
+    path = weights_dir()
+    sizes = [p.stat().st_size for p in path.rglob("*.safetensors")]
+    assert len(sizes) == 2 and sum(sizes) < 8 * 2 ** 20
+    adapter = ToyAdapter()   # default = shipped weights
+    assert adapter.root == path
+    records = world.make_prompt_records(48, seed=0, split="eval")
+    prompts = [r["prompt"] for r in records]
+    ids = [r["metadata"]["sample_id"] for r in records]
+    model = adapter.load_train_model().eval()
+    frozen = adapter.load_frozen()
+    images = sample_images(adapter, model, frozen, prompts, ids, num_steps=8, seed=0)
+    assert images.shape == (48, adapter.resolution, adapter.resolution, 3)
+    assert images.dtype == torch.uint8
+    assert torch.equal(images[:4], sample_images(adapter, model, frozen, prompts[:4], ids[:4],
+                                                 num_steps=8, seed=0))
+    scorer = ToyCompositionScorer()
+    metadata = [r["metadata"] for r in records]
+    noise = adapter.decode(frozen, adapter.initial_latents(ids, 32, 32, seed=0), 32, 32)
+    model_reward = torch.stack(list(scorer.score(images, prompts, metadata).values())).mean()
+    noise_reward = torch.stack(list(scorer.score(noise, prompts, metadata).values())).mean()
+    assert model_reward > noise_reward + 0.2, (model_reward, noise_reward)
+
+
+def test_evaluate_runs_ode_and_sde_and_writes_a_grid(tiny_dir, tmp_path):
+    from trainer.toy.evaluate import evaluate, image_grid, main as evaluate_main
+    adapter = ToyAdapter(tiny_dir)
+    ode = evaluate(adapter, n=6, num_steps=3, seed=1)
+    assert set(ode["reward"]) == {"color", "count", "position", "mean"}
+    assert ode["images"].shape == (6, 32, 32, 3)
+    sde = evaluate(adapter, n=6, num_steps=3, seed=1, eta=0.7)
+    assert not torch.equal(ode["images"], sde["images"])       # noise was injected
+    assert torch.equal(sde["images"], evaluate(adapter, n=6, num_steps=3, seed=1,
+                                               eta=0.7)["images"])
+    grid = image_grid(ode["images"], cols=4, scale=2)
+    assert grid.shape == (2 * (2 * 33 + 1), 2 * (4 * 33 + 1), 3)
+    assert evaluate_main(["--model", str(tiny_dir), "--n", "2", "--steps", "2",
+                          "--grid", str(tmp_path / "g.png")]) == 0
+    assert (tmp_path / "g.png").stat().st_size > 0

@@ -1,0 +1,16 @@
+"""Crash-safe checkpoints (torch.distributed.checkpoint), exact resume, and export.
+
+    save_checkpoint(trainer, step) -> Path | None     every rank; None = failed and counted
+    load_checkpoint(trainer, path) -> Path            every rank; newest COMMITTED iteration
+    latest_committed(path, task="t2i") -> Path | None
+
+``python -m trainer export`` lives in ``trainer.checkpoint.export`` (imported on demand: it
+needs diffusers and peft).
+"""
+from trainer.checkpoint.contract import ContractMismatchError
+from trainer.checkpoint.layout import CheckpointError, latest_committed
+from trainer.checkpoint.load import load_checkpoint
+from trainer.checkpoint.save import save_checkpoint
+
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_committed", "CheckpointError",
+           "ContractMismatchError"]

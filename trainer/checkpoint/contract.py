@@ -1,0 +1,174 @@
+"""What a checkpoint promises about the model it belongs to: the adapter contract, the base
+model's identity hash, and the weight-sync manifest.
+
+A LoRA checkpoint stores only the adapter; the frozen base is reloaded from --model-path on
+every resume. ``adapter_contract.json`` records everything the adapter's meaning depends on
+that cannot be read back from its tensors (alpha above all: a wrong alpha silently rescales
+the policy), and ``assert_resumable`` refuses a resume that would change any of it.
+
+Design choices where the spec is silent:
+
+* ``mode`` is the trainable mode (``full`` | ``lora``). The weight-sync mode (merge vs adapter)
+  is recorded but not enforced: both train the same adapter, and switching between them on
+  resume is legitimate.
+* The base-model hash is compared for LoRA checkpoints only: a full checkpoint carries every
+  weight, so a re-saved or moved base cannot change what it resumes.
+* ``alpha`` is the effective one (``--lora-alpha`` or, when 0, the rank), as ``apply_lora``
+  builds the peft config; ``target_modules`` is the effective sorted list.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from trainer.actor.model import DTYPES
+from trainer.actor.sync import sync_payload
+
+# NOTE: the base hash samples 16 x 64 KiB per weight file instead of reading it all: hashing
+# a 40 GB base in full costs minutes per resume; the samples cost milliseconds and still
+# separate two fine-tunes of one architecture (any changed tensor shifts bytes in most
+# samples). Small files (configs, indexes, anything <= 1 MiB) are hashed whole.
+_WHOLE_FILE_MAX = 1 << 20
+_SAMPLES = 16
+_SAMPLE_BYTES = 64 << 10
+
+
+def model_weights_dir(model_path: str | Path) -> Path:
+    """The transformer directory of a diffusers-layout model (``<path>/transformer`` when it
+    exists, else ``path`` itself)."""
+    p = Path(model_path)
+    return p / "transformer" if (p / "transformer").is_dir() else p
+
+
+def _file_digest(path: Path, size: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        if size <= _WHOLE_FILE_MAX:
+            h.update(f.read())
+        else:
+            step = (size - _SAMPLE_BYTES) // (_SAMPLES - 1)
+            for i in range(_SAMPLES):
+                f.seek(i * step)
+                h.update(f.read(_SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def base_model_hash(model_path: str | Path, revision: str | None = None) -> str:
+    """A content hash of the trainable base (the transformer directory), independent of
+    where it lives: relative file names, sizes and sampled contents, plus the revision."""
+    root = model_weights_dir(model_path)
+    h = hashlib.sha256(f"revision={revision}\n".encode())
+    if not root.is_dir():
+        h.update(f"not-a-directory:{model_path}".encode())
+        return "sha256:" + h.hexdigest()
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root)
+        if not p.is_file() or any(part.startswith(".") for part in rel.parts):
+            continue
+        size = p.stat().st_size
+        h.update(f"{rel.as_posix()}\x1f{size}\x1f{_file_digest(p, size)}\x1e".encode())
+    return "sha256:" + h.hexdigest()
+
+
+def lora_scaling(contract: dict[str, Any]) -> float:
+    return float(contract["alpha"]) / float(contract["rank"])
+
+
+def adapter_contract(cfg, adapter, model_path: str | Path) -> dict[str, Any]:
+    """The contract of the run described by ``cfg`` (the current one, or a saved one)."""
+    lora = cfg.lora.rank > 0
+    targets = None
+    if lora:
+        targets = cfg.lora.target_modules or adapter.lora_target_modules()
+        targets = sorted(str(t) for t in targets)
+    return {
+        "mode": "lora" if lora else "full",
+        "base_model_hash": base_model_hash(model_path, cfg.model.revision),
+        "base_model_path": str(model_path),
+        "revision": cfg.model.revision,
+        "rank": int(cfg.lora.rank) if lora else 0,
+        "alpha": float(cfg.lora.alpha or cfg.lora.rank) if lora else 0.0,
+        "dropout": float(cfg.lora.dropout) if lora else 0.0,
+        "target_modules": targets,
+        "task_type": None,  # peft task type: diffusers transformers use the generic LoRA model
+        "task": cfg.model.task,
+        "weight_sync_mode": cfg.sync_mode,
+    }
+
+
+_COMPARED = ("mode", "rank", "alpha", "dropout", "target_modules", "task_type", "task")
+
+
+def contract_mismatches(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Every way ``current`` differs from ``saved`` that would change the trained policy."""
+    keys = list(_COMPARED)
+    if saved.get("mode") == "lora":
+        keys.append("base_model_hash")
+    problems = []
+    for k in keys:
+        if saved.get(k) != current.get(k):
+            why = ""
+            if k == "alpha":
+                why = " (alpha cannot be read back from the weights: a different value " \
+                      "silently rescales the adapter)"
+            elif k == "base_model_hash":
+                why = f" (checkpoint trained on {saved.get('base_model_path')}, " \
+                      f"--model-path is {current.get('base_model_path')})"
+            problems.append(f"{k}: checkpoint has {saved.get(k)!r}, current config has "
+                            f"{current.get(k)!r}{why}")
+    return problems
+
+
+class ContractMismatchError(RuntimeError):
+    """Resume refused: the checkpoint's adapter contract differs from the current config."""
+
+    def __init__(self, checkpoint: Path, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__(f"refusing to resume from {checkpoint}: the adapter contract does not "
+                         "match the current config:\n  - " + "\n  - ".join(self.problems))
+
+
+# ---- weight-sync manifest -----------------------------------------------------------------
+class _MetaView:
+    """Parameter names, shapes and dtypes as meta tensors: lets ``sync_payload`` list what a
+    sync would send (names, order, merged shapes) with no gather and no arithmetic."""
+
+    def __init__(self, model: torch.nn.Module):
+        self._params = [(n, torch.empty(tuple(p.shape), dtype=p.dtype, device="meta"))
+                        for n, p in model.named_parameters()]
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self._params)
+
+
+def weight_sync_manifest(model: torch.nn.Module, cfg) -> dict[str, Any]:
+    """The per-step sync payload of this run as the embedded engine receives it: ordered
+    (name, shape, source dtype, wire dtype) entries, their count, bytes and hash (the same
+    hash ``ipc`` checks on every sync)."""
+    from ipc.protocol import manifest_hash
+
+    mode = cfg.sync_mode
+    wire = DTYPES.get(cfg.rollout.engine_dtype)
+    entries = []
+    nbytes = 0
+    for name, t in sync_payload(_MetaView(model), mode, scaling=1.0, first=False):
+        w = wire if (wire is not None and t.dtype.is_floating_point) else t.dtype
+        shape = [int(d) for d in t.shape]
+        entries.append((name, shape, str(t.dtype).removeprefix("torch."),
+                        str(w).removeprefix("torch.")))
+        nbytes += t.numel() * torch.empty(0, dtype=w).element_size()
+    return {"mode": mode, "count": len(entries), "nbytes": nbytes,
+            "hash": manifest_hash(entries), "entries": [list(e) for e in entries]}
+
+
+def sampling_fingerprint(trainer) -> str:
+    """The rollout driver's fingerprint (the one in every sidecar), or the same function of
+    the configured sampling when no driver was built."""
+    fp = getattr(getattr(trainer, "driver", None), "fingerprint", None)
+    if isinstance(fp, str):
+        return fp
+    from trainer.rollout.artifacts import sampling_fingerprint as fingerprint
+    return fingerprint(trainer.cfg.rollout.sampling)

@@ -1,0 +1,90 @@
+"""``load_checkpoint(trainer, path)``: exact resume from the newest COMMITTED iteration.
+
+Restores the model (LoRA: the adapter; the base was already reloaded from --model-path),
+the optimizer, policy_version, lr_scheduler_steps (warmup does not restart), the next
+rollout id (the saved rollout id + 1) and this rank's RNG, after checking that the adapter
+contract matches the current config.
+
+Design choices where the spec is silent:
+
+* ``path`` may be the --save root, its task directory or one ``iter_*`` directory; only
+  committed iterations are trusted, and rank 0 picks one and broadcasts it, so all ranks load
+  the same iteration even if a save lands on the filesystem meanwhile.
+* The engine already holds the base weights from the trainer's construction, so after the
+  restore the weights are pushed again (``trainer.sync_weights(first=True)``), then the saved
+  policy version is reinstated; without this the first resumed rollout would sample from the
+  base model.
+* The RNG is restored last, after everything else that might draw from it.
+* A missing RNG file for this rank (a different world size) is a warning: the spec calls
+  per-rank RNG best-effort. The rest still resumes exactly.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+from pathlib import Path
+
+from trainer.checkpoint import layout
+from trainer.checkpoint.contract import (ContractMismatchError, adapter_contract,
+                                         contract_mismatches, sampling_fingerprint)
+from trainer.checkpoint.rng import read_rng, restore_rng
+from trainer.checkpoint.shards import broadcast_from_rank0, read_shards
+
+log = logging.getLogger("trainer.checkpoint")
+
+
+def _resync_engine(trainer, version: int) -> None:
+    sync = getattr(trainer, "sync_weights", None)
+    if not callable(sync) or getattr(trainer, "sender", None) is None:
+        return
+    if "version" in inspect.signature(sync).parameters:
+        sync(first=True, version=version)
+    else:
+        sync(first=True)
+    trainer.policy_version = version
+
+
+def load_checkpoint(trainer, path: str | Path) -> Path:
+    """Restore ``trainer`` from the newest committed checkpoint under ``path``; every rank
+    calls this together. Returns the loaded ``iter_*`` directory."""
+    cfg = trainer.cfg
+    chosen, error = None, None
+    if trainer.rank == 0:
+        try:
+            chosen = str(layout.resolve_checkpoint(path, cfg.model.task))
+        except layout.CheckpointError as exc:
+            error = str(exc)
+    chosen, error = broadcast_from_rank0((chosen, error))
+    if error is not None:
+        raise layout.CheckpointError(f"cannot resume from --load {path}: {error}")
+    iter_dir = Path(chosen)
+
+    saved = layout.read_json(iter_dir / layout.ADAPTER_CONTRACT)
+    problems = contract_mismatches(saved, adapter_contract(cfg, trainer.adapter,
+                                                           trainer.model_path))
+    if problems:
+        raise ContractMismatchError(iter_dir, problems)
+    state = layout.read_json(iter_dir / layout.TRAINER_STATE)
+    if state.get("sampling_fingerprint") != sampling_fingerprint(trainer):
+        log.warning("resuming %s with a different sampling config (fingerprint %s -> %s): "
+                    "rollouts will not continue the saved run exactly", iter_dir,
+                    state.get("sampling_fingerprint"), sampling_fingerprint(trainer))
+
+    read_shards(trainer.model, trainer.optimizer, saved["mode"] == "lora",
+                iter_dir / layout.FSDP_DIR)
+    trainer.lr_steps = int(state["lr_scheduler_steps"])
+    trainer.next_rollout = int(state["rollout_id"]) + 1
+    trainer.checkpoint_failures = int(state.get("checkpoint_failures", 0))
+    _resync_engine(trainer, int(state["policy_version"]))
+    trainer.policy_version = int(state["policy_version"])
+
+    rng_path = iter_dir / layout.rng_file(trainer.rank)
+    if rng_path.is_file():
+        restore_rng(read_rng(rng_path), getattr(trainer, "device", None))
+    else:
+        log.warning("%s has no RNG state for rank %d (saved with world size %s, now %d): "
+                    "RNG not restored on this rank", iter_dir, trainer.rank,
+                    state.get("world_size"), trainer.world)
+    log.info("resumed from %s: next rollout %d, policy version %d, lr step %d", iter_dir,
+             trainer.next_rollout, trainer.policy_version, trainer.lr_steps)
+    return iter_dir

@@ -1,0 +1,157 @@
+"""``save_checkpoint(trainer, step)``: one crash-safe checkpoint of a training run.
+
+Order (spec "Checkpoint"): rotation by rank 0, broadcast -> DCP shards -> per-rank RNG ->
+JSON sidecars (rank 0) -> MIN all-reduce of every rank's success -> COMMITTED (rank 0) ->
+``latest_checkpointed_iteration.txt`` in the task directory, then in the root.
+
+Failure policy: a rotation failure raises on every rank (rank 0's result is broadcast, so no
+rank is left waiting in a collective). A failed write (DCP, RNG, sidecars, or the commit
+itself) on any rank is logged loudly on every rank, counted in
+``trainer.checkpoint_failures`` (the loop logs it as ``train/checkpoint_failures``) and
+leaves no COMMITTED marker; training goes on and the next save retries.
+
+Design choices where the spec is silent:
+
+* The checkpoint root is ``--save``, or ``<run_dir>/checkpoints`` when only --save-interval
+  is set (the config field's documented default).
+* ``iter_<n>`` uses the loop's step (rollouts completed); trainer_state records the last
+  rollout id (n - 1), and resume starts at that id + 1.
+* An actor offloaded to host memory (--offload-train) is brought back for the save and
+  offloaded again afterwards: DCP reads the device shards, whose storage is freed while
+  offloaded.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from trainer.checkpoint import layout
+from trainer.checkpoint.contract import adapter_contract, sampling_fingerprint, \
+    weight_sync_manifest
+from trainer.checkpoint.rng import write_rng
+from trainer.checkpoint.shards import all_ranks_ok, broadcast_from_rank0, write_shards
+
+log = logging.getLogger("trainer.checkpoint")
+
+
+def checkpoint_root(cfg) -> Path:
+    return Path(cfg.checkpoint.save or Path(cfg.logging.run_dir) / "checkpoints")
+
+
+def trainer_state(trainer, step: int) -> dict:
+    cfg = trainer.cfg
+    return {
+        "format": layout.FORMAT_VERSION,
+        "iteration": int(step),
+        "rollout_id": int(trainer.next_rollout) - 1,
+        "policy_version": int(trainer.policy_version),
+        "lr_scheduler_steps": int(trainer.lr_steps),
+        "task": cfg.model.task,
+        "adapter": cfg.model.adapter_path,
+        "model_path": str(trainer.model_path),
+        "trainable_mode": "lora" if cfg.lora.rank > 0 else "full",
+        "weight_sync_mode": cfg.sync_mode,
+        "sampling": cfg.rollout.sampling,
+        "sampling_fingerprint": sampling_fingerprint(trainer),
+        "generation_seed": cfg.rollout.generation_seed,
+        "world_size": int(trainer.world),
+        "weight_sync_failures": int(getattr(trainer, "sync_failures", 0)),
+        "checkpoint_failures": int(getattr(trainer, "checkpoint_failures", 0)),
+        "torch_version": torch.__version__,
+        "time": time.time(),
+    }
+
+
+def _write(trainer, step: int, iter_dir: Path) -> None:
+    """Shards, this rank's RNG, and (rank 0) the JSON sidecars, in that order."""
+    lora = trainer.cfg.lora.rank > 0
+    iter_dir.mkdir(parents=True, exist_ok=True)
+    write_shards(trainer.model, trainer.optimizer, lora, iter_dir / layout.FSDP_DIR)
+    write_rng(iter_dir / layout.rng_file(trainer.rank), getattr(trainer, "device", None))
+    if trainer.rank == 0:
+        layout.atomic_write_json(iter_dir / layout.TRAINER_STATE, trainer_state(trainer, step))
+        layout.atomic_write_json(iter_dir / layout.WEIGHT_SYNC_MANIFEST,
+                                 weight_sync_manifest(trainer.model, trainer.cfg), indent=None)
+        layout.atomic_write_json(iter_dir / layout.ADAPTER_CONTRACT,
+                                 adapter_contract(trainer.cfg, trainer.adapter,
+                                                  trainer.model_path))
+
+
+def _commit(trainer, root: Path, task: str, step: int, iter_dir: Path) -> None:
+    layout.write_commit_marker(iter_dir, step, trainer.world)
+    layout.write_latest(root, task, step)
+
+
+def _count_failure(trainer, step: int, what: str) -> None:
+    n = int(getattr(trainer, "checkpoint_failures", 0)) + 1
+    setattr(trainer, "checkpoint_failures", n)
+    log.error("!!! CHECKPOINT FAILED: %s at step %d (rank %d); no COMMITTED marker was written, "
+              "the previous committed checkpoint stays the resume point; training continues "
+              "(train/checkpoint_failures = %d)", what, step, trainer.rank, n)
+    metrics = getattr(trainer, "metrics", None)
+    if metrics is not None and trainer.rank == 0:
+        metrics.log(step, {"train/checkpoint_failures": float(n)}, console=False)
+
+
+def save_checkpoint(trainer, step: int) -> Path | None:
+    """Save ``trainer`` as iteration ``step``; every rank calls this together.
+
+    Returns the committed ``iter_*`` directory, or None when the write failed (counted,
+    logged, training continues). Raises CheckpointError when rotation fails.
+    """
+    cfg = trainer.cfg
+    root, task = checkpoint_root(cfg), cfg.model.task
+    task_dir = root / task
+    iter_dir = task_dir / layout.iter_name(step)
+    t0 = time.perf_counter()
+
+    error = None
+    if trainer.rank == 0:
+        try:
+            task_dir.mkdir(parents=True, exist_ok=True)
+            removed = layout.rotate(task_dir, cfg.checkpoint.max_actor_ckpt_to_keep, step)
+            if removed:
+                log.info("checkpoint rotation removed %s", [p.name for p in removed])
+        except Exception as exc:  # reported on every rank below
+            error = f"{type(exc).__name__}: {exc}"
+    error = broadcast_from_rank0(error)
+    if error is not None:
+        raise layout.CheckpointError(f"checkpoint rotation in {task_dir} failed on rank 0 "
+                                     f"before saving iteration {step}: {error}")
+
+    offloaded = getattr(trainer, "offloaded", None)
+    ok = True
+    try:
+        if offloaded is not None:
+            from trainer.actor.model import onload_actor
+            onload_actor(trainer.model, trainer.optimizer, offloaded)
+            trainer.offloaded = None
+        _write(trainer, step, iter_dir)
+    except Exception:
+        log.exception("checkpoint write of %s failed on rank %d", iter_dir, trainer.rank)
+        ok = False
+    finally:
+        if offloaded is not None:
+            from trainer.actor.model import offload_actor
+            trainer.offloaded = offload_actor(trainer.model, trainer.optimizer)
+    if not all_ranks_ok(ok):
+        _count_failure(trainer, step, f"writing {iter_dir} failed on "
+                       f"{'this rank' if not ok else 'another rank'}")
+        return None
+
+    error = None
+    if trainer.rank == 0:
+        try:
+            _commit(trainer, root, task, step, iter_dir)
+        except Exception as exc:
+            log.exception("committing %s failed", iter_dir)
+            error = f"{type(exc).__name__}: {exc}"
+    error = broadcast_from_rank0(error)
+    if error is not None:
+        _count_failure(trainer, step, f"committing {iter_dir} failed on rank 0 ({error})")
+        return None
+    log.info("checkpoint %s committed in %.2fs", iter_dir, time.perf_counter() - t0)
+    return iter_dir
