@@ -278,7 +278,8 @@ def main(argv=None):
     lines = [f"Date {datetime.date.today().isoformat()}; device {name}; torch {torch.__version__}; "
              f"triton {triton.__version__}; command `python bench/bench_kernels.py"
              f"{' ' + ' '.join(sys.argv[1:]) if argv is None and sys.argv[1:] else ''}`.", "",
-             f"Copy ceiling (1 GiB device-to-device copy, read + write): {ceiling:,.0f} GB/s.", ""]
+             f"Copy ceiling ({'1 GiB' if device.type == 'cuda' else '256 MiB'} copy, read + write): "
+             f"{ceiling:,.0f} GB/s.", ""]
     lines += format_table(rows, host_rows, ceiling)
     if args.sweep and device.type != "cuda":
         log("  --sweep needs CUDA; skipped")

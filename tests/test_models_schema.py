@@ -112,6 +112,7 @@ def test_driver_keys_of_the_sampling_config_are_accepted(adapter):
     ({"driver_xt": "yes"}, {}, "driver_xt must be true or false"),
     ({"guidence_scale": 1.0}, {}, "unknown sampling keys ['guidence_scale']"),
     ({"init_noise_latent_shape": [16, 16, 16]}, {}, "does not match this model's x_T shape [4, 16, 16]"),
+    ({"init_noise_latent_shape": 4}, {}, "does not match this model's x_T shape [4, 16, 16]"),
     ({}, {"sample_ids": IDS[:3]}, "3 sample ids for 4 prompts"),
     ({}, {"sample_ids": [IDS[0]] * 4}, "duplicate sample ids"),
     ({}, {"sample_ids": ["", *IDS[1:]]}, "not non-empty strings"),
@@ -204,6 +205,7 @@ def _set(value, *path):
     (_drop("denoising_env", "prompt_embeds_mask"), "lacks ['prompt_embeds_mask']"),
     (_set(lambda t: t[:2], "denoising_env", "prompt_embeds"), "expected batch-first [4, ...]"),
     (_set(lambda ids: ids[::-1], "sample_ids"), "do not echo the request's sample ids"),
+    (_set(7, "sample_ids"), "do not echo the request's sample ids"),
     (_set(lambda t: t.float(), "images"), "expected uint8 [4, 32, 32, 3]"),
     (_set("3", "policy_version"), "'policy_version' must be an integer"),
 ])

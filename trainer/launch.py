@@ -97,6 +97,13 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def rank_main(argv: list[str]) -> int:
     """One rank: init the process group (gloo on CPU, nccl on GPU), build and train."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -110,8 +117,14 @@ def rank_main(argv: list[str]) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if kind == "cuda" else "gloo")
+    if not dist.is_initialized():
+        # Always a process group, world 1 included: FSDP2 (and so mixed precision and the
+        # fp32 master copies) applies the same way on one GPU as on eight.
+        if "MASTER_ADDR" not in os.environ:
+            os.environ["MASTER_ADDR"] = "127.0.0.1"
+            os.environ["MASTER_PORT"] = str(_free_port())
+        dist.init_process_group("nccl" if kind == "cuda" else "gloo", rank=rank,
+                                world_size=world)
     if kind == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)

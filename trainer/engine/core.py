@@ -13,10 +13,11 @@ Design choices where the spec is silent:
   names. The transformer is built like the trainer's (same diffusers class, same
   ``peft.get_peft_model`` config), so the trainer reaches the same names by applying the same
   map: full mode covers every tensor, adapter mode the ``lora_`` tensors, merge mode the rest.
-- ``release()`` moves the frozen parts (and the transformer when no receiver holds it) to the
-  host and empties the allocator cache; with a receiver the transformer's weights live in
-  transport memory that the trainer writes into, so they stay resident. ``generate`` refuses to
-  run while released (the trainer wakes the engine with ``resume()`` first, per spec).
+- ``release()`` drops the device storage of the frozen parts (kept as a pinned host copy taken
+  once: they never change), moves a receiver-less transformer to the host and empties the
+  allocator cache; with a receiver the transformer's weights live in transport memory that the
+  trainer writes into, so they stay resident. ``generate`` refuses to run while released (the
+  trainer wakes the engine with ``resume()`` first, per spec).
 """
 from __future__ import annotations
 
@@ -130,6 +131,7 @@ class EngineCore:
         self.released = False
         self.closed = False
         self.generate_calls = 0
+        self._host_copies: dict[str, torch.Tensor] = {}
         self._lock = threading.RLock()
 
     # ---- construction ---------------------------------------------------------------------
@@ -305,13 +307,37 @@ class EngineCore:
                     "tensors": len(state)}
 
     # ---- memory ----------------------------------------------------------------------------
-    def _move(self, device: torch.device) -> list[str]:
-        moved = []
-        for name, module in _modules_in(self.frozen).items():
-            module.to(device)
-            moved.append(name)
+    def _frozen_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Every parameter and buffer of the frozen modules, once each."""
+        out, seen = [], set()
+        for mname, module in _modules_in(self.frozen).items():
+            for tname, t in [*module.named_parameters(), *module.named_buffers()]:
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    out.append((f"{mname}.{tname}", t))
+        return out
+
+    def _offload(self) -> list[str]:
+        """Drop the device storage of the frozen parts (their pinned host copy is taken once:
+        frozen weights never change, so a release costs no copy and a resume one pinned H2D
+        copy, instead of a pageable round trip per step), and move a receiver-less
+        transformer to the host (its weights can change, so it is really copied)."""
+        for key, t in self._frozen_tensors():
+            if key not in self._host_copies:
+                self._host_copies[key] = t.detach().to("cpu").pin_memory()
+            t.data = t.data.new_empty(0)
+        moved = list(_modules_in(self.frozen))
         if self.receiver is None:
-            self.transformer.to(device)
+            self.transformer.to("cpu")
+            moved.append("transformer")
+        return moved
+
+    def _onload(self) -> list[str]:
+        for key, t in self._frozen_tensors():
+            t.data = self._host_copies[key].to(self.device, non_blocking=True)
+        moved = list(_modules_in(self.frozen))
+        if self.receiver is None:
+            self.transformer.to(self.device)
             moved.append("transformer")
         return moved
 
@@ -322,10 +348,11 @@ class EngineCore:
                 raise EngineStateError("engine is closed (release)")
             if self.released:
                 return {"success": True, "message": "already released", "moved": []}
-            moved = self._move(torch.device("cpu")) if self.device.type == "cuda" else []
-            gc.collect()
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+            with nvtx_range("offload"):
+                moved = self._offload() if self.device.type == "cuda" else []
+                gc.collect()
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
             self.released = True
             kept = ["transformer (ipc transport memory)"] if self.receiver is not None else []
             return {"success": True, "moved": moved, "kept_resident": kept,
@@ -338,7 +365,8 @@ class EngineCore:
                 raise EngineStateError("engine is closed (resume)")
             if not self.released:
                 return {"success": True, "message": "not released", "moved": []}
-            moved = self._move(self.device) if self.device.type == "cuda" else []
+            with nvtx_range("onload"):
+                moved = self._onload() if self.device.type == "cuda" else []
             self.released = False
             return {"success": True, "moved": moved, "memory_allocated_bytes": self._allocated()}
 

@@ -89,6 +89,8 @@ class _Handler(BaseHTTPRequestHandler):
     # ---- plumbing ------------------------------------------------------------------------
     def _send(self, status: int, payload: Any) -> None:
         body = json.dumps(payload).encode("utf-8")
+        if status >= 400:
+            self.close_connection = True  # an unread request body must not leak into the next
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))

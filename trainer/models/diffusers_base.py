@@ -204,4 +204,4 @@ class DiffusersAdapter(GenerativeModelAdapter):
         contiguous tensor is free."""
         dtype = module_dtype(transformer)
         cast = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in conditions.items()}
-        return latents.to(dtype), cast, dtype
+        return latents.to(dtype).contiguous(), cast, dtype

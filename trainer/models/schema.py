@@ -280,8 +280,8 @@ def build_request(adapter: "GenerativeModelAdapter", prompts: Sequence[str],
         latent_shape = list(adapter.latent_shape(height, width))
         init_shape = list(adapter.init_noise_shape(height, width))
         override = cfg["init_noise_latent_shape"]
-        if override is not None and list(override) != init_shape:
-            problems.append(f"init_noise_latent_shape {list(override)} does not match this model's "
+        if override is not None and (not isinstance(override, (list, tuple)) or list(override) != init_shape):
+            problems.append(f"init_noise_latent_shape {override!r} does not match this model's "
                             f"x_T shape {init_shape} at {height}x{width}")
 
     if problems:
@@ -328,7 +328,10 @@ def _shape(t: torch.Tensor) -> list[int]:
 
 def response_problems(adapter: "GenerativeModelAdapter", response: Any,
                       request: Mapping[str, Any]) -> tuple[dict[str, Any] | None, list[str]]:
-    """Every way ``response`` fails ``request``; also returns the response with tensors decoded."""
+    """Every way ``response`` fails ``request``; also returns the response with tensors decoded.
+
+    NOTE: the finiteness checks are host syncs (one per checked tensor, once per response).
+    """
     if not isinstance(response, Mapping):
         return None, [f"response must be a dict, got {type(response).__name__}"]
     missing_req = [k for k in _REQUEST_KEYS if k not in request]
@@ -420,7 +423,8 @@ def response_problems(adapter: "GenerativeModelAdapter", response: Any,
                     problems.append(f"'denoising_env.{key}' has shape {_shape(value)}, expected batch-first "
                                     f"[{batch}, ...]")
 
-    if "sample_ids" in resp and list(resp["sample_ids"] or []) != list(extra["sample_ids"]):
+    echoed = resp.get("sample_ids", extra["sample_ids"])
+    if not isinstance(echoed, (list, tuple)) or list(echoed) != list(extra["sample_ids"]):
         problems.append("'sample_ids' do not echo the request's sample ids in order")
     images = resp.get("images")
     if isinstance(images, torch.Tensor):

@@ -1,0 +1,232 @@
+"""One FlowGRPO training step on a Qwen-Image-shaped model, single GPU (issue: trainer figures).
+
+    python bench/bench_step.py --out FILE [--layers 8] [--modes lora full] [--rollouts 3]
+    python bench/bench_step.py --out FILE --tiny --device cpu      # CPU smoke of this script
+
+Builds a random-weight Qwen-Image-shaped model directory (QwenImageTransformer2DModel at the
+real width: 24 heads x 128, joint_attention_dim 3584, in 64 / out 16 channels, reduced depth;
+the default AutoencoderKLQwenImage; a one-layer Qwen2.5-VL text encoder at the real hidden
+size) and a PickScore-shaped CLIP ViT-H-14 reward (random weights), then runs the real Trainer
+(engine process, colocated reward, FSDP2 world 1, weight sync through ipc/) for a few rollouts
+of 1 prompt x 8 candidates at 384², 12 steps, 3 trained SDE steps.
+
+Reported per mode (the last rollouts, the first is warm-up): step time by stage, peak memory,
+samples/s, transitions/s, and the share of the step outside model compute, where model compute
+is measured in isolation right after with the same shapes: 12 transformer forwards at batch 8
+(rollout), text encoding, VAE decode, reward scoring, and the replay forwards+backwards of the
+trained steps (+ the no-grad anchor forwards). share_outside = 1 - compute / step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+
+def build_qwen_shaped(out: Path, layers: int, tiny: bool) -> Path:
+    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler,
+                           QwenImagePipeline, QwenImageTransformer2DModel)
+    from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from tiny_models import write_qwen2_tokenizer
+
+    vocab = write_qwen2_tokenizer(out / "_tok")
+    tokenizer = AutoTokenizer.from_pretrained(out / "_tok")
+    heads, head_dim, hidden = (2, 16, 32) if tiny else (24, 128, 3584)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(dev):
+        text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+            text_config=dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                             num_hidden_layers=1, num_attention_heads=4 if not tiny else 2,
+                             num_key_value_heads=1, max_position_embeddings=1024,
+                             rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                              "mrope_section": [2, 3, 3] if tiny else
+                                              [16, 24, 24]},
+                             bos_token_id=None, eos_token_id=2, pad_token_id=0),
+            vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
+                               out_hidden_size=hidden, fullatt_block_indexes=[0])))
+        vae = (AutoencoderKLQwenImage(base_dim=8, z_dim=16, dim_mult=[1, 2],
+                                      num_res_blocks=1, temperal_downsample=[False])
+               if tiny else AutoencoderKLQwenImage())
+        transformer = QwenImageTransformer2DModel(
+            patch_size=2, in_channels=64, out_channels=16, num_layers=layers,
+            attention_head_dim=head_dim, num_attention_heads=heads, joint_attention_dim=hidden,
+            axes_dims_rope=(4, 6, 6) if tiny else (16, 56, 56))
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5,
+        max_shift=0.9, base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02,
+        time_shift_type="exponential")
+    pipe = QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder,
+                             tokenizer=tokenizer, transformer=transformer)
+    pipe.to(torch.bfloat16).save_pretrained(out)
+    del pipe, text_encoder, vae, transformer
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return out
+
+
+def run_mode(mode: str, model_dir: Path, reward_dir: Path | None, args, work: Path) -> dict:
+    import torch.distributed as dist
+
+    from trainer.config import load_config
+    from trainer.loop import Trainer
+
+    lora = mode == "lora"
+    n = 8
+    sets = [f"model.model_path={model_dir}", "rollout.rollout_batch_size=1",
+            f"rollout.n_samples_per_prompt={n}", f"train.num_rollouts={args.rollouts}",
+            "data.eval_prompt_data=none", f"data.prompt_data={work / 'prompts.jsonl'}",
+            f"logging.run_dir={work / ('run_' + mode)}", "rollout.write_artifacts=false",
+            "logging.progress=false", "logging.tensorboard=false", "fsdp.load_wave_size=0",
+            f"train.micro_batch_size={args.micro_batch}", f"launch.device={args.device}"]
+    if args.tiny:
+        sets += ['rollout.sampling={"height": 64, "width": 64}']
+    if reward_dir is None:
+        sets += ["reward.runtime=cpu", "reward.scorer_path=trainer.rewards.jpeg."
+                 "JpegCompressibilityScorer", "reward.required_components=[]", "reward.model_path=none",
+                 "reward.component_weights={}"]
+    else:
+        sets += [f"reward.model_path={reward_dir}"]
+    if args.device == "cpu":
+        sets += ["rollout.engine_dtype=fp32", "weight_sync.wire_dtype=fp32",
+                 "fsdp.param_dtype=fp32", "rollout.offload_rollout=false",
+                 "fsdp.offload_train=false"]
+    recipe = "qwen-image-t2i-lora" if lora else "qwen-image-t2i-full"
+    cfg = load_config(recipe, sets)
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29533")
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=0,
+                                world_size=1)
+    device = torch.device(args.device)
+    trainer = Trainer(cfg, rank=0, world=1, device=device)
+    steps = []
+    try:
+        for r in range(args.rollouts):
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            steps.append(trainer.train_step(r))
+        compute = isolated_compute(trainer, cfg, device, reward_dir is not None)
+    finally:
+        trainer.close()
+    keep = steps[1:] or steps
+    avg = {k: sum(s.get(k, 0.0) for s in keep) / len(keep) for k in keep[-1]}
+    compute_total = sum(compute.values())
+    return {"mode": mode, "stage_times": {k: v for k, v in avg.items() if k.startswith("perf/")},
+            "step_time": avg["perf/step_time"], "samples_per_s": avg["perf/samples_per_s"],
+            "transitions_per_s": avg["perf/train_transitions_per_s"],
+            "peak_gb": avg.get("perf/mem_peak_gb", float("nan")),
+            "weight_sync_s": avg.get("weight_sync/seconds", float("nan")),
+            "weight_sync_gb": avg.get("train/weight_sync_gb", float("nan")),
+            "compute": compute, "compute_total": compute_total,
+            "share_outside": 1.0 - compute_total / avg["perf/step_time"],
+            "first_update_ratio": steps[-1].get("train/first_update_ratio_mean"),
+            "logp_parity": steps[-1].get("train/logp_parity")}
+
+
+def _time(fn, device, reps: int = 3) -> float:
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps
+
+
+def isolated_compute(trainer, cfg, device, with_reward: bool) -> dict[str, float]:
+    """The step's model compute, each piece timed alone at the step's shapes."""
+    import kernels
+    from trainer.actor.replay import replay_log_probs
+
+    adapter, model = trainer.adapter, trainer.model
+    s = cfg.rollout.sampling
+    h, w, n_steps = s["height"], s["width"], s["num_inference_steps"]
+    n = cfg.rollout.n_samples_per_prompt
+    dtype = torch.bfloat16 if cfg.rollout.engine_dtype == "bf16" else torch.float32
+    frozen = adapter.load_frozen(device=device, dtype=dtype)
+    prompts = ["a red panda in a teacup"] * n
+    out = {"text_encode": _time(lambda: adapter.encode_prompts(frozen, prompts), device)}
+    cond = {k: v.to(device) for k, v in adapter.encode_prompts(frozen, prompts).items()}
+    lat = adapter.initial_latents([f"s{i}" for i in range(n)], h, w, seed=0, dtype=dtype,
+                                  device=device)
+    sig = torch.full((n,), 0.8, device=device)
+    with torch.no_grad():
+        fwd = _time(lambda: adapter.velocity(model, lat, sig, cond, h, w), device)
+    out["rollout_transformer"] = fwd * n_steps
+    out["vae_decode"] = _time(lambda: adapter.decode(frozen, lat, h, w), device)
+    if with_reward:
+        imgs = torch.randint(0, 255, (n, h, w, 3), dtype=torch.uint8)
+        out["reward"] = _time(lambda: trainer.reward.score(imgs, prompts, [{}] * n), device)
+    batch = trainer.rollout(10_000)  # a real batch for the replay shapes
+    mb = cfg.train.micro_batch_size
+    rows = list(range(mb))
+
+    def fwd_bwd():
+        lp = replay_log_probs(adapter, model, batch.select(rows))
+        lp.sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    per_mb = _time(fwd_bwd, device)
+    with torch.no_grad():
+        per_anchor = _time(lambda: replay_log_probs(adapter, model, batch.select(rows)), device)
+    updates = cfg.train.num_updates_per_batch
+    out["replay_fwd_bwd"] = per_mb * n / mb
+    out["anchor_fwd"] = per_anchor * (n / mb) * (updates - 1) / updates
+    del kernels
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--modes", nargs="+", default=["lora", "full"])
+    p.add_argument("--rollouts", type=int, default=3)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--no-reward-model", action="store_true")
+    args = p.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="bench_step_"))
+    (work / "prompts.jsonl").write_text("\n".join(json.dumps(
+        {"prompt": f"a photo of a red panda number {i} in a teacup",
+         "metadata": {"sample_id": f"p{i}"}}) for i in range(64)))
+    t0 = time.perf_counter()
+    model_dir = build_qwen_shaped(work / "qwen", args.layers, args.tiny)
+    reward_dir = None
+    if not args.no_reward_model:
+        from bench_rewards import build_model_dir
+        reward_dir = work / "pickscore"
+        build_model_dir(str(reward_dir), tiny=args.tiny, device=torch.device(args.device))
+    print(f"built models in {time.perf_counter() - t0:.1f}s", flush=True)
+    results = [run_mode(m, model_dir, reward_dir, args, work) for m in args.modes]
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    dev = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"\n| mode | layers | step s | samples/s | transitions/s | peak GB | sync s (GB) | "
+          f"compute s | outside | ratio0 | parity | device |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['mode']} | {args.layers} | {r['step_time']:.3f} | {r['samples_per_s']:.2f} "
+              f"| {r['transitions_per_s']:.2f} | {r['peak_gb']:.1f} | {r['weight_sync_s']:.4f} "
+              f"({r['weight_sync_gb']:.2f}) | {r['compute_total']:.3f} | "
+              f"{100 * r['share_outside']:.1f}% | {r['first_update_ratio']} | "
+              f"{r['logp_parity']:.2e} | {dev} |")
+        print("  stages:", {k: round(v, 4) for k, v in r["stage_times"].items()})
+        print("  compute:", {k: round(v, 4) for k, v in r["compute"].items()})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
