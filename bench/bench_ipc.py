@@ -101,6 +101,8 @@ def _engine(ctl, jobs, device) -> None:
     for rid, (conn, spec, kwargs, seed) in jobs.items():
         params[rid] = make_params(spec, device, seed)
         receivers[rid] = ipc.WeightReceiver(conn, params[rid], **kwargs).start()
+    if device != "cpu":
+        torch.cuda.empty_cache()  # the pre-re-homing copies: give them back for the sender
     ctl.send("ready")
     while True:
         cmd = ctl.recv()
@@ -115,8 +117,8 @@ def _engine(ctl, jobs, device) -> None:
             elif op == "checksums":  # Triton (receiver) and the torch reference, same bytes
                 ctl.send((r.checksum(), ipc.weights_checksum(
                     {n: t.detach() for n, t in p.items()}, impl="torch")))
-            elif op == "weights":
-                ctl.send({n: t.detach().cpu() for n, t in p.items()})
+            elif op == "weights":  # fresh CPU copies (a view of shm cannot be pickled)
+                ctl.send({n: t.detach().to("cpu", copy=True) for n, t in p.items()})
             elif op == "baseline":  # SGLang's update_weights_from_tensor, receiving side
                 pairs = ForkingPickler.loads(cmd[2])
                 with torch.no_grad():
@@ -137,6 +139,8 @@ def _sync_device(device):
 
 
 def timed(fn, device, reps, warmup=2) -> list[float]:
+    if device == "cpu":  # --smoke: the kernel runs interpreted, only the logic matters
+        reps, warmup = 1, 0
     for _ in range(warmup):
         fn()
     out = []
@@ -220,7 +224,7 @@ def main(argv=None) -> int:
         print("no CUDA device; use --device cpu --smoke for a logic check", file=sys.stderr)
         return 2
     hidden, ff = (64, 256) if args.smoke else (3072, 12288)
-    sizes = {"4GB": 4e6 if args.smoke else 4e9, "16GB": 16e6 if args.smoke else 16e9}
+    sizes = {"4GB": 1e6 if args.smoke else 4e9, "16GB": 2e6 if args.smoke else 16e9}
     ad_modules, ad_rank, ad_dim = (24, 4, 64) if args.smoke else (720, 64, 2048)
     reps = {"4GB": 20, "16GB": 10, "adapter": 50, "baseline": 3}
     if args.smoke:
@@ -289,6 +293,8 @@ def main(argv=None) -> int:
         local_copy_bench(report, src_ad, device, 10,
                          f"kernel copy+checksum ({len(src_ad)} adapter tensors)")
     report.section("kernel alone", sec_kernel)
+    if device != "cpu":
+        torch.cuda.empty_cache()
 
     # ---- the engine process: one receiver per scenario
     jobs, senders = {}, {}

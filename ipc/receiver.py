@@ -354,6 +354,12 @@ class WeightReceiver:
     # ---------------------------------------------------------------- checksums
     def _lanes(self, key: tuple, idx: np.ndarray) -> np.ndarray:
         """Lanes of tensors `idx`, read from transport memory (not through the params)."""
+        if self.backend != "cuda":
+            return self._read_lanes(key, idx)
+        with torch.cuda.device(self._device):  # callers may sit on another current device
+            return self._read_lanes(key, idx)
+
+    def _read_lanes(self, key: tuple, idx: np.ndarray) -> np.ndarray:
         plan = self._readers.get(key)
         if plan is None:
             ks = idx.tolist()

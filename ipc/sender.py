@@ -16,6 +16,7 @@ Design choices (where the spec is silent):
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import time
@@ -114,11 +115,10 @@ class WeightSender:
         Returns SyncStats; raises WeightSyncError naming every problem on failure."""
         t0 = time.perf_counter()
         opens0 = self.handle_opens
-        items = _items(tensors)
+        scan = _Scan(_items(tensors))
         local = [] if isinstance(version, int) and version >= 0 else [
             f"version must be a non-negative int, got {version!r}"]
-        local += [f"{n!r}: not a tensor ({type(v).__name__})" for n, v in items
-                  if not _is_tensorish(v)]
+        local += scan.problems
         if local:
             raise WeightSyncError("pre-write", local, version)
         try:
@@ -127,8 +127,8 @@ class WeightSender:
             problems = [f"receiver did not answer hello: {_why(exc)}"]
         if problems:
             raise WeightSyncError("pre-write", problems, version)
-        m = self._get_manifest(items)
-        local = self._device_problems(items)
+        m = self._get_manifest(scan)
+        local = self._device_problems(scan)
         if local:
             raise WeightSyncError("pre-write", local, version)
         seq = self._next_seq()
@@ -138,7 +138,8 @@ class WeightSender:
             raise WeightSyncError("pre-write", reply[2], version)
         t_write = time.perf_counter()
         try:
-            lanes, launches = self._write(m, items, t_write + self._timeout)
+            with _on_device(self._device):  # kernels launch on the current device's stream
+                lanes, launches = self._write(m, scan, t_write + self._timeout)
         except _WriteFailure as exc:
             self._abort(seq, str(exc))
             raise WeightSyncError("post-write", [str(exc)], version) from None
@@ -262,14 +263,13 @@ class WeightSender:
             pass
 
     # ---------------------------------------------------------------- manifest
-    def _get_manifest(self, items) -> _Manifest:
-        key = [(n, v.shape, v.dtype) for n, v in items]
+    def _get_manifest(self, scan: "_Scan") -> _Manifest:
         m = self._manifest
-        if m is not None and m.key == key:
+        if m is not None and m.key == scan.key:
             return m
-        names = [n for n, _ in items]
-        shapes = [tuple(int(d) for d in v.shape) for _, v in items]
-        src = [v.dtype for _, v in items]
+        names = list(scan.names)
+        shapes = [tuple(int(d) for d in s) for s in scan.shapes]
+        src = list(scan.dtypes)
         wire = [self._layout[n][2] if n in self._layout else d for n, d in zip(names, src)]
         entries = [(n, s, dtype_name(a), dtype_name(b))
                    for n, s, a, b in zip(names, shapes, src, wire)]
@@ -277,7 +277,7 @@ class WeightSender:
         header = {"count": len(entries), "nbytes": nbytes, "hash": manifest_hash(entries),
                   # identifies the full entries (source dtypes too) for the receiver's cache
                   "key": hashlib.sha256(repr(entries).encode()).hexdigest()}
-        self._manifest = _Manifest(key, names, shapes, src, entries, header,
+        self._manifest = _Manifest(scan.key, names, shapes, src, entries, header,
                                    digest_header(names, wire, shapes))
         return self._manifest
 
@@ -301,15 +301,19 @@ class WeightSender:
                 m.release_after[b].append(k)
         return m.plan
 
-    def _device_problems(self, items) -> list[str]:
+    def _device_problems(self, scan: "_Scan") -> list[str]:
         if self.backend != "cuda":
             return []
+        if scan.plain:
+            bad = np.nonzero((scan.devs != -1) & (scan.devs != self._device.index))[0]
+            return [f"{scan.names[k]!r} is on cuda:{scan.devs[k]}, the engine is on "
+                    f"{self._device}" for k in bad]
         return [f"{n!r} is on {v.device}, the engine is on {self._device}"
-                for n, v in items if isinstance(v, torch.Tensor) and not _is_lazy(v)
-                and v.device.type == "cuda" and v.device != self._device]
+                for n, v in zip(scan.names, scan.values) if isinstance(v, torch.Tensor)
+                and not _is_lazy(v) and v.device.type == "cuda" and v.device != self._device]
 
     # ---------------------------------------------------------------- writing
-    def _write(self, m: _Manifest, items, deadline: float) -> tuple[np.ndarray, int]:
+    def _write(self, m: _Manifest, scan: "_Scan", deadline: float) -> tuple[np.ndarray, int]:
         plan = self._plan(m)
         cuda = self.backend == "cuda"
         stream = torch.cuda.current_stream(self._device) if cuda else None
@@ -318,24 +322,18 @@ class WeightSender:
         mem = self._mem.tensor
         sums = plan.new_sums()
         extra: list = []
-        src_ptrs = np.zeros(len(items), dtype=np.int64)
-        sources: dict[int, torch.Tensor] = {}
         try:
-            for b, bucket in enumerate(plan.buckets):
-                for k, _, _ in bucket:
-                    if k not in sources:
-                        sources[k] = self._source(m, k, items[k][1])
-                        src_ptrs[k] = sources[k].data_ptr()
-                plan.run_bucket(b, mem, src_ptrs, sources, sums, extra, store=True)
-                for k in m.release_after[b]:
-                    t = sources.pop(k)
-                    if cuda and t.device.type == "cuda":
-                        t.record_stream(stream)  # freed before the copy ran: keep it safe
+            if cuda and scan.ready_on(self._device.index):
+                # the common case: full tensors already where the kernel can read them
+                for b in range(len(plan.buckets)):
+                    plan.run_bucket(b, mem, scan.ptrs, scan.values, sums, extra, store=True)
+            else:
+                self._write_general(m, plan, scan, mem, sums, extra, stream)
         except _WriteFailure:
             raise
         except Exception as exc:  # a failed gather or a device error, after writes began
             raise _WriteFailure(f"writing failed: {type(exc).__name__}: {exc}") from exc
-        n = len(items)
+        n = len(scan.names)
         if not cuda:
             return fold_lanes(sums.numpy(), [(k, t.tolist()) for k, t in extra], n), \
                 plan.n_launches
@@ -357,6 +355,21 @@ class WeightSender:
         return fold_lanes(host.numpy(), [(k, h.tolist()) for k, h in extra_host], n), \
             plan.n_launches
 
+    def _write_general(self, m, plan, scan, mem, sums, extra, stream) -> None:
+        """Sources gathered (lazy values) or fixed up (device, layout) bucket by bucket."""
+        src_ptrs = np.zeros(len(scan.names), dtype=np.int64)
+        sources: dict[int, torch.Tensor] = {}
+        for b, bucket in enumerate(plan.buckets):
+            for k, _, _ in bucket:
+                if k not in sources:
+                    sources[k] = self._source(m, k, scan.values[k])
+                    src_ptrs[k] = sources[k].data_ptr()
+            plan.run_bucket(b, mem, src_ptrs, sources, sums, extra, store=True)
+            for k in m.release_after[b]:
+                t = sources.pop(k)
+                if stream is not None and t.device.type == "cuda":
+                    t.record_stream(stream)  # freed before the copy ran: keep it safe
+
     def _source(self, m: _Manifest, k: int, value: Any) -> torch.Tensor:
         """Entry k's full tensor, on the right device, contiguous and 16-byte aligned."""
         t = value.full_tensor() if _is_lazy(value) else value
@@ -373,6 +386,41 @@ class WeightSender:
         return t
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+class _Scan:
+    """One pass over the payload. For plain tensors it also collects data pointers,
+    contiguity and device in the same comprehension. NOTE: per-tensor Python cost is what
+    bounds the adapter sync (1,440 tensors, 2 ms budget): ~0.5 µs per tensor here, against
+    ~2.5 µs for a detach / device / layout check per tensor."""
+
+    def __init__(self, items):
+        self.names = tuple(n for n, _ in items)
+        self.values = tuple(v for _, v in items)
+        self.plain = all(type(v) in _PLAIN for v in self.values)
+        self.problems: list[str] = []
+        self.ptrs = self.devs = self.contig = None
+        if self.plain and self.values:
+            meta = [(v.shape, v.dtype, v.data_ptr(), v.is_contiguous(), v.get_device())
+                    for v in self.values]
+            self.shapes, self.dtypes, ptrs, contig, devs = zip(*meta)
+            self.ptrs = np.array(ptrs, dtype=np.int64)
+            self.contig = np.array(contig, dtype=bool)
+            self.devs = np.array(devs, dtype=np.int64)
+        else:
+            self.problems = [f"{n!r}: not a tensor ({type(v).__name__})"
+                             for n, v in items if not _is_tensorish(v)]
+            self.shapes = tuple(getattr(v, "shape", ()) for v in self.values)
+            self.dtypes = tuple(getattr(v, "dtype", None) for v in self.values)
+        self.key = (self.names, self.shapes, self.dtypes)
+
+    def ready_on(self, index: int) -> bool:
+        """Every value a contiguous, 16-byte aligned tensor on CUDA device `index`."""
+        return (self.ptrs is not None and bool(self.contig.all())
+                and not (self.ptrs % 16).any() and bool((self.devs == index).all()))
+
+
 def _items(tensors) -> list[tuple[str, Any]]:
     if isinstance(tensors, dict):
         return list(tensors.items())
@@ -381,6 +429,10 @@ def _items(tensors) -> list[tuple[str, Any]]:
     if bad:
         raise WeightSyncError("pre-write", [f"expected (name, tensor) pairs, got {', '.join(bad)}"])
     return items
+
+
+def _on_device(device: torch.device):
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _is_lazy(v) -> bool:

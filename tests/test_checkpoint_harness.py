@@ -2,7 +2,7 @@
 the 2-rank resume test (``python -m torch.distributed.run ... tests/test_checkpoint_harness.py``).
 
 The model is a tiny transformer-shaped ``nn.Module`` saved to disk (config.json +
-safetensors) and loaded through an adapter, then wrapped exactly as the trainer does it
+weights) and loaded through an adapter, then wrapped exactly as the trainer does it
 (``trainer.actor.model.build_actor``: peft LoRA, fully_shard per block then the root). The
 "trainer" is the set of attributes the checkpoint code reads from ``trainer.loop.Trainer``,
 without engines or rewards.
@@ -48,15 +48,14 @@ class TinyNet(nn.Module):
 
 
 def save_tinynet(root: Path, dim: int = 16, num_blocks: int = 2, seed: int = 0) -> Path:
-    """A diffusers-layout directory (``transformer/``) holding a TinyNet."""
-    from safetensors.torch import save_file
+    """A diffusers-layout directory (``transformer/``) holding a TinyNet (torch.save, so the
+    GPU self-check needs nothing beyond torch)."""
     torch.manual_seed(seed)
     net = TinyNet(dim, num_blocks)
     tdir = Path(root) / "transformer"
     tdir.mkdir(parents=True, exist_ok=True)
     (tdir / "config.json").write_text(json.dumps(net.config))
-    save_file({k: v.contiguous() for k, v in net.state_dict().items()},
-              str(tdir / "model.safetensors"))
+    torch.save(net.state_dict(), tdir / "model.pt")
     return Path(root)
 
 
@@ -67,10 +66,9 @@ class TinyNetAdapter:
         self.model_path = str(model_path)
 
     def load_train_model(self, *, dtype=torch.float32, device="cpu") -> nn.Module:
-        from safetensors.torch import load_file
         tdir = Path(self.model_path) / "transformer"
         net = TinyNet(**json.loads((tdir / "config.json").read_text()))
-        net.load_state_dict(load_file(str(tdir / "model.safetensors")))
+        net.load_state_dict(torch.load(tdir / "model.pt", weights_only=True))
         return net.to(dtype=dtype, device=device)
 
     def transformer_blocks(self, model: nn.Module) -> list[nn.Module]:
@@ -99,12 +97,14 @@ class DiffusersDirAdapter(TinyNetAdapter):
 class FakeTrainer:
     """The attributes of ``trainer.loop.Trainer`` that checkpoints read and restore."""
 
-    def __init__(self, cfg, adapter, model_path: str, *, rank: int = 0, world: int = 1):
+    def __init__(self, cfg, adapter, model_path: str, *, rank: int = 0, world: int = 1,
+                 device: str = "cpu"):
         from trainer.actor.model import build_actor, build_optimizer
         import torch.distributed as dist
         self.cfg, self.adapter, self.model_path = cfg, adapter, str(model_path)
         self.rank, self.world = rank, world
-        self.device = torch.device("cpu")
+        self.device = torch.device(device)
+        self.offloaded = None
         self.model = build_actor(adapter, cfg, self.device,
                                  distributed=dist.is_available() and dist.is_initialized())
         self.optimizer = build_optimizer(self.model, cfg)
@@ -127,11 +127,11 @@ def tiny_config(save_root: Path, model_path: Path, *, lora: bool, extra: list[st
 
 
 def make_trainer(model_path: Path, save_root: Path, *, lora: bool, rank: int = 0,
-                 world: int = 1, extra: list[str] = (), adapter_cls=TinyNetAdapter
-                 ) -> FakeTrainer:
+                 world: int = 1, extra: list[str] = (), adapter_cls=TinyNetAdapter,
+                 device: str = "cpu") -> FakeTrainer:
     cfg = tiny_config(save_root, model_path, lora=lora, extra=extra)
     return FakeTrainer(cfg, adapter_cls(str(model_path)), str(model_path), rank=rank,
-                       world=world)
+                       world=world, device=device)
 
 
 def seed_all(seed: int) -> None:
@@ -141,10 +141,11 @@ def seed_all(seed: int) -> None:
 
 
 def train_step(trainer: FakeTrainer) -> dict:
-    """One optimizer step on RNG-driven data (torch, numpy and Python RNGs all feed it)."""
+    """One optimizer step on RNG-driven data (torch CPU, the device's torch RNG, numpy and
+    Python's random all feed it)."""
     from trainer.actor.model import inner_model, lr_at_step
     dim = inner_model(trainer.model).config["dim"]
-    x = torch.randn(4, dim)
+    x = torch.randn(4, dim).to(trainer.device) + torch.randn(4, dim, device=trainer.device)
     scale = float(np.random.uniform(0.5, 1.5))
     shift = random.random()
     loss = (trainer.model(x) * scale - shift).square().mean()
@@ -205,6 +206,15 @@ MODES = {"full": (False, []), "lora": (True, ["fsdp.activation_checkpointing=tru
                                               "fsdp.param_dtype=bf16"])}
 
 
+def available_modes() -> list[str]:
+    """LoRA needs peft (absent on the bare GPU machine: only the full mode runs there)."""
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        return ["full"]
+    return list(MODES)
+
+
 def _failure_injection(trainer: FakeTrainer, step: int) -> dict:
     """A write failing on rank 1 only, then a rotation failing on rank 0 only."""
     import trainer.checkpoint.layout as layout_mod
@@ -236,30 +246,45 @@ def _failure_injection(trainer: FakeTrainer, step: int) -> dict:
 
 
 def worker_main(argv: list[str]) -> int:
+    """torchrun entry: ``reference|resume OUT MODEL [cpu|cuda]``."""
     import torch.distributed as dist
+    from trainer.actor.model import offload_actor, onload_actor
     from trainer.checkpoint import load_checkpoint, save_checkpoint
     phase, out_dir, model_path = argv[0], Path(argv[1]), Path(argv[2])
-    dist.init_process_group("gloo")
+    device = argv[3] if len(argv) > 3 else "cpu"
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        device = f"cuda:{torch.cuda.current_device()}"
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     report = {}
-    for mode, (lora, extra) in MODES.items():
+    for mode in available_modes():
+        lora, extra = MODES[mode]
         root = out_dir / f"ckpt_{mode}"
         t0 = time.perf_counter()
-        trainer = make_trainer(model_path, root, lora=lora, rank=rank, world=world, extra=extra)
+        trainer = make_trainer(model_path, root, lora=lora, rank=rank, world=world, extra=extra,
+                               device=device)
         seed_all((100 if phase == "reference" else 9000) + rank)
         if phase == "reference":
             for _ in range(RESUME_STEPS):
                 train_step(trainer)
+            if trainer.device.type == "cuda":  # as the loop leaves it with --offload-train
+                trainer.offloaded = offload_actor(trainer.model, trainer.optimizer)
             saved = save_checkpoint(trainer, RESUME_STEPS)
             assert saved is not None, "reference save failed"
+            if trainer.offloaded is not None:
+                onload_actor(trainer.model, trainer.optimizer, trainer.offloaded)
+                trainer.offloaded = None
         else:
             load_checkpoint(trainer, root)
         state = {"policy_version": trainer.policy_version, "lr_steps": trainer.lr_steps,
                  "next_rollout": trainer.next_rollout}
         record = train_step(trainer)
         record.update(state, weights=trainable_weights(trainer))
+        record = {k: v.cpu() if torch.is_tensor(v) else v for k, v in record.items()}
+        record["weights"] = {k: v.cpu() for k, v in record["weights"].items()}
         torch.save(record, out_dir / f"{phase}_{mode}_rank{rank}.pt")
-        if phase == "reference" and mode == "full":
+        if phase == "reference" and mode == "full" and world == 2:
             report.update(_failure_injection(trainer, RESUME_STEPS + 2))
         report[f"{mode}_seconds"] = time.perf_counter() - t0
     (out_dir / f"{phase}_report_rank{rank}.json").write_text(json.dumps(report))
@@ -267,5 +292,74 @@ def worker_main(argv: list[str]) -> int:
     return 0
 
 
+def run_phases(out_dir: Path, model_dir: Path, *, nproc: int = 2, device: str = "cpu",
+               timeout: float = 420) -> None:
+    """Both phases, each a fresh ``torch.distributed.run`` of this file."""
+    import subprocess
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo), str(repo / "tests")]),
+               OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    for phase in ("reference", "resume"):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+               str(nproc), str(Path(__file__).resolve()), phase, str(out_dir), str(model_dir),
+               device]
+        proc = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True,
+                              timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{phase} phase failed:\n{(proc.stdout + proc.stderr)[-6000:]}")
+
+
+def compare_runs(out_dir: Path, nproc: int = 2) -> list[str]:
+    """Every difference between the uninterrupted and the resumed step K+1 (empty: none)."""
+    problems = []
+    modes = sorted({p.name.split("_")[1] for p in out_dir.glob("resume_*_rank0.pt")})
+    if not modes:
+        return ["no resumed run found"]
+    for mode in modes:
+        for rank in range(nproc):
+            ref = torch.load(out_dir / f"reference_{mode}_rank{rank}.pt", weights_only=False)
+            got = torch.load(out_dir / f"resume_{mode}_rank{rank}.pt", weights_only=False)
+            where = f"{mode} rank {rank}"
+            counters = (got["next_rollout"], got["policy_version"], got["lr_steps"])
+            if counters != (RESUME_STEPS,) * 3:
+                problems.append(f"{where}: restored counters {counters}")
+            for key in ("loss", "sample"):
+                if not torch.equal(ref[key], got[key]):
+                    problems.append(f"{where}: {key} differs")
+            if (ref["scale"], ref["shift"]) != (got["scale"], got["shift"]):
+                problems.append(f"{where}: numpy/python RNG draws differ")
+            if ref["weights"].keys() != got["weights"].keys():
+                problems.append(f"{where}: trainable tensors differ")
+            problems += [f"{where}: weight {k} differs" for k in ref["weights"]
+                         if k in got["weights"] and not torch.equal(ref["weights"][k],
+                                                                     got["weights"][k])]
+        if nproc > 1:
+            r0 = torch.load(out_dir / f"resume_{mode}_rank0.pt", weights_only=False)
+            r1 = torch.load(out_dir / f"resume_{mode}_rank1.pt", weights_only=False)
+            if torch.equal(r0["sample"], r1["sample"]):
+                problems.append(f"{mode}: ranks drew identical samples (per-rank RNG lost)")
+    return problems
+
+
+def self_check(device: str, nproc: int) -> int:
+    """``python tests/test_checkpoint_harness.py selfcheck cuda 2``: the resume check on GPUs
+    (nccl, CUDA RNG, offloaded actor) without pytest."""
+    import tempfile
+    out = Path(tempfile.mkdtemp(prefix="ckpt_selfcheck_"))
+    model_dir = save_tinynet(out / "model")
+    t0 = time.perf_counter()
+    run_phases(out, model_dir, nproc=nproc, device=device)
+    problems = compare_runs(out, nproc)
+    modes = sorted({p.name.split("_")[1] for p in out.glob("resume_*_rank0.pt")})
+    print(f"checkpoint resume self-check on {nproc} x {device} (torch {torch.__version__}), "
+          f"modes {modes}: {'OK, bit-exact' if not problems else 'FAILED'} "
+          f"in {time.perf_counter() - t0:.1f}s")
+    for p in problems:
+        print("  -", p)
+    return 1 if problems else 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "selfcheck":
+        sys.exit(self_check(sys.argv[2], int(sys.argv[3])))
     sys.exit(worker_main(sys.argv[1:]))

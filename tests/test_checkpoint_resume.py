@@ -2,11 +2,7 @@
 FSDP2 on gloo under torchrun); sidecars, rotation, failure accounting, contract refusal."""
 import json
 import logging
-import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +13,7 @@ from trainer.checkpoint import (CheckpointError, ContractMismatchError, latest_c
 from trainer.checkpoint import layout
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
-REPO = Path(__file__).resolve().parents[1]
-K = 3  # steps before the save
+K = h.RESUME_STEPS  # steps before the save
 
 
 @pytest.fixture(scope="module")
@@ -174,32 +169,16 @@ def test_resume_without_a_committed_checkpoint_says_why(model_dir, tmp_path):
         load_checkpoint(tr, tmp_path)
 
 
-def _torchrun(phase, out, model_dir):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]),
-               OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", str(Path(h.__file__)), phase, str(out), str(model_dir)]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=420)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-
-
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_two_rank_fsdp_resume_is_bit_exact(model_dir, tmp_path):
     """Process 1 trains K steps on 2 ranks, saves, trains step K+1; process 2 resumes from
     the save (with other seeds, and an uncommitted newer iteration on disk) and trains step
     K+1: loss, RNG-driven samples and weights must be identical on both ranks."""
-    _torchrun("reference", tmp_path, model_dir)
-    _torchrun("resume", tmp_path, model_dir)
-    for mode in h.MODES:
-        for rank in (0, 1):
-            ref = torch.load(tmp_path / f"reference_{mode}_rank{rank}.pt", weights_only=False)
-            got = torch.load(tmp_path / f"resume_{mode}_rank{rank}.pt", weights_only=False)
-            assert (got["next_rollout"], got["policy_version"], got["lr_steps"]) == (K, K, K)
-            assert_same_step(ref, got)
-        r0 = torch.load(tmp_path / f"resume_{mode}_rank0.pt", weights_only=False)
-        r1 = torch.load(tmp_path / f"resume_{mode}_rank1.pt", weights_only=False)
-        assert not torch.equal(r0["sample"], r1["sample"])  # per-rank RNG, really restored
+    h.run_phases(tmp_path, model_dir, nproc=2, device="cpu")
+    assert sorted(p.name for p in tmp_path.glob("resume_*_rank0.pt")) == \
+        ["resume_full_rank0.pt", "resume_lora_rank0.pt"]
+    assert h.compare_runs(tmp_path, nproc=2) == []
     for rank in (0, 1):
         report = json.loads((tmp_path / f"reference_report_rank{rank}.json").read_text())
         assert report["failed_save_returned"] == "None"     # rank 1's RNG write failed
@@ -208,3 +187,20 @@ def test_two_rank_fsdp_resume_is_bit_exact(model_dir, tmp_path):
     task = tmp_path / "ckpt_full" / "t2i"
     assert not (task / "iter_0000005" / "COMMITTED").exists()
     assert latest_committed(tmp_path / "ckpt_full") == task / "iter_0000003"
+
+
+@pytest.mark.gpu
+@pytest.mark.multiproc
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_nccl_resume_is_bit_exact(model_dir, tmp_path):
+    """The same on GPUs: nccl collectives, CUDA RNG, and a save of an offloaded actor."""
+    nproc = min(2, torch.cuda.device_count())
+    h.run_phases(tmp_path, model_dir, nproc=nproc, device="cuda")
+    assert h.compare_runs(tmp_path, nproc=nproc) == []
+
+
+def test_fingerprint_without_a_driver_matches_the_drivers(model_dir, tmp_path):
+    from trainer.checkpoint.contract import sampling_fingerprint
+    from trainer.rollout.artifacts import sampling_fingerprint as drivers
+    tr = h.make_trainer(model_dir, tmp_path, lora=False, extra=["rollout.sampling={\"eta\": 0.3}"])
+    assert sampling_fingerprint(tr) == drivers(tr.cfg.rollout.sampling)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import kernels
 from trainer.actor.model import (build_actor, build_optimizer, lora_spec, lr_at_step,
-                                 offload_actor, onload_actor)
+                                 offload_actor, onload_actor, strip_wrapper_names)
 from trainer.actor.replay import plan_updates, replay_log_probs
 from trainer.actor.sync import sync_payload
 from trainer.config import Config, write_resolved
@@ -99,6 +99,13 @@ class Trainer:
 
         cfg = self.cfg
         self.sender = None
+        if self.device.type == "cpu":
+            # NOTE: trainer and engine time-share the cores; measured on the 2-core box, a
+            # tiny forward ran 40x slower with both processes spinning 2 OpenMP threads each.
+            import os
+            threads = max(1, (os.cpu_count() or 2) // (2 * self.world))
+            torch.set_num_threads(threads)
+            os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by the engine process
         if cfg.rollout.engine == "sglang":
             self.engine = SGLangEngineClient(cfg.rollout.sglang_urls[self.rank])
         else:
@@ -292,6 +299,13 @@ class Trainer:
     def _coll_device(self) -> torch.device:
         return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
 
+    def _engine_names(self) -> dict[str, str]:
+        """Trainer parameter name (wrappers stripped) -> the engine's name (adapter's map)."""
+        if getattr(self, "_name_map", None) is None:
+            names = [strip_wrapper_names(n) for n, _ in self.model.named_parameters()]
+            self._name_map = self.adapter.weight_name_map(names)
+        return self._name_map
+
     def sync_weights(self, first: bool = False) -> dict[str, float]:
         """Push the actor's weights into the engine; the version advances only on success."""
         import ipc
@@ -306,7 +320,8 @@ class Trainer:
             try:
                 with self.timer.stage("weight_sync"):
                     payload = sync_payload(self.model, mode if not first or mode != "adapter"
-                                           else "full", scaling=scaling, first=first)
+                                           else "full", scaling=scaling, first=first,
+                                           name_map=self._engine_names())
                     stats = self.sender.sync(version, payload,
                                              mode="full" if first and mode == "adapter" else mode)
                 if cfg.weight_sync.verify_engine_checksum:

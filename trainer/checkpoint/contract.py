@@ -19,6 +19,7 @@ Design choices where the spec is silent:
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -165,10 +166,12 @@ def weight_sync_manifest(model: torch.nn.Module, cfg) -> dict[str, Any]:
 
 
 def sampling_fingerprint(trainer) -> str:
-    """The rollout driver's fingerprint (the one in every sidecar), or the same function of
-    the configured sampling when no driver was built."""
+    """The rollout driver's fingerprint (the one in every sidecar), or, with no driver built,
+    the same function of the configured sampling (kept equal to
+    ``trainer.rollout.artifacts.sampling_fingerprint`` by a test; not imported, because the
+    rollout package pulls in safetensors and the engine client)."""
     fp = getattr(getattr(trainer, "driver", None), "fingerprint", None)
     if isinstance(fp, str):
         return fp
-    from trainer.rollout.artifacts import sampling_fingerprint as fingerprint
-    return fingerprint(trainer.cfg.rollout.sampling)
+    blob = json.dumps(trainer.cfg.rollout.sampling, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
