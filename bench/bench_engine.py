@@ -229,11 +229,13 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         for k in range(len(SDE_INDICES)):
             v = adapter.replay_velocity(transformer, batch, k)
-            lp = kernels.sde_log_prob(batch.latents[:, k], v, batch.next_latents[:, k],
+            lp = kernels.sde_log_prob(batch.latents[:, k].to(device), v,
+                                      batch.next_latents[:, k].to(device),
                                       batch.sigmas[:, k].to(device), batch.sigmas_next[:, k].to(device),
                                       eta=ETA, sde_type="sde")
-            exact &= bool(torch.equal(lp, batch.log_probs[:, k]))
-            worst = max(worst, float((lp - batch.log_probs[:, k]).abs().max()))
+            rec = batch.log_probs[:, k].to(device)
+            exact &= bool(torch.equal(lp, rec))
+            worst = max(worst, float((lp - rec).abs().max()))
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     rows = [("forward only (12 forwards)", t_fwd), ("diffusers FlowMatchEuler loop", t_diff),

@@ -1,10 +1,11 @@
 """Weight-sync benchmark: two processes on one GPU, ipc/ against the torch-reductions path.
 
-    python bench/bench_ipc.py --out bench/ipc_results.md          # H200: ~2-3 minutes
+    python bench/bench_ipc.py --out ipc.md            # H200: about 1-2 minutes; --sweep adds
+                                                      # kernel configs (CHUNK, BLOCK, warps)
     python bench/bench_ipc.py --device cpu --smoke --out /tmp/x.md  # logic check, shm backend
 
 Measures, in one run: the device copy ceiling; the Triton copy+checksum kernel alone (and a
-small config sweep); end-to-end syncs (full tensors ready on the sender -> version committed
+config sweep with --sweep); end-to-end syncs (full tensors ready on the sender -> version committed
 on the receiver, verification included) of DiT-shaped bf16 weights (3072x3072 and 3072x12288
 matrices plus norms) at 4 GB and 16 GB, with verify="full" and "fused"; an adapter sync of
 1,440 LoRA tensors (377 MB); per-bucket overhead (the same 4 GB at several bucket sizes);
@@ -126,7 +127,7 @@ def _engine(ctl, jobs, device) -> None:
                         p[name].copy_(t)
                 if device != "cpu":
                     torch.cuda.synchronize()
-                del pairs, t  # releases every rebuilt handle (part of the path's cost)
+                pairs = t = None  # releases every rebuilt handle (part of the path's cost)
                 ctl.send("done")
         except Exception:
             ctl.send(("error", traceback.format_exc()))
@@ -218,6 +219,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (checks the script)")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time other (CHUNK, BLOCK, warps) kernel configs (~15 s more)")
     args = ap.parse_args(argv)
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
@@ -277,7 +280,7 @@ def main(argv=None) -> int:
         f32 = {n: t.float() for n, t in half.items()}
         local_copy_bench(report, f32, device, 10, "kernel copy fp32->bf16 (4GB out)")
         del f32
-        if device == "cuda" and not args.smoke:
+        if device == "cuda" and args.sweep:
             base = (_kernels.CHUNK, _kernels.BLOCK, _kernels.NUM_WARPS)
             for chunk, block, warps in ((1 << 16, 2048, 4), (1 << 17, 8192, 8),
                                         (1 << 15, 4096, 4), (1 << 16, 4096, 16)):

@@ -1,35 +1,38 @@
 #!/usr/bin/env bash
 # The GPU session in two calls (each under the device tool's 10-minute limit):
 #   bash bench/gpu_suite.sh A   kernels (tests + bench), ipc (tests + bench), rewards
-#   bash bench/gpu_suite.sh B   engine, one training step (LoRA + full), toy run
-# Needs the carried wheels in .whl (diffusers, importlib_metadata); writes logs under $OUT.
+#   bash bench/gpu_suite.sh B   engine (bench + tests), one training step (LoRA + full), toy run
+# Needs the carried wheels in .whl (diffusers, importlib_metadata). Every log and result goes
+# to $OUT/logs and comes back as one archive, $OUT/<part>.tar.gz.
 set -u
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+PART=${1:-A}
+OUT=${OUT:-/tmp/out}; LOGS=$OUT/logs; mkdir -p "$LOGS"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl >/dev/null 2>&1 && export PYTHONPATH=/tmp/site
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 step() {  # step NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
   local t0=$(date +%s)
-  timeout "$secs" "$@" > "$OUT/$name.log" 2>&1
+  timeout "$secs" "$@" > "$LOGS/$name.log" 2>&1
   local rc=$?
-  echo "== $name rc=$rc $(( $(date +%s) - t0 ))s"; tail -n 25 "$OUT/$name.log"
+  echo "== $name rc=$rc $(( $(date +%s) - t0 ))s"; grep -v "Warning\|warn(" "$LOGS/$name.log" | tail -n "${TAIL:-12}"
 }
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-case "${1:-A}" in
+PYT="python3 -m pytest -q -o addopts= -p no:cacheprovider"
+case "$PART" in
 A)
-  step kernels_tests 170 python3 -m pytest -q -x -o addopts="" -p no:cacheprovider \
-    tests/test_kernels_sde.py tests/test_kernels_loss.py
-  step kernels_bench 170 python3 bench/bench_kernels.py --out "$OUT/kernels.md"
-  step ipc_tests 90 python3 -m pytest -q -o addopts="" -p no:cacheprovider -m gpu tests/test_ipc*.py
-  step ipc_bench 150 python3 bench/bench_ipc.py --out "$OUT/ipc.md"
+  TAIL=40 step kernels_bench 150 python3 bench/bench_kernels.py --out "$LOGS/kernels.md"
+  TAIL=40 step ipc_bench 150 python3 bench/bench_ipc.py --out "$LOGS/ipc.md"
+  step kernels_tests 110 $PYT -x tests/test_kernels_sde.py tests/test_kernels_loss.py
+  step ipc_tests 60 $PYT tests/test_ipc_cuda.py
+  TAIL=20 step rewards_bench 70 python3 bench/bench_rewards.py --out "$LOGS/rewards.json"
   ;;
 B)
-  step rewards_bench 80 python3 bench/bench_rewards.py --out "$OUT/rewards.json"
-  step engine_bench 150 python3 bench/bench_engine.py --out "$OUT/engine.md"
-  step step_bench 280 python3 bench/bench_step.py --out "$OUT/step.json" --layers 8
-  step toy_gpu 60 python3 -m trainer launch --config toy --set logging.run_dir=/tmp/toyrun \
-    --set logging.tensorboard=false
+  TAIL=30 step engine_bench 120 python3 bench/bench_engine.py --out "$LOGS/engine.md"
+  TAIL=30 step step_bench 300 python3 bench/bench_step.py --out "$LOGS/step.json" --layers 8
+  step engine_tests 60 $PYT tests/test_engine_gpu.py tests/test_models_gpu.py
+  TAIL=20 step toy_gpu 90 python3 -m trainer launch --config toy --set logging.run_dir=$LOGS/toyrun
   ;;
 esac
+tar -czf "$OUT/$PART.tar.gz" -C "$OUT" logs && rm -rf "$LOGS"

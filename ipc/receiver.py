@@ -100,7 +100,8 @@ class WeightReceiver:
         self._modes = {m: list(modes.get(m, names)) for m in MODES}
         self._layout_map = {n: (s, d) for n, s, d in zip(names, self._shapes, self._dtypes)}
         self._version = int(version)
-        self._dirty: set[int] = set()
+        self._dirty = np.zeros(len(names), dtype=bool)  # tensors possibly half-written
+        self._n_dirty = 0
         self._dirty_version: int | None = None
         self._dirty_reason = ""
         self._state_lock = threading.Lock()
@@ -111,6 +112,7 @@ class WeightReceiver:
         self._manifests: OrderedDict[str, list] = OrderedDict()
         self._checked: dict[tuple, _Checked] = {}
         self._readers: dict[tuple, CopyPlan] = {}
+        self._watched: dict[int, tuple] = {}
         self.handle_opens = 0
         self._free_event = IpcEvent.create(device.index) if backend == "cuda" else None
         self._written_event: IpcEvent | None = None
@@ -125,14 +127,14 @@ class WeightReceiver:
     @property
     def dirty(self) -> bool:
         with self._state_lock:
-            return bool(self._dirty)
+            return self._n_dirty > 0
 
     def assert_servable(self) -> None:
         """Raise WeightSyncError if the weights may be partly written (call before generate)."""
         with self._state_lock:
-            if not self._dirty:
+            if not self._n_dirty:
                 return
-            v, reason, n = self._dirty_version, self._dirty_reason, len(self._dirty)
+            v, reason, n = self._dirty_version, self._dirty_reason, self._n_dirty
         raise WeightSyncError("post-write", [
             f"engine weights are dirty ({n} tensors): {reason}; a sync of version {v} must "
             f"succeed before generating"], version=v)
@@ -160,7 +162,7 @@ class WeightReceiver:
             self._written_event.close()
             self._written_event = None
         if isinstance(self._mem, ShmMemory):
-            self._mem.unlink()
+            self._mem.close()
 
     # ---------------------------------------------------------------- serving
     def _serve(self) -> None:
@@ -181,7 +183,7 @@ class WeightReceiver:
             except Exception:  # a bug or a device error: keep serving, never die silently
                 log.exception("weight receiver: error while handling %r", msg[0])
                 with self._state_lock:
-                    if self._dirty and self._dirty_reason == "sync in progress":
+                    if self._n_dirty and self._dirty_reason == "sync in progress":
                         self._dirty_reason = "receiver error during the sync (see log)"
 
     def _dispatch(self, msg: tuple) -> None:
@@ -238,7 +240,8 @@ class WeightReceiver:
             self._mem.unlink()  # the sender has it open; no name left behind after a crash
         idx = checked.idx
         with self._state_lock:
-            self._dirty.update(idx.tolist())
+            self._dirty[idx] = True
+            self._n_dirty = int(self._dirty.sum())
             self._dirty_version, self._dirty_reason = version, "sync in progress"
         if self._free_event is not None:  # GPU fence: pending reads of the weights first
             self._free_event.record(torch.cuda.current_stream(self._device))
@@ -262,7 +265,14 @@ class WeightReceiver:
             self._fail(problem)
             send(self._conn, ("failed", seq, [problem]))
             return
-        self._finish(seq, version, mode, header, checked, msg[3])
+        try:
+            self._finish(seq, version, mode, header, checked, msg[3])
+        except PeerGone:
+            raise
+        except Exception as exc:  # e.g. a device error while verifying: answer, stay dirty
+            problem = f"receiver failed to verify: {type(exc).__name__}: {exc}"
+            self._fail(problem)
+            send(self._conn, ("failed", seq, [problem]))
 
     def _finish(self, seq, version, mode, header, checked: _Checked, report: dict) -> None:
         idx = checked.idx
@@ -295,8 +305,9 @@ class WeightReceiver:
             return
         with self._state_lock:
             self._version = version
-            self._dirty.difference_update(idx.tolist())
-            if not self._dirty:
+            self._dirty[idx] = False
+            self._n_dirty = int(self._dirty.sum())
+            if not self._n_dirty:
                 self._dirty_version, self._dirty_reason = None, ""
         send(self._conn, ("committed", seq, checksum))
 
@@ -332,24 +343,40 @@ class WeightReceiver:
         if not isinstance(version, int) or version < 0:
             return [f"version must be a non-negative int, got {version!r}"]
         with self._state_lock:
-            current, dirty = self._version, set(self._dirty)
-            dirty_version = self._dirty_version
+            current, dirty = self._version, self._dirty.copy()
+            n_dirty, dirty_version = self._n_dirty, self._dirty_version
         if version < current:
             problems.append(f"version {version} is older than the committed version {current}")
-        if dirty and version != dirty_version:
+        if n_dirty and version != dirty_version:
             problems.append(f"the engine is dirty from version {dirty_version}; only a retry "
                             f"of version {dirty_version} is accepted, got {version}")
-        if dirty and idx is not None and not dirty.issubset(idx.tolist()):
-            left = sorted(dirty.difference(idx.tolist()))
-            problems.append(f"this sync leaves {len(left)} dirty tensors unwritten: "
-                            + ", ".join(self._names[k] for k in left))
+        if n_dirty and idx is not None:
+            dirty[idx] = False
+            left = np.nonzero(dirty)[0]
+            if len(left):
+                problems.append(f"this sync leaves {len(left)} dirty tensors unwritten: "
+                                + ", ".join(self._names[k] for k in left))
         if idx is not None:
-            moved = [self._names[k] for k in idx.tolist()
-                     if self._tensors[k].data_ptr() != self._expected_ptrs[k]]
-            if moved:
+            tensors, expected = self._watch(idx)
+            if [t.data_ptr() for t in tensors] != expected:
+                moved = [self._names[k] for k in idx.tolist()
+                         if self._tensors[k].data_ptr() != self._expected_ptrs[k]]
                 problems.append(f"{len(moved)} tensors no longer live in transport memory "
                                 f"(their .data was rebound): {', '.join(moved)}")
         return problems
+
+    def _watch(self, idx: np.ndarray) -> tuple[list, list]:
+        """(tensor objects, expected data pointers) of a manifest, cached per manifest.
+        NOTE: one data_ptr() per tensor and sync (~0.25 µs each on the dev box)."""
+        key = id(idx)
+        hit = self._watched.get(key)
+        if hit is None or hit[0] is not idx:
+            ks = idx.tolist()
+            hit = (idx, [self._tensors[k] for k in ks], [self._expected_ptrs[k] for k in ks])
+            if len(self._watched) > _MANIFEST_CACHE:
+                self._watched.clear()
+            self._watched[key] = hit
+        return hit[1], hit[2]
 
     # ---------------------------------------------------------------- checksums
     def _lanes(self, key: tuple, idx: np.ndarray) -> np.ndarray:

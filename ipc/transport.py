@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import secrets
 import tempfile
+import time
 import weakref
 
 import torch
@@ -60,14 +61,21 @@ def _shm_dir() -> str:
 
 
 class ShmMemory:
-    """Receiver side: create; sender side: open. `.tensor` is the uint8 view of the bytes."""
+    """Receiver side: create; sender side: open. `.tensor` is the uint8 view of the bytes.
 
-    def __init__(self, tensor: torch.Tensor, path: str, owner: bool):
+    On Linux the file is unlinked as soon as it is mapped and the sender opens it through
+    /proc/<receiver pid>/fd/<fd>, so no name is left in /dev/shm whatever way the engine
+    exits (a killed process runs no cleanup). Elsewhere the name lives until the first begin
+    (the sender has opened it by then) or close().
+    """
+
+    def __init__(self, tensor: torch.Tensor, path: str, fd: int | None, owner: bool):
         self.tensor = tensor
         self.path = path
+        self._fd = fd
         self._owner = owner
-        if owner:  # remove the name at exit even if close() is never called
-            self._finalizer = weakref.finalize(self, _unlink_quiet, path)
+        if owner:
+            self._finalizer = weakref.finalize(self, _release, path, fd)
 
     @classmethod
     def create(cls, size: int) -> "ShmMemory":
@@ -75,24 +83,44 @@ class ShmMemory:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, max(size, 1))
-        finally:
+            t = torch.from_file(path, shared=True, size=max(size, 1), dtype=torch.uint8)
+        except BaseException:
             os.close(fd)
-        t = torch.from_file(path, shared=True, size=max(size, 1), dtype=torch.uint8)
-        return cls(t, path, owner=True)
+            _unlink_quiet(path)
+            raise
+        proc = f"/proc/{os.getpid()}/fd/{fd}"
+        if os.path.exists(proc):
+            _unlink_quiet(path)
+            path = proc
+        return cls(t, path, fd, owner=True)
 
     @classmethod
     def open(cls, export: dict) -> "ShmMemory":
         t = torch.from_file(export["path"], shared=True, size=max(export["size"], 1),
                             dtype=torch.uint8)
-        return cls(t, export["path"], owner=False)
+        return cls(t, export["path"], None, owner=False)
 
     def export(self) -> dict:
         return {"kind": "shm", "path": self.path, "size": self.tensor.numel()}
 
     def unlink(self) -> None:
-        """Drop the name; mappings (the engine's weights) stay valid until released."""
+        """Drop the name (and our fd); the mappings (the engine's weights) stay valid."""
+        if self._owner and not self.path.startswith("/proc/"):
+            _unlink_quiet(self.path)
+
+    def close(self) -> None:
         if self._owner:
             self._finalizer()
+
+
+def _release(path: str, fd: int | None) -> None:
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    if not path.startswith("/proc/"):
+        _unlink_quiet(path)
 
 
 def _unlink_quiet(path: str) -> None:
@@ -133,6 +161,7 @@ class CudaMemory:
         self.tensor = tensor
         self.device = device
         self.handle = handle
+        self.uuid = device_uuid(device)  # NOTE: cudaGetDeviceProperties is slow: ask once
 
     @classmethod
     def allocate(cls, size: int, device: int) -> "CudaMemory":
@@ -156,7 +185,7 @@ class CudaMemory:
 
     def export(self) -> dict:
         return {"kind": "cuda", "handle": self.handle, "size": self.tensor.numel(),
-                "uuid": device_uuid(self.device)}
+                "uuid": self.uuid}
 
 
 class IpcEvent:
@@ -199,7 +228,6 @@ def wait_event_host(event: torch.cuda.Event, deadline: float, alive) -> bool:
     """Poll a local event until it completes (True), the deadline passes or `alive()` turns
     False (False). Polling the event, never the data: a peer that died with our stream
     waiting on its event must not hang this process in a blocking synchronize."""
-    import time
     spins = 0
     while not event.query():
         now = time.perf_counter()

@@ -185,8 +185,12 @@ def test_round_trip_is_bit_exact_and_opens_once(host):
     version, dirty, checksum, err = host.state(rid)
     assert (version, dirty, err) == (1, False, None)
     assert checksum == stats.checksum == ipc.weights_checksum(as_engine(src))
-    # the next step: nothing reopened, new bytes land, the generator form works too
+    # the next step: nothing reopened, new bytes land, the generator form works too, and so
+    # do a non-contiguous and a misaligned source (copied before the write)
     src2 = trainer_tensors(11)
+    src2[SPEC[0][0]] = src2[SPEC[0][0]].t().contiguous().t()
+    src2[SPEC[1][0]] = torch.cat([torch.zeros(1), src2[SPEC[1][0]]])[1:]
+    assert not src2[SPEC[0][0]].is_contiguous() and src2[SPEC[1][0]].data_ptr() % 16
     stats2 = sender.sync(2, iter(list(src2.items())))
     assert stats2.handle_opens == 0 and sender.handle_opens == 1
     assert _bytes_equal(host.weights(rid), as_engine(src2))

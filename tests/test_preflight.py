@@ -89,7 +89,7 @@ ERROR_RULES = [
      ["num_sde_steps", "exceeds the 3 distinct steps"]),
     ("fraction_bad", [sampling(sde_timestep_fraction=[0.6, 0.2])], {},
      ["sde_timestep_fraction", "0 <= lo < hi <= 1"]),
-    ("wire_dtype_fp32_off_cpu", ["launch.device=auto"], {},
+    ("wire_dtype_fp32_off_cpu", ["launch.device=auto", "rollout.engine_dtype=bf16"], {},
      ["weight_sync.wire_dtype (--weight-sync-wire-dtype)='fp32'", "must be 'bf16'"]),
     ("wire_dtype_fp16", ["weight_sync.wire_dtype=fp16"], {}, ["weight_sync.wire_dtype", "'fp16'"]),
     ("colocate_off", ["launch.colocate=false"], {}, ["launch.colocate (--colocate)", "colocate"]),

@@ -18,9 +18,10 @@ Design choices where the spec is silent or where we deliberately differ:
 - ``train.kl_coef != 0`` is allowed with LoRA: the frozen reference is the same model with the
   adapter disabled, which costs no memory (our extension). Without LoRA there is no reference
   in memory, so it is rejected, as the spec rejects every non-zero ``--kl-coef``.
-- ``weight_sync.wire_dtype = "fp32"`` is accepted on a CPU-only run (``device="cpu"``): there
-  is no bandwidth to save there, and an fp32 wire keeps the engine's weights bit-equal to the
-  actor's fp32 weights, which is what the CPU tests compare. Anywhere else the spec's bf16.
+- ``weight_sync.wire_dtype = "fp32"`` is accepted on a CPU-only run (``device="cpu"``), or
+  with an fp32 engine (``rollout.engine_dtype = "fp32"``, e.g. the toy model on a GPU): the
+  wire carries the engine's own dtype, and an fp32 wire keeps the engine's weights bit-equal to
+  the actor's fp32 weights. Anywhere else the spec's bf16.
 - ``weight_sync.mode`` may be given explicitly as full, adapter or merge (our three sync
   payloads, ``Config.sync_mode``); any value contradicting the one derived from the LoRA flags
   is an error, never silently overridden.
@@ -426,10 +427,12 @@ def _check_dtypes(c: _Checker) -> None:
         c.one_of("fsdp.master_dtype", f.master_dtype, DTYPES)
     c.one_of("rollout.engine_dtype", c.cfg.rollout.engine_dtype, DTYPES)
     if ws.wire_dtype != "bf16":
-        if c.device == "cpu" and ws.wire_dtype == "fp32":
-            return  # our CPU-only extension, see the module docstring
+        if ws.wire_dtype == "fp32" and (c.device == "cpu"
+                                        or c.cfg.rollout.engine_dtype == "fp32"):
+            return  # our extension, see the module docstring
         c.error(f"{_key('weight_sync.wire_dtype')}={ws.wire_dtype!r} must be 'bf16' "
-                f"('fp32' is accepted only on a CPU-only run, launch.device='cpu')")
+                f"('fp32' is accepted only on a CPU-only run, launch.device='cpu', or with "
+                f"an fp32 engine, rollout.engine_dtype='fp32')")
 
 
 def _check_launch(c: _Checker) -> None:

@@ -25,7 +25,7 @@ from typing import Any, Iterator
 
 import torch
 
-from trainer.actor.model import DTYPES
+from trainer.actor.model import DTYPES, strip_wrapper_names
 from trainer.actor.sync import sync_payload
 
 # NOTE: the base hash samples 16 x 64 KiB per weight file instead of reading it all: hashing
@@ -145,17 +145,23 @@ class _MetaView:
         return iter(self._params)
 
 
-def weight_sync_manifest(model: torch.nn.Module, cfg) -> dict[str, Any]:
+def weight_sync_manifest(model: torch.nn.Module, cfg, adapter=None) -> dict[str, Any]:
     """The per-step sync payload of this run as the embedded engine receives it: ordered
-    (name, shape, source dtype, wire dtype) entries, their count, bytes and hash (the same
-    hash ``ipc`` checks on every sync)."""
+    (name, shape, source dtype, wire dtype) entries under the engine's names (the adapter's
+    ``weight_name_map``, as the loop builds it), their count, bytes and hash (the same hash
+    ``ipc`` checks on every sync)."""
     from ipc.protocol import manifest_hash
 
     mode = cfg.sync_mode
     wire = DTYPES.get(cfg.rollout.engine_dtype)
+    name_map = None
+    if hasattr(adapter, "weight_name_map"):
+        name_map = adapter.weight_name_map([strip_wrapper_names(n)
+                                            for n, _ in model.named_parameters()])
     entries = []
     nbytes = 0
-    for name, t in sync_payload(_MetaView(model), mode, scaling=1.0, first=False):
+    for name, t in sync_payload(_MetaView(model), mode, scaling=1.0, first=False,
+                                name_map=name_map):
         w = wire if (wire is not None and t.dtype.is_floating_point) else t.dtype
         shape = [int(d) for d in t.shape]
         entries.append((name, shape, str(t.dtype).removeprefix("torch."),

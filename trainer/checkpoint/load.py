@@ -11,16 +11,14 @@ Design choices where the spec is silent:
   committed iterations are trusted, and rank 0 picks one and broadcasts it, so all ranks load
   the same iteration even if a save lands on the filesystem meanwhile.
 * The engine already holds the base weights from the trainer's construction, so after the
-  restore the weights are pushed again (``trainer.sync_weights(first=True)``), then the saved
-  policy version is reinstated; without this the first resumed rollout would sample from the
-  base model.
+  restore the weights are pushed again as the saved policy version (``_resync_engine``);
+  without this the first resumed rollout would sample from the base model.
 * The RNG is restored last, after everything else that might draw from it.
 * A missing RNG file for this rank (a different world size) is a warning: the spec calls
   per-rank RNG best-effort. The rest still resumes exactly.
 """
 from __future__ import annotations
 
-import inspect
 import logging
 from pathlib import Path
 
@@ -34,14 +32,26 @@ log = logging.getLogger("trainer.checkpoint")
 
 
 def _resync_engine(trainer, version: int) -> None:
-    sync = getattr(trainer, "sync_weights", None)
-    if not callable(sync) or getattr(trainer, "sender", None) is None:
+    """Push the restored weights to the engine as policy ``version``: the rollout driver
+    refuses samples from an engine whose version differs from the trainer's.
+
+    ``sync_weights()`` sends version ``policy_version + 1`` and advances to it only on
+    success; the engine holds the base (version 0) from construction, so an ordinary step
+    sync (adapter mode: the LoRA tensors) completes it. Version 0 (nothing synced before the
+    save) repeats the first, full sync.
+    """
+    if not callable(getattr(trainer, "sync_weights", None)) or \
+            getattr(trainer, "sender", None) is None:
+        trainer.policy_version = version
         return
-    if "version" in inspect.signature(sync).parameters:
-        sync(first=True, version=version)
+    if version == 0:
+        trainer.sync_weights(first=True)
     else:
-        sync(first=True)
-    trainer.policy_version = version
+        trainer.policy_version = version - 1
+        trainer.sync_weights()
+    if trainer.policy_version != version:
+        raise layout.CheckpointError(f"re-syncing the engine to policy version {version} after "
+                                     f"the resume left version {trainer.policy_version}")
 
 
 def load_checkpoint(trainer, path: str | Path) -> Path:
@@ -76,7 +86,6 @@ def load_checkpoint(trainer, path: str | Path) -> Path:
     trainer.next_rollout = int(state["rollout_id"]) + 1
     trainer.checkpoint_failures = int(state.get("checkpoint_failures", 0))
     _resync_engine(trainer, int(state["policy_version"]))
-    trainer.policy_version = int(state["policy_version"])
 
     rng_path = iter_dir / layout.rng_file(trainer.rank)
     if rng_path.is_file():

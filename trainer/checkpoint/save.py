@@ -74,7 +74,8 @@ def _write(trainer, step: int, iter_dir: Path) -> None:
     if trainer.rank == 0:
         layout.atomic_write_json(iter_dir / layout.TRAINER_STATE, trainer_state(trainer, step))
         layout.atomic_write_json(iter_dir / layout.WEIGHT_SYNC_MANIFEST,
-                                 weight_sync_manifest(trainer.model, trainer.cfg), indent=None)
+                                 weight_sync_manifest(trainer.model, trainer.cfg,
+                                                      trainer.adapter), indent=None)
         layout.atomic_write_json(iter_dir / layout.ADAPTER_CONTRACT,
                                  adapter_contract(trainer.cfg, trainer.adapter,
                                                   trainer.model_path))

@@ -249,6 +249,10 @@ class GenerativeModelAdapter(abc.ABC):
         return schema.pack(self, response, request)
 
     def replay_velocity(self, transformer: nn.Module, batch: RolloutBatch, step: int) -> torch.Tensor:
-        """v at trained step ``step`` (0..S-1) of every candidate: the actor's replay forward."""
-        return self.velocity(transformer, batch.latents[:, step], batch.sigmas[:, step],
-                             batch.conditions, batch.height, batch.width)
+        """v at trained step ``step`` (0..S-1) of every candidate: the actor's replay forward.
+
+        Inputs move to the transformer's device (a RolloutBatch may live on the host)."""
+        dev = next(transformer.parameters()).device
+        cond = {k: v.to(dev, non_blocking=True) for k, v in batch.conditions.items()}
+        return self.velocity(transformer, batch.latents[:, step].to(dev, non_blocking=True),
+                             batch.sigmas[:, step].to(dev), cond, batch.height, batch.width)
