@@ -26,7 +26,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 class TinyBlock(nn.Module):
     def __init__(self, dim: int):
         super().__init__()
-        self.to_q, self.to_v, self.ff = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.to_q, self.to_v = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.ff = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.ff(torch.tanh(self.to_q(x)) * self.to_v(x))

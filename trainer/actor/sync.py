@@ -1,16 +1,18 @@
-"""Trainer side of the weight sync: full tensors out of FSDP2, named as the engine names them.
+"""Trainer side of the weight sync: the actor's tensors, named as the engine names them.
 
 Payloads (derived from the LoRA flags, spec "权重同步" / lora-rl):
 - full:    every trainable-model tensor (full training);
 - adapter: LoRA tensors only; the base goes once, in the first (full) sync;
 - merge:   LoRA folded into the base, sent under the plain model's names (the engine holds
            no LoRA layers).
-Tensors are produced lazily, one at a time (``DTensor.full_tensor()`` per parameter), so the
-transport can stream them into its buckets without a whole-model copy on the trainer side.
+Nothing is gathered here: parameters go out as they are (FSDP2 DTensors, or plain tensors) and
+merged weights as ``ipc.LazyTensor``s, so the transport calls ``full_tensor()`` / ``produce()``
+one tensor at a time in bucket order and the full model never exists twice on the trainer side.
+Every rank yields the same sequence, so the collectives inside the gathers line up.
 """
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -20,33 +22,51 @@ from trainer.actor.model import strip_wrapper_names
 _PEFT_PREFIX = "base_model.model."
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
+def _full(t: Any) -> torch.Tensor:
+    """A full (replicated) tensor of ``t``: DTensor.full_tensor(), LazyTensor.produce(), or t."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def named_full_tensors(model: nn.Module, *, only_lora: bool = False
+def named_sync_tensors(model: nn.Module, *, only_lora: bool = False
                        ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(engine-facing name, full tensor) for every parameter (buffers are not trained and
-    the engine loads its own).
+    """(name without wrapper segments, parameter) for every parameter, not gathered.
 
-    Every rank must iterate the same sequence: full_tensor() is a collective.
+    Buffers are not trained and the engine loads its own, so they are not synced.
     """
     for name, p in model.named_parameters():
         name = strip_wrapper_names(name)
         if only_lora and "lora_" not in name:
             continue
-        yield name, _full(p)
+        yield name, p.detach()
 
 
-def merged_full_tensors(model: nn.Module, scaling: float) -> Iterator[tuple[str, torch.Tensor]]:
-    """LoRA folded into the base: W + scaling * B @ A (fp32 math), plain-model names.
+def named_full_tensors(model: nn.Module, *, only_lora: bool = False
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Like ``named_sync_tensors`` but gathered (a collective per tensor, on every rank)."""
+    for name, t in named_sync_tensors(model, only_lora=only_lora):
+        yield name, _full(t)
+
+
+def _merged(weight: Any, lora_a: Any, lora_b: Any, scaling: float):
+    """W + scaling * B @ A, computed in fp32 when the transport asks for it."""
+    from ipc import LazyTensor
+
+    def produce() -> torch.Tensor:
+        w = _full(weight)
+        delta = _full(lora_b).float() @ _full(lora_a).float()
+        return (w.float() + scaling * delta).to(w.dtype)
+
+    return LazyTensor(tuple(weight.shape), weight.dtype, produce)
+
+
+def merged_sync_tensors(model: nn.Module, scaling: float) -> Iterator[tuple[str, Any]]:
+    """LoRA folded into the base, plain-model names, lazily.
 
     peft names: ``base_model.model.<m>.base_layer.weight`` with ``<m>.lora_A.default.weight``
     and ``<m>.lora_B.default.weight``; the merged tensor goes out as ``<m>.weight``.
     """
-    pending: dict[str, dict[str, torch.Tensor]] = {}
-    for name, t in named_full_tensors(model):
+    pending: dict[str, dict[str, Any]] = {}
+    for name, t in named_sync_tensors(model):
         plain = name[len(_PEFT_PREFIX):] if name.startswith(_PEFT_PREFIX) else name
         if ".lora_" in plain:
             mod, rest = plain.split(".lora_", 1)
@@ -62,9 +82,8 @@ def merged_full_tensors(model: nn.Module, scaling: float) -> Iterator[tuple[str,
             continue
         entry = pending.get(mod, {})
         if "A" in entry and "B" in entry and "base:weight" in entry:
-            w = entry.pop("base:weight")
-            delta = entry.pop("B").float() @ entry.pop("A").float()
-            yield f"{mod}.weight", (w.float() + scaling * delta).to(w.dtype)
+            yield f"{mod}.weight", _merged(entry.pop("base:weight"), entry.pop("A"),
+                                           entry.pop("B"), scaling)
             for key in [k for k in entry if k.startswith("base:")]:
                 yield f"{mod}.{key[5:]}", entry.pop(key)
             pending.pop(mod)
@@ -76,12 +95,18 @@ def merged_full_tensors(model: nn.Module, scaling: float) -> Iterator[tuple[str,
                 raise RuntimeError(f"LoRA module {mod} has lora_{key} without its base weight")
 
 
+def merged_full_tensors(model: nn.Module, scaling: float) -> Iterator[tuple[str, torch.Tensor]]:
+    """``merged_sync_tensors`` gathered (for checks and exports)."""
+    for name, t in merged_sync_tensors(model, scaling):
+        yield name, _full(t)
+
+
 def sync_payload(model: nn.Module, mode: str, *, scaling: float = 1.0, first: bool = False,
-                 name_map: dict[str, str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                 name_map: dict[str, str] | None = None) -> Iterator[tuple[str, Any]]:
     """The tensors of one sync of ``mode`` (the first adapter-mode sync sends everything)."""
     if mode == "merge":
-        it = merged_full_tensors(model, scaling)
+        it = merged_sync_tensors(model, scaling)
     else:
-        it = named_full_tensors(model, only_lora=(mode == "adapter" and not first))
+        it = named_sync_tensors(model, only_lora=(mode == "adapter" and not first))
     for name, t in it:
         yield (name_map.get(name, name) if name_map else name), t

@@ -4,7 +4,8 @@ model's identity hash, and the weight-sync manifest.
 A LoRA checkpoint stores only the adapter; the frozen base is reloaded from --model-path on
 every resume. ``adapter_contract.json`` records everything the adapter's meaning depends on
 that cannot be read back from its tensors (alpha above all: a wrong alpha silently rescales
-the policy), and ``assert_resumable`` refuses a resume that would change any of it.
+the policy), and resume refuses (``contract_mismatches`` -> ``ContractMismatchError``) to
+change any of it.
 
 Design choices where the spec is silent:
 
@@ -28,10 +29,10 @@ import torch
 from trainer.actor.model import DTYPES, strip_wrapper_names
 from trainer.actor.sync import sync_payload
 
-# NOTE: the base hash samples 16 x 64 KiB per weight file instead of reading it all: hashing
-# a 40 GB base in full costs minutes per resume; the samples cost milliseconds and still
-# separate two fine-tunes of one architecture (any changed tensor shifts bytes in most
-# samples). Small files (configs, indexes, anything <= 1 MiB) are hashed whole.
+# The base hash samples 16 x 64 KiB per weight file instead of reading every byte: a 40 GB
+# base would cost tens of seconds of reads at every save and resume, the samples 1 MiB per
+# file; two fine-tunes of one architecture still differ (training moves nearly every tensor,
+# so nearly every sample). Small files (configs, indexes, anything <= 1 MiB) are hashed whole.
 _WHOLE_FILE_MAX = 1 << 20
 _SAMPLES = 16
 _SAMPLE_BYTES = 64 << 10

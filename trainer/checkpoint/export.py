@@ -67,7 +67,7 @@ class VerifyError(RuntimeError):
         super().__init__(f"verification of {out} failed:\n  - " + "\n  - ".join(self.problems))
 
 
-# ---- the base transformer ------------------------------------------------------------------
+# ---- the base transformer -------------------------------------------------------------------
 def transformer_dir(path: str | Path) -> Path:
     """``<path>/transformer`` or ``path`` itself: the first holding a diffusers config.json."""
     p = Path(path)
@@ -93,7 +93,7 @@ def _weight_files(tdir: Path) -> list[Path]:
     return sorted(Path(tdir).glob("*.safetensors"))
 
 
-# ---- the checkpoint --------------------------------------------------------------------------
+# ---- the checkpoint -------------------------------------------------------------------------
 def read_model_tensors(iter_dir: Path) -> dict[str, torch.Tensor]:
     """The model part of a DCP checkpoint as full tensors, in one process, without building
     the model: the template comes from the checkpoint's own metadata."""
@@ -133,7 +133,7 @@ def lora_pairs(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, dict[str, to
     return pairs, problems
 
 
-# ---- planning: every problem at once ------------------------------------------------------------
+# ---- planning: every problem at once --------------------------------------------------------
 @dataclass
 class ExportPlan:
     iter_dir: Path
@@ -207,7 +207,7 @@ def plan_export(save_dir: str | Path, output_dir: str | Path, *, form: str | Non
                       overwrite)
 
 
-# ---- writers ------------------------------------------------------------------------------------
+# ---- writers --------------------------------------------------------------------------------
 def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t.to(dtype) if dtype is not None and t.is_floating_point() else t
 
@@ -293,7 +293,7 @@ def write_full(plan: ExportPlan, tensors: dict[str, torch.Tensor], dest: Path) -
 WRITERS = {"merged": write_merged, "adapter": write_adapter, "full": write_full}
 
 
-# ---- verification ---------------------------------------------------------------------------------
+# ---- verification ---------------------------------------------------------------------------
 def _compare(name: str, got: torch.Tensor, want: torch.Tensor, problems: list[str], *,
              exact: bool) -> None:
     want = want.to(got.dtype)
@@ -392,7 +392,7 @@ def verify_export(plan: ExportPlan, tensors: dict[str, torch.Tensor], out: Path)
     return problems
 
 
-# ---- driver -----------------------------------------------------------------------------------------
+# ---- driver ---------------------------------------------------------------------------------
 def export_checkpoint(save_dir: str | Path, output_dir: str | Path, **options) -> Path:
     """Export one committed checkpoint (keyword options as ``plan_export``); returns OUT.
     Raises ExportError before writing anything, VerifyError after a failed --verify."""

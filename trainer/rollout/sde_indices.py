@@ -104,7 +104,7 @@ def resolve_sde_indices(sampling: dict[str, Any], *, rollout_id: int | None) -> 
         problems.append("sde_pool is empty")
     # The stride-in-window path is reachable whenever no explicit list overrides it: at
     # evaluation (rollout_id=None) and, without sde_pool, as the resampling pool.
-    window_reachable = num_sde > 0 and explicit is None
+    window_reachable = num_sde > 0 and (explicit is None or (resample and pool is None))
     if window_reachable and num_sde > len(window) and not any("fraction" in msg for msg in problems):
         problems.append(f"num_sde_steps={num_sde} exceeds the {len(window)} steps of the "
                         f"sde_timestep_fraction window {window}")
