@@ -1,6 +1,7 @@
 """SDE transition + Gaussian log-prob, forward / backward / both: Triton vs eager vs torch.compile.
 
     python bench/bench_kernels.py --out kernels.md            # the table (GPU: ~2 minutes)
+    python bench/bench_kernels.py --quick --out quick.md      # bf16, 8x36,864 and 64x1,048,576 (<1 min)
     python bench/bench_kernels.py --sweep --out sweep.md      # + forward tilings, for tuning
     python -m pytest bench/bench_kernels.py --benchmark-enable   # the same cases, pytest-benchmark
 
@@ -11,8 +12,12 @@ path after its schedule was validated once). Sigmas are per-sample [B] tensors, 
 
 Times are medians of ``triton.testing.do_bench`` (CUDA events, L2 flushed between runs): device
 time. Launch-bound cases are also timed "host-inclusive": back-to-back calls, one sync at the
-end, so that Python, autograd and launch overheads count. Bandwidth counts the bytes a fused
-kernel must move: forward reads x, v, prev; backward reads them again and writes dv. The copy
+end, so that Python, autograd and launch overheads count. A third table times the Triton kernels
+alone, replayed from a CUDA graph (no Python, no autograd): the gap between it and the first
+table is host overhead that do_bench could not hide. Bandwidth counts the bytes a fused
+kernel must move: forward reads x, v, prev; backward reads them again and writes dv (it
+recomputes the mean instead of saving a residual: saving one would cost a write in the
+forward that forward-only callers would pay too). The copy
 ceiling (read + write) is measured in the same run with a 1 GiB device-to-device copy.
 Needs torch and triton only (no diffusers). Without CUDA it times the small shape on CPU
 (Triton under TRITON_INTERPRET=1), which checks that the script works, nothing more.
@@ -196,6 +201,46 @@ def run_table(shapes, dtypes, impls, device, timer, ceiling, log):
     return rows, host_rows
 
 
+def run_graph_table(shapes, dtypes, device, timer, ceiling, log):
+    """Device time of the Triton launches alone: fwd, bwd and both, replayed from a CUDA graph."""
+    from kernels import sde_triton
+    rows = []
+    params = sde_triton.step_params("sde", ETA)
+    for batch, n in shapes:
+        for dname in dtypes:
+            dtype = DTYPES[dname]
+            x, v, prev, sigma, sigma_next, grad = make_case(batch, n, dtype, device)
+            v = v.detach()
+            calls = {
+                "fwd": lambda: sde_triton.log_prob_forward(x, v, prev, sigma, sigma_next, params),
+                "bwd": lambda: sde_triton.log_prob_backward(x, v, prev, grad, sigma, sigma_next, params),
+            }
+            calls["fwd+bwd"] = lambda: (calls["fwd"](), calls["bwd"]())
+            for op, call in calls.items():
+                try:
+                    stream = torch.cuda.Stream(device)
+                    with torch.cuda.stream(stream):  # warm-up (tuning, workspace) off the capture
+                        for _ in range(3):
+                            call()
+                    stream.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, stream=stream):
+                        call()
+                    ms = timer.device_ms(graph.replay)
+                except Exception as exc:
+                    log(f"  graph {batch}x{n:,} {dname} {op} failed: {type(exc).__name__}: {exc}")
+                    ms = float("nan")
+                gbs = bytes_moved(batch, n, dtype, op) / (ms * 1e-3) / 1e9
+                rows.append((f"{batch}x{n:,}", dname, op, ms, gbs, 100 * gbs / ceiling))
+            del x, v, prev
+            torch.cuda.empty_cache()
+    lines = ["", "Triton kernels alone (CUDA-graph replay: no Python, no autograd), device time:", "",
+             "| shape | dtype | op | ms | GB/s | % of copy ceiling | x bytes floor |", "|---|---|---|---|---|---|---|"]
+    for shape, dname, op, ms, gbs, pct in rows:
+        lines.append(f"| {shape} | {dname} | {op} | {_ms(ms)} | {gbs:,.0f} | {pct:.0f}% | {100 / pct:.2f} |")
+    return lines
+
+
 def run_sweep(device, timer, ceiling, log):
     """Forward-kernel tilings (the forward's tiling is fixed per N for determinism, not autotuned)."""
     from kernels import sde_triton
@@ -259,8 +304,13 @@ def main(argv=None):
     parser.add_argument("--impls", default=None,
                         help="subset of eager,compile,triton (default: all on CUDA, eager,triton on CPU)")
     parser.add_argument("--sweep", action="store_true", help="also time forward tilings")
+    parser.add_argument("--quick", action="store_true",
+                        help="bf16 at 8x36,864 and 64x1,048,576 only (a re-measure in under a minute)")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.quick:
+        args.shapes = args.shapes or ((SHAPES[0], SHAPES[-1]) if device.type == "cuda" else SHAPES[:1])
+        args.dtypes = "bf16"
     shapes = args.shapes or (SHAPES if device.type == "cuda" else SHAPES[:1])
     dtypes = [d for d in args.dtypes.split(",") if d]
     impls = (args.impls or ("eager,compile,triton" if device.type == "cuda" else "eager,triton")).split(",")
@@ -281,6 +331,8 @@ def main(argv=None):
              f"Copy ceiling ({'1 GiB' if device.type == 'cuda' else '256 MiB'} copy, read + write): "
              f"{ceiling:,.0f} GB/s.", ""]
     lines += format_table(rows, host_rows, ceiling)
+    if device.type == "cuda":
+        lines += run_graph_table(shapes, dtypes, device, timer, ceiling, log)
     if args.sweep and device.type != "cuda":
         log("  --sweep needs CUDA; skipped")
     elif args.sweep:

@@ -5,6 +5,18 @@ program copies one CHUNK of one piece and folds the checksum of the words it wro
 definition in ipc/checksum.py) into that tensor's two lanes with two atomics. With STORE=False
 the same kernel only reads: that is the receiver's verification and `weights_checksum` on GPU.
 
+Throughput (H200, 4 GB of bf16, run 1 of bench/bench_ipc.py): torch's copy_ moves 2.08 TB/s
+of payload; the first version of this kernel (CHUNK 64 Ki, BLOCK 4096 16-bit words, 8 warps)
+1.11 TB/s, the same kernel at CHUNK 128 Ki / BLOCK 8192 1.49 TB/s, its read-only pass
+2.79 TB/s. The copy is limited by bytes in flight per SM (registers per thread bound the
+resident warps) and by integer issue (~6 ops per checksummed word), not by DRAM. Hence:
+- 16-bit words travel as int32 pairs (PACK): the store is the loaded register, and the lanes
+  need 3 accumulators per pair instead of 2 per word (1.5 vs 2 registers and adds per word),
+  so more of the register file holds loads in flight;
+- each iteration moves BLOCK32 32-bit lanes (16 KiB at the default: four 16-byte vectors per
+  thread at 8 warps), the config the sweep measured best;
+- only the tail of a piece (< one iteration) is masked, word by word.
+
 Addressing: every source and destination is given as a signed offset, in 16-byte units, from
 a base pointer argument. Triton specialises pointer arguments on 16-byte alignment and sees
 `offset16 * VEC` as a multiple of VEC elements, so the unmasked main loop compiles to 16-byte
@@ -28,12 +40,16 @@ import importlib.util
 import numpy as np
 import torch
 
-# NOTE: 64 Ki elements per program keeps the chunk table of a 16 GB sync near 1 MB and the
-# per-program epilogue (three block reductions + two atomics) under 1% of the program's time;
-# BLOCK is 16 bf16 words per thread at 8 warps (two 16-byte vectors).
-CHUNK = 1 << 16
-BLOCK = 4096
+# NOTE (measured, H200, 4 GB bf16 copy+checksum, word-wise kernel): CHUNK 64 Ki / BLOCK 4096
+# words / 8 warps 1.11 TB/s of payload; CHUNK 64 Ki / 2048 / 4 warps 1.47; CHUNK 128 Ki / 8192
+# / 8 warps 1.49 (best); 64 Ki / 4096 / 16 warps 1.22 (torch copy_: 2.08). The defaults below
+# are that best config (8192 16-bit words = 4096 32-bit lanes per iteration), now with PACK.
+# CHUNK (words per program) keeps the chunk table of a 16 GB sync near 0.5 MB and the epilogue
+# (block reductions + two atomics) negligible. `python bench/bench_ipc.py --sweep` re-measures.
+CHUNK = 1 << 17
+BLOCK32 = 4096      # 32-bit lanes per loop iteration (16-bit words: 2 * BLOCK32 words)
 NUM_WARPS = 8
+PACK16 = True       # same-dtype 16-bit copies move int32 pairs (see the module docstring)
 
 _KINDS = {  # (src dtype, dst dtype) -> (SRC_BITS, DST_BITS, CAST)
     (torch.float32, torch.bfloat16): (32, 16, 1),
@@ -93,13 +109,17 @@ def launch(base: torch.Tensor, launch_: Launch, chunks: torch.Tensor, pieces: to
     if n == 0:
         return
     sb = base if src_base is None else src_base
+    pack = PACK16 and launch_.kind == (16, 16, 0)
+    block = 2 * BLOCK32 if launch_.kind == (16, 16, 0) else BLOCK32
     # 16-byte views, not empty ones: the interpreter sees a null data pointer for an empty
     # tensor. Offsets may be negative (sources below the base): two's complement wraps.
+    s16, d16 = sb[:16], base[:16]
     _kernel()[(n,)](
-        sb[:16].view(_INT_VIEW[src_bits]), base[:16].view(_INT_VIEW[dst_bits]),
+        s16.view(_INT_VIEW[src_bits]), d16.view(_INT_VIEW[dst_bits]),
+        s16.view(torch.int32), d16.view(torch.int32),
         chunks[launch_.c0:launch_.c1], pieces, src16, sums,
-        CHUNK=CHUNK, BLOCK=BLOCK, SRC_BITS=src_bits, DST_BITS=dst_bits, CAST=cast,
-        STORE=store, num_warps=NUM_WARPS)
+        CHUNK=CHUNK, BLOCK=block, SRC_BITS=src_bits, DST_BITS=dst_bits, CAST=cast,
+        STORE=store, PACK=pack, num_warps=NUM_WARPS)
 
 
 def tensors_lanes(tensors: list[torch.Tensor]) -> np.ndarray:

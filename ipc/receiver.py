@@ -367,7 +367,8 @@ class WeightReceiver:
 
     def _watch(self, idx: np.ndarray) -> tuple[list, list]:
         """(tensor objects, expected data pointers) of a manifest, cached per manifest.
-        NOTE: one data_ptr() per tensor and sync (~0.25 µs each on the dev box)."""
+        NOTE: one data_ptr() per tensor and sync (1,440 tensors: 0.26 ms on the dev box; a
+        `map(Tensor.data_ptr, ...)` is no faster)."""
         key = id(idx)
         hit = self._watched.get(key)
         if hit is None or hit[0] is not idx:

@@ -71,14 +71,19 @@ class ReductionConfig:
 
 @lru_cache(maxsize=256)
 def reduction_config(n: int, block: int | None = None, tiles: int = 1,
-                     num_warps: int | None = None) -> ReductionConfig:
-    """Default forward tiling for ``N`` elements per sample.
+                     num_warps: int | None = None, elem_size: int = 4) -> ReductionConfig:
+    """Default forward tiling for ``N`` elements per sample stored ``elem_size`` bytes each.
 
-    A 4096-element tile keeps 16 fp32 accumulators per thread at 8 warps and gives 16,384
-    programs at 64 x 1,048,576 (enough to fill every SM several times) and 72 at 8 x 36,864.
+    A tile is 16 KiB of each input: 4096 fp32 or 8192 bf16/fp16 elements, 64 bytes per thread
+    and tensor at 8 warps. It depends on (N, storage dtype) only, both the same for the engine's
+    record and the actor's replay, so the bitwise contract holds.
+    NOTE: with a 4096-element tile for every dtype, fp32 reached 97% of the copy ceiling at
+    64 x 1,048,576 but bf16 only 45% in the same 0.21 ms: the time was set by the 16,384
+    programs' latency chain (sigma load, coefficients, data loads, partial store, acq_rel
+    atomic), not by bytes; half the bytes per program in bf16 left the memory system idle.
     ``bench/bench_kernels.py --sweep`` times alternatives on the device.
     """
-    block = block or min(4096, max(16, triton.next_power_of_2(n)))
+    block = block or min(16384 // elem_size, max(16, triton.next_power_of_2(n)))
     num_warps = num_warps or (8 if block >= 2048 else 4)
     chunks = triton.cdiv(n, block * tiles)
     return ReductionConfig(block, tiles, num_warps, min(1024, triton.next_power_of_2(chunks)))
@@ -201,20 +206,29 @@ def _sde_log_prob_fwd_kernel(
         BLOCK: tl.constexpr, TILES: tl.constexpr, BLOCK_P: tl.constexpr, LOG_SQRT_TWO_PI: tl.constexpr):
     chunk = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
+    row = b * N
+    start = chunk.to(tl.int64) * (BLOCK * TILES)
+    # the first tile's loads go out before the sigma loads and the coefficient math, so a
+    # program waits for one memory round trip, not two in a row (see reduction_config)
+    offs = start + tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + row + offs, mask=mask, other=0.0)
+    v = tl.load(v_ptr + row + offs, mask=mask, other=0.0)
+    prev = tl.load(prev_ptr + row + offs, mask=mask, other=0.0)
     sigma = _load_sigma(sig_ptr, sig_stride, sig_value, b, SIG_TENSOR)
     sigma_next = _load_sigma(sign_ptr, sign_stride, sign_value, b, SIGN_TENSOR)
     a, coef_v, var = _transition_coefficients(sigma, sigma_next, eta_sq, cps_sin, cps_cos, SDE_TYPE)
 
-    row = b * N
-    start = chunk.to(tl.int64) * (BLOCK * TILES)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for t in tl.static_range(TILES):
-        offs = start + t * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < N
-        x = tl.load(x_ptr + row + offs, mask=mask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + row + offs, mask=mask, other=0.0).to(tl.float32)
-        prev = tl.load(prev_ptr + row + offs, mask=mask, other=0.0).to(tl.float32)
-        resid = prev - _transition_mean(x, v, a, coef_v, SDE_TYPE)  # 0 where masked
+        if t > 0:
+            offs = start + t * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < N
+            x = tl.load(x_ptr + row + offs, mask=mask, other=0.0)
+            v = tl.load(v_ptr + row + offs, mask=mask, other=0.0)
+            prev = tl.load(prev_ptr + row + offs, mask=mask, other=0.0)
+        mean = _transition_mean(x.to(tl.float32), v.to(tl.float32), a, coef_v, SDE_TYPE)
+        resid = prev.to(tl.float32) - mean  # 0 where masked
         acc += resid * resid
     tl.store(partial_ptr + b * num_chunks + chunk, tl.sum(acc, axis=0))
 
@@ -242,20 +256,20 @@ def _sde_log_prob_bwd_kernel(
         BLOCK: tl.constexpr):
     chunk = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    sigma = _load_sigma(sig_ptr, sig_stride, sig_value, b, SIG_TENSOR)
-    sigma_next = _load_sigma(sign_ptr, sign_stride, sign_value, b, SIGN_TENSOR)
-    a, coef_v, var = _transition_coefficients(sigma, sigma_next, eta_sq, cps_sin, cps_cos, SDE_TYPE)
-    grad = tl.load(grad_ptr + b * grad_stride).to(tl.float32)
-    # d/dv of mean_i(-(prev - mean)^2 / (2 var)) = b * (prev - mean) / (var * N)
-    scale = grad * coef_v / (var * N)
-
     row = b * N
     offs = chunk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
-    x = tl.load(x_ptr + row + offs, mask=mask, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + row + offs, mask=mask, other=0.0).to(tl.float32)
-    prev = tl.load(prev_ptr + row + offs, mask=mask, other=0.0).to(tl.float32)
-    resid = prev - _transition_mean(x, v, a, coef_v, SDE_TYPE)
+    # data loads first, then the per-sample scalars: one memory round trip per program
+    x = tl.load(x_ptr + row + offs, mask=mask, other=0.0)
+    v = tl.load(v_ptr + row + offs, mask=mask, other=0.0)
+    prev = tl.load(prev_ptr + row + offs, mask=mask, other=0.0)
+    grad = tl.load(grad_ptr + b * grad_stride).to(tl.float32)
+    sigma = _load_sigma(sig_ptr, sig_stride, sig_value, b, SIG_TENSOR)
+    sigma_next = _load_sigma(sign_ptr, sign_stride, sign_value, b, SIGN_TENSOR)
+    a, coef_v, var = _transition_coefficients(sigma, sigma_next, eta_sq, cps_sin, cps_cos, SDE_TYPE)
+    # d/dv of mean_i(-(prev - mean)^2 / (2 var)) = b * (prev - mean) / (var * N)
+    scale = grad * coef_v / (var * N)
+    resid = prev.to(tl.float32) - _transition_mean(x.to(tl.float32), v.to(tl.float32), a, coef_v, SDE_TYPE)
     tl.store(dv_ptr + row + offs, _cast_for_store(dv_ptr, scale * resid), mask=mask)
 
 
@@ -268,6 +282,14 @@ def _sde_sample_kernel(
         HAS_NOISE: tl.constexpr, BLOCK: tl.constexpr):
     chunk = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
+    row = b * N
+    offs = chunk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    # data loads first, then the per-sample scalars: one memory round trip per program
+    x = tl.load(x_ptr + row + offs, mask=mask, other=0.0)
+    v = tl.load(v_ptr + row + offs, mask=mask, other=0.0)
+    if HAS_NOISE:
+        noise = tl.load(noise_ptr + row + offs, mask=mask, other=0.0)
     sigma = _load_sigma(sig_ptr, sig_stride, sig_value, b, SIG_TENSOR)
     sigma_next = _load_sigma(sign_ptr, sign_stride, sign_value, b, SIGN_TENSOR)
     a, coef_v, var = _transition_coefficients(sigma, sigma_next, eta_sq, cps_sin, cps_cos, SDE_TYPE)
@@ -275,15 +297,9 @@ def _sde_sample_kernel(
     if chunk == 0:
         tl.store(std_ptr + b, std)
 
-    row = b * N
-    offs = chunk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    x = tl.load(x_ptr + row + offs, mask=mask, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + row + offs, mask=mask, other=0.0).to(tl.float32)
-    mean = _transition_mean(x, v, a, coef_v, SDE_TYPE)
+    mean = _transition_mean(x.to(tl.float32), v.to(tl.float32), a, coef_v, SDE_TYPE)
     if HAS_NOISE:
-        noise = tl.load(noise_ptr + row + offs, mask=mask, other=0.0).to(tl.float32)
-        prev = mean + std * noise
+        prev = mean + std * noise.to(tl.float32)
     else:
         prev = mean
     tl.store(mean_ptr + row + offs, mean, mask=mask)
@@ -312,20 +328,25 @@ def step_params(sde_type: str, eta: float) -> StepParams:
 
 
 def _sigma_args(sigma, batch: int, dummy: torch.Tensor) -> tuple[tuple, bool]:
-    """``(ptr, stride, value), is_tensor`` for a float, a 0-dim / [1] tensor or a [B] tensor."""
+    """``(ptr, stride, value), is_tensor`` for a float, a 0-dim / [1] tensor or a [B] tensor.
+
+    No reshape: a 0-dim or one-element tensor is read with stride 0 (one fewer tensor op per
+    sigma on the launch path)."""
     if isinstance(sigma, torch.Tensor):
-        flat = sigma.reshape(-1)
-        stride = 0 if flat.numel() == 1 and batch != 1 else flat.stride(0)
-        return (flat, stride, 0.0), True
+        return (sigma, 0 if sigma.dim() == 0 or sigma.shape[0] == 1 else sigma.stride(0), 0.0), True
     return (dummy, 0, float(sigma)), False
 
 
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+# The current stream's handle without building a torch.cuda.Stream object (what inductor's
+# generated code calls); the public spelling is the fallback.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda index: torch.cuda.current_stream(index).cuda_stream)
 
 
 def _workspace(device: torch.device, batch: int, num_chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Cached (partials [>= B*chunks] fp32, counters [>= B] int32, all zero between launches)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    stream = _raw_stream(device.index) if device.type == "cuda" else 0
     key = (device.type, device.index, stream)
     cached = _WORKSPACES.get(key)
     if cached is None or cached[0].numel() < batch * num_chunks or cached[1].numel() < batch:
@@ -341,7 +362,7 @@ def log_prob_forward(x: torch.Tensor, v: torch.Tensor, prev: torch.Tensor, sigma
                      params: StepParams, config: ReductionConfig | None = None) -> torch.Tensor:
     """Launch the forward kernel on ``[B, N]`` contiguous, 16-byte aligned tensors -> ``[B]`` fp32."""
     batch, n = x.shape
-    cfg = config or reduction_config(n)
+    cfg = config or reduction_config(n, elem_size=x.element_size())
     num_chunks = cfg.num_chunks(n)
     partials, counts = _workspace(x.device, batch, num_chunks)
     out = torch.empty(batch, dtype=torch.float32, device=x.device)
@@ -359,7 +380,8 @@ def log_prob_backward(x, v, prev, grad: torch.Tensor, sigma, sigma_next,
                       params: StepParams) -> torch.Tensor:
     batch, n = x.shape
     dv = torch.empty_like(v)
-    grad = grad.reshape(-1)
+    if grad.dim() != 1:
+        grad = grad.reshape(-1)
     sig, sig_is_tensor = _sigma_args(sigma, batch, x)
     sign, sign_is_tensor = _sigma_args(sigma_next, batch, x)
     constexprs = dict(SDE_TYPE=params.code, SIG_TENSOR=sig_is_tensor, SIGN_TENSOR=sign_is_tensor)
@@ -392,7 +414,13 @@ class _SDELogProb(torch.autograd.Function):
 
 def sde_log_prob(x, v, prev, sigma, sigma_next, params: StepParams,
                  config: ReductionConfig | None = None) -> torch.Tensor:
-    return _SDELogProb.apply(x, v, prev, sigma, sigma_next, params, config)
+    """log_prob [B]; through the autograd.Function only when a gradient can reach ``v``.
+
+    NOTE: ``Function.apply`` measured 13 us on the 2-core CI box (the whole 8 x 36,864 forward
+    budget is ~25 us); the engine and no-grad replays (old-policy log-probs) skip it."""
+    if v.requires_grad and torch.is_grad_enabled():
+        return _SDELogProb.apply(x, v, prev, sigma, sigma_next, params, config)
+    return log_prob_forward(x, v, prev, sigma, sigma_next, params, config)
 
 
 @torch.no_grad()

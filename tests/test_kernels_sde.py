@@ -163,7 +163,7 @@ def test_triton_multi_chunk_reduction(sde_type):
 
 @pytest.mark.slow
 def test_triton_default_tiling_over_several_tiles():
-    """N = 9,190 > 4,096: three chunks of the default tiling, bf16, python-float sigmas."""
+    """N = 9,190 > 8,192 (the bf16 tile): two chunks of the default tiling, python-float sigmas."""
     x, v, noise = _inputs((2, 5, 1838), torch.bfloat16, seed=5)
     prev = kernels.sde_step(x, v, 0.7, 0.6, eta=ETA, noise=noise, backend="torch").prev_sample
     args = (x, v, prev, 0.7, 0.6)
@@ -429,3 +429,68 @@ def test_sigma_forms_give_the_same_bits():
     # a python float takes another kernel specialisation (sigma as an argument): same math
     torch.testing.assert_close(shared[0], shared[2], rtol=4 * EPS32, atol=4 * EPS32)
     assert torch.equal(strided[2], shared[2][2])
+
+
+# ------------------------------------------------------------- the validation fast path
+
+
+def test_fast_validation_accepts_exactly_what_the_full_check_accepts():
+    """kernels.sde._fast_resolve (the hot path) must never accept an input the full check
+    refuses, and must agree on the backend whenever it accepts."""
+    from kernels import sde as sde_mod
+    x, v, _ = _inputs((3, 4, 5), torch.float32)
+    s, sn = torch.tensor([0.9, 0.6, 0.3], device=DEVICE), torch.tensor([0.8, 0.5, 0.0], device=DEVICE)
+    nan = float("nan")
+    cases = [  # (named, sigma, sigma_next, eta, sde_type, backend, replay)
+        ([("x", x), ("v", v)], s, sn, ETA, "sde", "triton", False),
+        ([("x", x), ("v", v), ("p", x)], s, sn, ETA, "sde", "auto", True),
+        ([("x", x), ("v", v), ("p", x)], 0.7, 0.5, ETA, "dance", "torch", True),
+        ([("x", x), ("v", v), ("p", x)], s[0], 0.5, ETA, "sde", "triton", True),
+        ([("x", x), ("v", v), ("p", x)], s, sn, ETA, "cps", "triton", True),  # sigma_next == 0
+        ([("x", x), ("v", v), ("p", x)], torch.tensor([1.0, 0.6, 0.3], device=DEVICE), sn, ETA, "sde",
+         "triton", True),  # singular at sigma == 1
+        ([("x", x), ("v", v)], torch.tensor([1.0, 0.6, 0.3], device=DEVICE), sn, ETA, "sde", "triton", False),
+        ([("x", x), ("v", v)], 0.5, nan, ETA, "sde", "triton", False),
+        ([("x", x), ("v", v)], 0.5, 0.5, ETA, "sde", "triton", False),
+        ([("x", x), ("v", v)], s, sn.flip(0), ETA, "sde", "triton", False),
+        ([("x", x), ("v", v)], s[:2], sn, ETA, "sde", "triton", False),
+        ([("x", x), ("v", v)], s, sn, 1.5, "cps", "triton", False),
+        ([("x", x), ("v", v)], s, sn, True, "sde", "triton", False),
+        ([("x", x), ("v", v)], s, sn, ETA, "ode", "triton", True),
+        ([("x", x), ("v", v.double())], s, sn, ETA, "sde", "triton", False),
+        ([("x", x), ("v", v[:, :2])], s, sn, ETA, "sde", "torch", False),
+        ([("x", x), ("v", v.int())], s, sn, ETA, "sde", "torch", False),
+        ([("x", x), ("v", v)], s.int(), sn, ETA, "sde", "torch", False),
+    ]
+    for i, (named, sig, sig_next, eta, sde_type, backend, replay) in enumerate(cases):
+        for validate in (True, False):
+            kw = dict(eta=eta, sde_type=sde_type, backend=backend, replay=replay, validate=validate)
+            fast = sde_mod._fast_resolve(named, sig, sig_next, **kw)
+            try:
+                full = sde_mod.check_step_inputs("op", named, sig, sig_next, **kw)
+            except ValueError:
+                full = None
+            assert fast is None or fast == full, (i, validate, fast, full)
+    # the valid cases do take the fast path (otherwise it would be dead code)
+    assert sde_mod._fast_resolve(cases[0][0], s, sn, eta=ETA, sde_type="sde", backend="triton",
+                                 replay=False, validate=True) == "triton"
+    assert sde_mod._fast_resolve(cases[2][0], 0.7, 0.5, eta=ETA, sde_type="dance", backend="torch",
+                                 replay=True, validate=True) == "torch"
+
+
+def test_no_grad_replay_gives_the_autograd_path_bits():
+    """Without a gradient to v the Triton replay skips the autograd.Function: same kernel, same bits."""
+    x, v, prev, s, sn = _replay_case("sde", torch.bfloat16, shape=(3, 2, 129))
+    with_grad = kernels.sde_log_prob(x, v.clone().requires_grad_(), prev, s, sn, eta=ETA, backend="triton")
+    with torch.no_grad():
+        plain = kernels.sde_log_prob(x, v, prev, s, sn, eta=ETA, backend="triton")
+    assert with_grad.requires_grad and not plain.requires_grad
+    assert torch.equal(with_grad.detach(), plain)
+
+
+def test_reduction_tile_is_sixteen_kib_per_input():
+    """bf16 samples get twice the elements per program of fp32 (same bytes in flight)."""
+    from kernels.sde_triton import reduction_config
+    assert reduction_config(1 << 20, elem_size=4).block == 4096
+    assert reduction_config(1 << 20, elem_size=2).block == 8192
+    assert reduction_config(385, elem_size=2).block == 512  # never more than the sample

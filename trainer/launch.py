@@ -9,13 +9,14 @@ A single CPU process (or --nproc 1 on one node) runs in this process without tor
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
 
 from trainer.config import Config, ConfigError, field_help, flag_table, load_config
 
-_LAUNCH_ONLY = {"--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint"}
+_ARGV_ENV = "FLOWGRPO_LAUNCH_ARGV"
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str]]:
@@ -88,11 +89,14 @@ def main(argv: list[str]) -> int:
     if nproc == 1 and nnodes == 1:
         return rank_main(argv)
     from torch.distributed.run import get_args_parser, run
+    # The ranks get our arguments through the environment: torchrun's own parser would
+    # otherwise claim (or choke on prefixes of) flags such as --rdzv-endpoint or --nproc.
+    os.environ[_ARGV_ENV] = json.dumps(argv)
     targs = get_args_parser().parse_args([
         f"--nproc-per-node={nproc}", f"--nnodes={cfg.launch.nnodes}",
         f"--node-rank={cfg.launch.node_rank}", "--rdzv-backend=c10d",
         f"--rdzv-endpoint={cfg.launch.rdzv_endpoint}", "--max-restarts=0",
-        "-m", "trainer", "train", *argv])
+        "-m", "trainer", "train"])
     run(targs)
     return 0
 
@@ -107,6 +111,8 @@ def _free_port() -> int:
 def rank_main(argv: list[str]) -> int:
     """One rank: init the process group (gloo on CPU, nccl on GPU), build and train."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if not argv and _ARGV_ENV in os.environ:
+        argv = json.loads(os.environ[_ARGV_ENV])
     cfg, _ = resolve([a for a in argv if a != "--dry-run"])
     import torch
     import torch.distributed as dist
