@@ -1,7 +1,7 @@
 """Weight-sync benchmark: two processes on one GPU, ipc/ against the torch-reductions path.
 
     python bench/bench_ipc.py --out ipc.md            # H200: about 1-2 minutes; --sweep adds
-                                                      # kernel configs (CHUNK, BLOCK, warps)
+                                                      # kernel configs (CHUNK, BLOCK32, warps, PACK16)
     python bench/bench_ipc.py --device cpu --smoke --out /tmp/x.md  # logic check, shm backend
 
 Measures, in one run: the device copy ceiling; the Triton copy+checksum kernel alone (and a
@@ -18,8 +18,10 @@ is 1 if any check failed. Prints a markdown table; --out also gets it (and FILE.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
@@ -121,14 +123,18 @@ def _engine(ctl, jobs, device) -> None:
             elif op == "weights":  # fresh CPU copies (a view of shm cannot be pickled)
                 ctl.send({n: t.detach().to("cpu", copy=True) for n, t in p.items()})
             elif op == "baseline":  # SGLang's update_weights_from_tensor, receiving side
-                pairs = ForkingPickler.loads(cmd[2])
+                t0 = time.perf_counter()
+                pairs = ForkingPickler.loads(cmd[2])  # rebuild: opens each IPC handle
+                t1 = time.perf_counter()
                 with torch.no_grad():
                     for name, t in pairs:
                         p[name].copy_(t)
                 if device != "cpu":
                     torch.cuda.synchronize()
+                t2 = time.perf_counter()
                 pairs = t = None  # releases every rebuilt handle (part of the path's cost)
-                ctl.send("done")
+                t3 = time.perf_counter()
+                ctl.send(("done", {"rebuild": t1 - t0, "copy": t2 - t1, "release": t3 - t2}))
         except Exception:
             ctl.send(("error", traceback.format_exc()))
 
@@ -152,6 +158,14 @@ def timed(fn, device, reps, warmup=2) -> list[float]:
         _sync_device(device)
         out.append(time.perf_counter() - t0)
     return out
+
+
+def _segments_of(tensors) -> int:
+    """Distinct caching-allocator segments holding `tensors`: one IPC handle each."""
+    segs = sorted((sg["address"], sg["address"] + sg["total_size"])
+                  for sg in torch.cuda.memory_snapshot())
+    starts = [a for a, _ in segs]
+    return len({bisect.bisect_right(starts, t.data_ptr()) for t in tensors})
 
 
 def med(xs):
@@ -220,9 +234,12 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (checks the script)")
     ap.add_argument("--sweep", action="store_true",
-                    help="also time other (CHUNK, BLOCK, warps) kernel configs (~15 s more)")
+                    help="also time other (CHUNK, BLOCK32, warps, PACK16) kernel configs "
+                         "(~20 s more)")
     args = ap.parse_args(argv)
     device = args.device
+    if device == "cpu":  # the kernel module is imported at the first launch, after this
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     if device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device; use --device cpu --smoke for a logic check", file=sys.stderr)
         return 2
@@ -281,13 +298,19 @@ def main(argv=None) -> int:
         local_copy_bench(report, f32, device, 10, "kernel copy fp32->bf16 (4GB out)")
         del f32
         if device == "cuda" and args.sweep:
-            base = (_kernels.CHUNK, _kernels.BLOCK, _kernels.NUM_WARPS)
-            for chunk, block, warps in ((1 << 16, 2048, 4), (1 << 17, 8192, 8),
-                                        (1 << 15, 4096, 4), (1 << 16, 4096, 16)):
-                _kernels.CHUNK, _kernels.BLOCK, _kernels.NUM_WARPS = chunk, block, warps
+            # (CHUNK, BLOCK32, warps, PACK16); 16-bit copies move 2*BLOCK32 words per
+            # iteration, so the PACK16=False rows repeat run 1's word-wise configs:
+            # (CHUNK 128 Ki, BLOCK 8192, 8 warps) 1.49 TB/s, (64 Ki, 2048, 4) 1.47,
+            # (64 Ki, 4096, 8) 1.11.
+            base = (_kernels.CHUNK, _kernels.BLOCK32, _kernels.NUM_WARPS, _kernels.PACK16)
+            for cfg in ((1 << 17, 4096, 8, False), (1 << 16, 1024, 4, False),
+                        (1 << 16, 2048, 8, False), (1 << 16, 1024, 4, True),
+                        (1 << 17, 8192, 8, True), (1 << 17, 2048, 4, True),
+                        (1 << 18, 4096, 8, True)):
+                (_kernels.CHUNK, _kernels.BLOCK32, _kernels.NUM_WARPS, _kernels.PACK16) = cfg
                 local_copy_bench(report, src4, device, 10,
-                                 f"sweep CHUNK={chunk} BLOCK={block} warps={warps}")
-            _kernels.CHUNK, _kernels.BLOCK, _kernels.NUM_WARPS = base
+                                 "sweep CHUNK={} BLOCK32={} warps={} PACK16={}".format(*cfg))
+            _kernels.CHUNK, _kernels.BLOCK32, _kernels.NUM_WARPS, _kernels.PACK16 = base
         # per-tensor torch copies of the adapter payload: the launch-bound alternative
         dst = {n: torch.empty_like(t) for n, t in src_ad.items()}
         ts = timed(lambda: [dst[n].copy_(t) for n, t in src_ad.items()], device, 10)
@@ -434,23 +457,45 @@ def main(argv=None) -> int:
     report.section("per-bucket overhead", sec_buckets)
 
     def sec_baseline():
+        """SGLang's update_weights_from_tensor per sync: reduce_tensor per tensor (pickling
+        with torch's CUDA reductions), rebuild in the engine (IPC opens), copy_ into the
+        weights, device sync, release of the rebuilt tensors (IPC closes), reply. The
+        sources are fresh allocations each sync, as full_tensor() results are. `ms` is that
+        round trip; `ms_incl_producer_release` adds the trainer dropping its tensors
+        (torch.cuda.ipc_collect: blocks a consumer held wait in limbo until then)."""
         for label, src in (("4GB", src4), ("16GB", src16)):
-            ts = []
+            ts, full, phases, handles = [], [], [], 0
             for _ in range(reps["baseline"]):
                 fresh = {n: t.clone() for n, t in src.items()}  # new storages, as each step
+                if device != "cpu" and not handles:  # IPC handles sent (untimed)
+                    handles = _segments_of(fresh.values())
                 _sync_device(device)
                 t0 = time.perf_counter()
                 payload = bytes(ForkingPickler.dumps(list(fresh.items())))
-                call("baseline", "r16f", payload)
+                t_dumps = time.perf_counter() - t0
+                out = call("baseline", "r16f", payload)
                 ts.append(time.perf_counter() - t0)
                 del fresh, payload
+                if device != "cpu":
+                    torch.cuda.ipc_collect()
+                full.append(time.perf_counter() - t0)
+                phases.append({"reduce": t_dumps, **out[1]})
             m = med(ts)
             nbytes = sum(t.numel() * t.element_size() for t in src.values())
-            ours = results.get(f"{label}_full", (float("nan"),))[0]
-            report.row(what=f"torch reductions (SGLang path) {label}", bytes=nbytes,
-                       tensors=len(src), ms=round(m * 1e3, 1), first_ms=round(ts[0] * 1e3, 1),
-                       TBps=round(nbytes / m / 1e12, 4),
-                       ipc_speedup=f"{m / ours:.1f}x (verify=full)")
+            row = dict(what=f"torch reductions (SGLang path) {label}", bytes=nbytes,
+                       tensors=len(src), handles=handles, ms=round(m * 1e3, 1),
+                       ms_incl_producer_release=round(med(full) * 1e3, 1),
+                       first_ms=round(ts[0] * 1e3, 1), TBps=round(nbytes / m / 1e12, 4))
+            for k in ("reduce", "rebuild", "copy", "release"):
+                row[f"{k}_ms"] = round(med([ph[k] for ph in phases]) * 1e3, 2)
+            speedups = []
+            for verify in ("full", "fused"):
+                ours = results.get(f"{label}_{verify}", (float("nan"),))[0]
+                speedups.append(f"{m / ours:.1f}x (verify={verify})")
+            if ceiling.get("payload"):  # what even a copy at the device ceiling could reach
+                speedups.append(f"bound {m / (nbytes / ceiling['payload']):.1f}x (copy_ alone)")
+            row["ipc_speedup"] = ", ".join(speedups)
+            report.row(**row)
     report.section("torch-reductions baseline", sec_baseline)
 
     try:

@@ -37,6 +37,8 @@ def test_directory_is_diffusers_style_and_loads_through_from_pretrained(tiny_dir
     assert index["text_encoder"] == ["transformers", "CLIPTextModel"]
     for sub in ("transformer", "text_encoder", "tokenizer", "scheduler"):
         assert (tiny_dir / sub).is_dir()
+    tok_cfg = json.loads((tiny_dir / "tokenizer" / "tokenizer_config.json").read_text())
+    assert tok_cfg["tokenizer_class"] == "PreTrainedTokenizerFast"   # loadable by transformers 4
     adapter = ToyAdapter(tiny_dir)
     assert isinstance(adapter, GenerativeModelAdapter)
     model = adapter.load_train_model()

@@ -30,8 +30,11 @@ def replay_log_probs(adapter: GenerativeModelAdapter, model: nn.Module, batch: R
         sigma = batch.sigmas[:, s].to(device)
         sigma_next = batch.sigmas_next[:, s].to(device)
         v = adapter.velocity(model, x, sigma, conditions, batch.height, batch.width)
+        # validate=False: the engine's sde_step already validated these sigmas when it sampled
+        # the transition (and validation with tensor sigmas costs a host sync per step).
         cols.append(kernels.sde_log_prob(x, v, x_next, sigma, sigma_next, eta=batch.eta,
-                                         sde_type=batch.sde_type, backend=backend))
+                                         sde_type=batch.sde_type, backend=backend,
+                                         validate=False))
     return torch.stack(cols, dim=1)
 
 

@@ -96,6 +96,12 @@ def save_model_dir(out: str | Path, *, transformer: SD3Transformer2DModel,
     transformer.save_pretrained(out / "transformer", safe_serialization=True)
     text_encoder.save_pretrained(out / "text_encoder", safe_serialization=True)
     tokenizer.save_pretrained(out / "tokenizer")
+    # transformers 5 writes its own class name ("TokenizersBackend"), which transformers 4
+    # cannot resolve; PreTrainedTokenizerFast loads the same tokenizer.json under both.
+    tok_cfg_path = out / "tokenizer" / "tokenizer_config.json"
+    tok_cfg = json.loads(tok_cfg_path.read_text())
+    tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tok_cfg_path.write_text(json.dumps(tok_cfg, indent=2) + "\n")
     build_scheduler().save_pretrained(out / "scheduler")
     index = {
         "_class_name": "ToyPixelFlowPipeline",
