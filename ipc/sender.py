@@ -8,7 +8,10 @@ Design choices (where the spec is silent):
   manifest's order (every rank must pass the same sequence: it is a collective). A plain
   generator of full tensors works too, but then all of them are alive at once.
 - Manifest, bucket plan and chunk tables are cached while the (name, shape, dtype) list stays
-  the same, which it does step after step; per sync only source addresses move to the GPU.
+  the same, which it does step after step; per sync only source addresses move to the GPU,
+  and when the same tensor objects come back at the same addresses (parameters updated in
+  place) the scan itself is reused and nothing moves (see `_Scan`). The begin message then
+  carries only the manifest's key, hash, count and bytes (the receiver caches the entries).
 - Failures: a reject or a local problem found before the begin message -> stage
   "pre-write"; anything after the receiver accepted (including no answer to begin) ->
   "post-write". The sender never advances anything itself: the caller keeps its version and

@@ -231,6 +231,74 @@ def test_sender_triton_path_round_trip_in_process():
         r_end.close()
 
 
+@needs_triton
+def test_kernel_packed_16bit_path_matches_reference_and_word_path(monkeypatch):
+    """bf16 -> bf16 moves int32 pairs (PACK16): several chunks, full iterations, an odd
+    tail, pieces split across buckets; copy and read-only, against the torch reference and
+    against the word-by-word kernel."""
+    g = torch.Generator().manual_seed(5)
+    words = 2 * _kernels.BLOCK32  # 16-bit words per loop iteration
+    pairs = [(torch.randn(2 * _kernels.CHUNK + 3 * words + 5, generator=g), torch.bfloat16),
+             (torch.randn(2 * words, generator=g), torch.bfloat16),            # no tail
+             (torch.randn(3, words + 1, generator=g), torch.bfloat16)]
+    pairs = [(s.to(torch.bfloat16), dt) for s, dt in pairs]
+    want = reference_lanes([s for s, _ in pairs])
+    outs, lanes, plan = _run_plan(pairs, bucket_bytes=200 << 10)
+    assert len(plan.buckets) > 3
+    for (src, _), out in zip(pairs, outs):
+        assert torch.equal(out.view(torch.int16), src.view(torch.int16))
+    assert (lanes == want).all()
+    _, lanes_read, _ = _run_plan(pairs, bucket_bytes=200 << 10, store=False)
+    assert (lanes_read == want).all()
+    monkeypatch.setattr(_kernels, "PACK16", False)
+    _, lanes_words, _ = _run_plan(pairs, bucket_bytes=200 << 10)
+    assert (lanes_words == want).all()
+
+
+@needs_triton
+def test_sender_reuses_its_scan_only_while_tensors_stay_put():
+    """Same objects at the same addresses: the cached scan and device offsets are reused and
+    in-place updates still travel; a rebound .data (new address) or a new shape is seen; the
+    sender keeps no strong reference to a payload after its sync."""
+    import gc
+    import weakref
+    g = torch.Generator().manual_seed(4)
+    params = {"w": torch.zeros(2, 40_000, dtype=torch.bfloat16), "n": torch.zeros(6)}
+    s_end, r_end = ipc.channel_pair()
+    recv = ipc.WeightReceiver(r_end, params, timeout_s=30).start()
+    sender = ipc.WeightSender(s_end, bucket_bytes=96 << 10, copy_impl="triton", timeout_s=30)
+    try:
+        src = {"w": torch.nn.Parameter(torch.randn(2, 40_000, generator=g).bfloat16()),
+               "n": torch.nn.Parameter(torch.randn(6, generator=g))}
+        sender.sync(1, src)
+        assert not sender._last_scan.reused
+        with torch.no_grad():
+            src["w"].add_(1.0)
+            src["n"].mul_(-2.0)
+        stats = sender.sync(2, src)
+        assert sender._last_scan.reused
+        assert all(torch.equal(params[k], src[k].detach()) for k in src)
+        assert recv.checksum() == stats.checksum
+        src["w"].data = torch.randn(2, 40_000, generator=g).bfloat16()  # new address
+        sender.sync(3, src)
+        assert not sender._last_scan.reused and torch.equal(params["w"], src["w"].detach())
+        src["n"].data = src["n"].data.view(2, 3)  # same address, new shape
+        with pytest.raises(ipc.WeightSyncError) as err:
+            sender.sync(4, src)
+        assert err.value.stage == "pre-write" and "shape mismatch" in str(err.value)
+        tmp = {k: v.detach().clone() for k, v in params.items()}
+        ref = weakref.ref(tmp["w"])
+        sender.sync(4, tmp)
+        del tmp
+        gc.collect()
+        assert ref() is None
+    finally:
+        sender.close()
+        recv.close()
+        s_end.close()
+        r_end.close()
+
+
 def test_receiver_constructor_names_every_problem():
     s_end, r_end = ipc.channel_pair()
     base = torch.zeros(10)

@@ -177,3 +177,18 @@ def test_connected_components_match_a_bfs_oracle():
     snake[0, 1::4, -1] = True
     snake[0, 3::4, 0] = True
     assert connected_components(snake)[0][snake[0]].unique().numel() == 1
+
+
+def test_scorer_runs_through_the_reward_manager(records):
+    from trainer.rewards import RewardScorer, build_reward_manager, clear_reward_manager_cache
+    assert issubclass(ToyCompositionScorer, RewardScorer)
+    clear_reward_manager_cache()
+    manager = build_reward_manager(scorer_path="trainer.toy.reward.ToyCompositionScorer",
+                                   model_path=None, runtime="cpu")
+    images = _render([r["metadata"]["spec"] for r in records[:8]])
+    components, metrics = manager.score(images, [r["prompt"] for r in records[:8]],
+                                        [r["metadata"] for r in records[:8]])
+    assert set(components) == {"color", "count", "position"}
+    assert all(torch.all(v == 1.0) for v in components.values())
+    assert metrics["reward/score_time"] > 0
+    clear_reward_manager_cache()

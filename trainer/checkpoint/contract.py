@@ -167,7 +167,10 @@ def weight_sync_manifest(model: torch.nn.Module, cfg, adapter=None) -> dict[str,
         shape = [int(d) for d in t.shape]
         entries.append((name, shape, str(t.dtype).removeprefix("torch."),
                         str(w).removeprefix("torch.")))
-        nbytes += t.numel() * torch.empty(0, dtype=w).element_size()
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes += numel * torch.empty(0, dtype=w).element_size()
     return {"mode": mode, "count": len(entries), "nbytes": nbytes,
             "hash": manifest_hash(entries), "entries": [list(e) for e in entries]}
 
