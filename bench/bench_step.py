@@ -47,8 +47,8 @@ def build_qwen_shaped(out: Path, layers: int, tiny: bool) -> Path:
     with torch.device(dev):
         text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
             text_config=dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                             num_hidden_layers=1, num_attention_heads=4 if not tiny else 2,
-                             num_key_value_heads=1, max_position_embeddings=1024,
+                             num_hidden_layers=1, num_attention_heads=2 if tiny else 28,
+                             num_key_value_heads=1 if tiny else 4, max_position_embeddings=1024,
                              rope_parameters={"rope_type": "default", "rope_theta": 1e6,
                                               "mrope_section": [2, 3, 3] if tiny else
                                               [16, 24, 24]},

@@ -34,5 +34,23 @@ B)
   step engine_tests 60 $PYT tests/test_engine_gpu.py tests/test_models_gpu.py
   TAIL=20 step toy_gpu 90 python3 -m trainer launch --config toy --set logging.run_dir=$LOGS/toyrun
   ;;
+C)
+  TAIL=45 step kernels_bench 120 python3 bench/bench_kernels.py --out "$LOGS/kernels.md"
+  TAIL=45 step ipc_bench 180 python3 bench/bench_ipc.py --sweep --out "$LOGS/ipc.md"
+  step ipc_tests 60 $PYT -m gpu tests/test_ipc_cuda.py
+  TAIL=20 step engine_bench 100 python3 bench/bench_engine.py --out "$LOGS/engine.md"
+  step engine_tests 60 $PYT tests/test_engine_gpu.py tests/test_models_gpu.py
+  step ckpt_selfcheck 50 python3 tests/test_checkpoint_harness.py selfcheck cuda 1
+  ;;
+D)
+  TAIL=25 step step_bench 330 python3 bench/bench_step.py --out "$LOGS/step.json" --layers 8
+  TAIL=15 step toy_gpu 100 python3 -m trainer launch --config toy --set logging.progress=false \
+    --set logging.run_dir=$LOGS/toyrun --set logging.tensorboard=false
+  NSYS=$(ls /opt/nvidia/nsight-compute/*/host/target-linux-x64/nsys 2>/dev/null | head -1)
+  [ -n "$NSYS" ] && TAIL=8 step toy_nsys 90 "$NSYS" profile --capture-range=cudaProfilerApi \
+    --capture-range-end=stop -t cuda,nvtx -o "$LOGS/toy_2steps" python3 -m trainer launch \
+    --config toy --profile-steps 2:4 --set train.num_rollouts=4 --set data.eval_prompt_data=none \
+    --set logging.run_dir=/tmp/toyprof --set logging.progress=false
+  ;;
 esac
 tar -czf "$OUT/$PART.tar.gz" -C "$OUT" logs && rm -rf "$LOGS"

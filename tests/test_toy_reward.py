@@ -11,6 +11,9 @@ import torch
 from trainer.toy import world
 from trainer.toy.reward import ToyCompositionScorer, connected_components
 
+# one intra-op thread: tiny models gain nothing from more (see tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
 SIZE = 32
 
 
@@ -192,3 +195,18 @@ def test_scorer_runs_through_the_reward_manager(records):
     assert all(torch.all(v == 1.0) for v in components.values())
     assert metrics["reward/score_time"] > 0
     clear_reward_manager_cache()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_reward_on_cuda_equals_cpu():
+    recs = world.make_prompt_records(256, seed=5, split="eval")
+    truth = _render([r["metadata"]["spec"] for r in recs])
+    gen = torch.Generator().manual_seed(1)
+    noisy = (truth.float() + 40 * torch.randn(truth.shape, generator=gen)).clamp(0, 255).byte()
+    scorer = ToyCompositionScorer()
+    for images in (truth, noisy):
+        cpu = _score(scorer, images, recs)
+        gpu = _score(scorer, images.cuda(), recs)
+        for name in cpu:
+            assert gpu[name].is_cuda and torch.equal(cpu[name], gpu[name].cpu()), name

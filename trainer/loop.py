@@ -163,7 +163,8 @@ class Trainer:
                 required=list(r.required_components), std_mode=r.std_mode)
         metrics.update(adv_metrics)
         total = sum(weights.get(c, 0.0) * v.float() for c, v in components.items())
-        metrics["reward/mean"] = float(total.mean())
+        wsum = sum(weights.get(c, 0.0) for c in components) or 1.0
+        metrics["reward/mean"] = float(total.mean()) / wsum  # weighted mean, same scale as eval
         metrics["reward/failed_groups"] = float(len(failed))
         return adv, metrics
 
@@ -276,8 +277,8 @@ class Trainer:
         with torch.no_grad(), nvtx_range("train/anchor"):
             for micro_batches in plan.updates[1:]:
                 for rows in micro_batches:
-                    anchors[rows] = replay_log_probs(self.adapter, self.model,
-                                                     batch.select(rows)).float().cpu()
+                    lp = replay_log_probs(self.adapter, self.model, batch.select(rows))
+                    anchors[rows.to(anchors.device)] = lp.float().to(anchors.device)
         return anchors
 
     def _all_ranks_degenerate(self, advantages: torch.Tensor) -> bool:

@@ -159,7 +159,9 @@ class OffloadState:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+    """The local shard as a plain tensor sharing storage (detached: resizing / refilling it
+    in place must not go through autograd's view tracking of to_local())."""
+    return (t.to_local() if hasattr(t, "to_local") else t).detach()
 
 
 def _offload_tensors(tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -196,6 +198,7 @@ def actor_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[to
     return tensors
 
 
+@torch.no_grad()
 def offload_actor(model: nn.Module, optimizer: torch.optim.Optimizer) -> OffloadState:
     """Free the actor's device storage (params, grads, AdamW state) into pinned host memory.
 
@@ -205,6 +208,7 @@ def offload_actor(model: nn.Module, optimizer: torch.optim.Optimizer) -> Offload
     return OffloadState(_offload_tensors(actor_tensors(model, optimizer)))
 
 
+@torch.no_grad()
 def onload_actor(model: nn.Module, optimizer: torch.optim.Optimizer, state: OffloadState) -> None:
     _onload_tensors(actor_tensors(model, optimizer), state.host)
     state.host.clear()

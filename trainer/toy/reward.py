@@ -135,9 +135,11 @@ class ToyCompositionScorer(RewardScorer):
         b, h, w, _ = x.shape
         palette = torch.tensor([world.BACKGROUND] + [world.COLORS[c] for c in _COLOR_NAMES],
                                dtype=torch.float32, device=device)
-        dist = torch.cdist(x.view(b, h * w, 3), palette.expand(b, -1, -1))  # [B, HW, K+1]
-        best, cls = dist.min(dim=-1)
-        cls = torch.where(best <= self.max_color_distance, cls, torch.zeros_like(cls))
+        # Squared distances of integer RGB values are exact in fp32 (< 2^24), so the pixel
+        # classes, and every score, are identical on CPU and GPU (cdist's matmul path is not).
+        dist2 = (x.view(b, h * w, 1, 3) - palette).square().sum(-1)  # [B, HW, K+1]
+        best, cls = dist2.min(dim=-1)
+        cls = torch.where(best <= self.max_color_distance ** 2, cls, torch.zeros_like(cls))
         k = len(_COLOR_NAMES)
         masks = cls.view(b, 1, h, w) == torch.arange(1, k + 1, device=device).view(1, k, 1, 1)
         labels = connected_components(masks.view(b * k, h, w)).view(b * k, h * w)
