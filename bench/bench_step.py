@@ -96,6 +96,8 @@ def run_mode(mode: str, model_dir: Path, reward_dir: Path | None, args, work: Pa
                  "reward.component_weights={}"]
     else:
         sets += [f"reward.model_path={reward_dir}"]
+    if args.no_offload:
+        sets += ["rollout.offload_rollout=false", "fsdp.offload_train=false"]
     if args.device == "cpu":
         sets += ["rollout.engine_dtype=fp32", "weight_sync.wire_dtype=fp32",
                  "fsdp.param_dtype=fp32", "rollout.offload_rollout=false",
@@ -198,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--no-reward-model", action="store_true")
+    p.add_argument("--no-offload", action="store_true",
+                   help="keep actor and engine resident (no colocate offload)")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="bench_step_"))
     (work / "prompts.jsonl").write_text("\n".join(json.dumps(
