@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
               f"| {r['transitions_per_s']:.2f} | {r['peak_gb']:.1f} | {r['weight_sync_s']:.4f} "
               f"({r['weight_sync_gb']:.2f}) | {r['compute_total']:.3f} | "
               f"{100 * r['share_outside']:.1f}% | {r['first_update_ratio']} | "
-              f"{r['logp_parity']:.2e} | {dev} |")
+              f"{r['logp_parity']} | {dev} |")
         print("  stages:", {k: round(v, 4) for k, v in r["stage_times"].items()})
         print("  compute:", {k: round(v, 4) for k, v in r["compute"].items()})
     return 0
