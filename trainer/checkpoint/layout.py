@@ -34,6 +34,7 @@ import re
 import shutil
 import time
 from pathlib import Path
+from trainer.fsio import fsync_dir  # noqa: F401  (re-exported)
 
 log = logging.getLogger("trainer.checkpoint")
 
@@ -64,17 +65,6 @@ def parse_iter(name: str) -> int | None:
 
 def rng_file(rank: int) -> str:
     return f"rng_rank{int(rank)}.pt"
-
-
-def fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

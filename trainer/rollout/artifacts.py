@@ -44,6 +44,7 @@ from safetensors.torch import load_file, save
 from safetensors import safe_open
 
 from trainer.models.base import RolloutBatch
+from trainer.fsio import fsync_dir
 
 SIDECAR_FORMAT = "flowgrpo-sidecar/1"
 _ROLLOUT_DIR = re.compile(r"^rollout_(\d+)$")
@@ -75,17 +76,6 @@ def seed_hash(seed: int, sample_ids: list[str]) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def atomic_write_bytes(path: Path, data: bytes, *, fsync: bool = True) -> None:
     """Write ``data`` to ``path`` through ``path.tmp`` and an atomic rename."""
     tmp = path.with_name(path.name + ".tmp")
@@ -96,7 +86,7 @@ def atomic_write_bytes(path: Path, data: bytes, *, fsync: bool = True) -> None:
             os.fsync(f.fileno())
     os.replace(tmp, path)
     if fsync:
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
 
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:

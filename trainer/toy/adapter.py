@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from trainer.models.diffusers_base import DiffusersAdapter, freeze
+from trainer.models.sd3 import SD3Adapter
 
 
 class ToyAdapter(DiffusersAdapter):
@@ -115,19 +116,8 @@ class ToyAdapter(DiffusersAdapter):
         out = encoder(input_ids=self.tokenize(frozen["tokenizer"], list(prompts)).to(encoder.device))
         return {"prompt_embeds": out.last_hidden_state, "pooled_prompt_embeds": out.pooler_output}
 
-    def velocity(self, transformer: nn.Module, latents: torch.Tensor, sigma: torch.Tensor,
-                 conditions: dict[str, torch.Tensor], height: int, width: int) -> torch.Tensor:
-        latents, cond, _ = self._cast_inputs(transformer, latents, conditions)
-        batch = latents.shape[0]
-        sigma = torch.as_tensor(sigma, device=latents.device).reshape(-1).expand(batch)
-        timestep = sigma.to(torch.float32) * float(self.scheduler.config.num_train_timesteps)
-        return transformer(
-            hidden_states=latents,
-            timestep=timestep,
-            encoder_hidden_states=cond["prompt_embeds"],
-            pooled_projections=cond["pooled_prompt_embeds"],
-            return_dict=False,
-        )[0]
+    # The same SD3Transformer2DModel call as the SD3 family (timestep = sigma x 1000).
+    velocity = SD3Adapter.velocity
 
     @torch.no_grad()
     def decode(self, frozen: dict[str, Any], latents: torch.Tensor, height: int,
