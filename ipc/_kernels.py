@@ -46,8 +46,11 @@ import torch
 # are that best config (8192 16-bit words = 4096 32-bit lanes per iteration), now with PACK.
 # CHUNK (words per program) keeps the chunk table of a 16 GB sync near 0.5 MB and the epilogue
 # (block reductions + two atomics) negligible. `python bench/bench_ipc.py --sweep` re-measures.
+# NOTE (measured, H200, run 2 with PACK16, 2026-11-29, `bench_ipc.py --sweep`): CHUNK 128 Ki /
+# BLOCK32 4096 / 8 warps 1.44 TB/s; BLOCK32 8192 / 8 warps 1.68 (best of 7); 64 Ki / 1024 / 4
+# 1.42; 128 Ki / 2048 / 4 1.50; 256 Ki / 4096 / 8 1.46. Default moved to the best.
 CHUNK = 1 << 17
-BLOCK32 = 4096      # 32-bit lanes per loop iteration (16-bit words: 2 * BLOCK32 words)
+BLOCK32 = 8192      # 32-bit lanes per loop iteration (16-bit words: 2 * BLOCK32 words)
 NUM_WARPS = 8
 PACK16 = True       # same-dtype 16-bit copies move int32 pairs (see the module docstring)
 
