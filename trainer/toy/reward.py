@@ -32,7 +32,7 @@ from typing import Any, ClassVar, Sequence
 import torch
 import torch.nn.functional as F
 
-from trainer.rewards.base import RewardScorer
+from trainer.rewards.base import RewardScorer, check_score_inputs
 from trainer.toy import world
 
 _COLOR_NAMES = tuple(world.COLORS)
@@ -96,19 +96,13 @@ class ToyCompositionScorer(RewardScorer):
     # ---- input checks -----------------------------------------------------------------
     def _specs(self, images: Any, prompts: Sequence[str],
                metadata: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]]:
+        # The shared batch checks (images, prompts, metadata lengths), then the specs: every
+        # problem of both goes into the one error.
         problems = []
-        if not isinstance(images, torch.Tensor):
-            problems.append(f"images must be a torch.Tensor, got {type(images).__name__}")
-        else:
-            if images.dtype != torch.uint8:
-                problems.append(f"images must be uint8, got {images.dtype}")
-            if images.dim() != 4 or images.shape[-1] != 3:
-                problems.append(f"images must be [B, H, W, 3], got {list(images.shape)}")
-        b = images.shape[0] if isinstance(images, torch.Tensor) and images.dim() else None
-        if b is not None and len(prompts) != b:
-            problems.append(f"{len(prompts)} prompts for {b} images")
-        if metadata and b is not None and len(metadata) != b:
-            problems.append(f"{len(metadata)} metadata entries for {b} images")
+        try:
+            check_score_inputs(images, prompts, metadata or [{} for _ in prompts])
+        except ValueError as exc:
+            problems.append(str(exc))
         specs: list[dict[str, Any]] = []
         for i, prompt in enumerate(prompts):
             meta = metadata[i] if metadata and i < len(metadata) else None
