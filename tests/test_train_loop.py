@@ -120,8 +120,10 @@ def test_sync_failure_rolls_back_and_retries(make_trainer, monkeypatch):
 
 
 def test_two_ranks_fsdp_gloo(tiny_model_dir, tmp_path):
-    """`python -m trainer launch --nproc 2`: torchrun, 2 gloo ranks, FSDP2, one engine each."""
-    sets = _overrides(tiny_model_dir("sd3"), tmp_path, ["train.micro_batch_size=2"])
+    """`python -m trainer launch --nproc 2`: torchrun, 2 gloo ranks, FSDP2, one engine each,
+    the base model loaded one rank at a time (--fsdp-load-wave-size 1)."""
+    sets = _overrides(tiny_model_dir("sd3"), tmp_path, ["train.micro_batch_size=2",
+                                                        "fsdp.load_wave_size=1"])
     cmd = [sys.executable, "-m", "trainer", "launch", "--config", "tiny", "--nproc", "2",
            "--rdzv-endpoint", "127.0.0.1:29561"]
     for s in sets:

@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 import kernels
 from trainer.actor.model import (build_actor, build_optimizer, lora_spec, lr_at_step,
-                                 offload_actor, onload_actor, strip_wrapper_names)
+                                 offload_actor, onload_actor, shard_actor,
+                                 strip_wrapper_names)
 from trainer.actor.replay import plan_updates, replay_log_probs
 from trainer.actor.sync import sync_payload
 from trainer.config import Config, write_resolved
@@ -67,7 +68,7 @@ class Trainer:
         self.model_path = resolve_model_path(cfg)
         self.adapter = import_dotpath(cfg.model.adapter_path)(self.model_path,
                                                               **cfg.model.adapter_options)
-        self.model = build_actor(self.adapter, cfg, self.device, self.distributed)
+        self.model = self._load_in_waves()
         self.optimizer = build_optimizer(self.model, cfg)
         self.policy_version = 0
         self.lr_steps = 0
@@ -80,6 +81,21 @@ class Trainer:
         self.sync_weights(first=True)
 
     # ---- construction -----------------------------------------------------------------
+    def _load_in_waves(self):
+        """--fsdp-load-wave-size N: only N ranks materialise the base model at a time (a
+        barrier between waves) to bound host memory and model-directory read contention."""
+        wave = self.cfg.fsdp.load_wave_size
+        if not self.distributed or wave <= 0 or wave >= self.world:
+            return build_actor(self.adapter, self.cfg, self.device, self.distributed)
+        model = None
+        for start in range(0, self.world, wave):
+            if start <= self.rank < start + wave:
+                model = build_actor(self.adapter, self.cfg, self.device, self.distributed,
+                                    shard=False)
+            dist.barrier()
+        return shard_actor(model, self.adapter, self.cfg)
+
+
     def _build_data(self) -> None:
         cfg = self.cfg
         self.sampler = PromptSampler(load_records(cfg.data.prompt_data, seed=cfg.train.seed),

@@ -106,7 +106,10 @@ def current_blocks(model: nn.Module, adapter: GenerativeModelAdapter) -> list[nn
 
 
 def build_actor(adapter: GenerativeModelAdapter, cfg: Config, device: torch.device,
-                distributed: bool) -> nn.Module:
+                distributed: bool, shard: bool = True) -> nn.Module:
+    """Load, LoRA, master dtype, device, AC; then FSDP2 when ``distributed`` and ``shard``
+    (``shard=False`` leaves the collective ``fully_shard`` to ``shard_actor``, for wave
+    loading: fully_shard must run on all ranks together)."""
     torch.manual_seed(cfg.train.seed)  # LoRA init: identical on every rank
     model = adapter.load_train_model(dtype=torch.float32, device="cpu")
     lora = cfg.lora.rank > 0
@@ -122,13 +125,16 @@ def build_actor(adapter: GenerativeModelAdapter, cfg: Config, device: torch.devi
                 p.data = p.data.to(master)
     model.to(device)
     assert_trainable_boundary(model, lora)
-    blocks = adapter.transformer_blocks(inner_model(model))
     if cfg.fsdp.activation_checkpointing:
-        apply_activation_checkpointing(model, blocks)
-        blocks = current_blocks(model, adapter)
-    if distributed:
-        apply_fsdp(model, blocks, cfg)
+        apply_activation_checkpointing(model, adapter.transformer_blocks(inner_model(model)))
+    if distributed and shard:
+        apply_fsdp(model, current_blocks(model, adapter), cfg)
     return model
+
+
+def shard_actor(model: nn.Module, adapter: GenerativeModelAdapter, cfg: Config) -> nn.Module:
+    """FSDP2 over a model ``build_actor(..., shard=False)`` built."""
+    return apply_fsdp(model, current_blocks(model, adapter), cfg)
 
 
 def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
