@@ -447,13 +447,23 @@ def test_sender_killed_mid_sync_leaves_receiver_refusing_to_serve():
     s_end.close()
     proc.join(60)
     assert proc.exitcode == 23
+    # The receiver is dirty from the moment writes begin ("sync in progress"); wait until it
+    # has also noticed the sender's death, which is what this test is about.
     deadline = time.perf_counter() + 10.0
-    while not recv.dirty and time.perf_counter() < deadline:
+    reason = ""
+    while time.perf_counter() < deadline:
+        try:
+            recv.assert_servable()
+            reason = ""
+        except ipc.WeightSyncError as exc:
+            reason = str(exc)
+            if "went away" in reason:
+                break
         time.sleep(0.05)
     assert recv.dirty and recv.version == 0
     with pytest.raises(ipc.WeightSyncError) as err:
         recv.assert_servable()
-    assert "went away" in str(err.value) and "version 7" in str(err.value)
+    assert "went away" in str(err.value) and "version 7" in str(err.value), reason
     assert recv.checksum() != before  # writes had begun: refusing to serve was right
     recv.close()
     r_end.close()
