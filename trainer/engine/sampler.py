@@ -56,14 +56,19 @@ def denoise(velocity_fn: VelocityFn, x: torch.Tensor, sigmas: Sequence[float],
     sigma_dev = torch.tensor([float(s) for s in sigmas], dtype=torch.float32, device=x.device)
     with nvtx_range("rollout/denoise"):
         for i in range(num_steps):
-            s, s_next = float(sigmas[i]), float(sigmas[i + 1])
-            v = velocity_fn(x, sigma_dev[i].expand(batch))
+            # NOTE: the kernels get the same fp32 [B] sigma tensors the actor's replay passes
+            # (RolloutBatch.sigmas). With Python floats here, the H200 run of 2026-11-29 saw
+            # recorded vs replayed log-probs differ by up to 6e-8 (bitwise equal on CPU).
+            # Validation (a host sync with tensor sigmas) runs once, at the first step.
+            s, s_next = sigma_dev[i].expand(batch), sigma_dev[i + 1].expand(batch)
+            v = velocity_fn(x, s)
             slot = sde_slot.get(i)
             if slot is None:
-                x = kernels.sde_step(x, v, s, s_next, eta=0.0, sde_type="ode", backend=backend).prev_sample
+                x = kernels.sde_step(x, v, s, s_next, eta=0.0, sde_type="ode", backend=backend,
+                                     validate=i == 0).prev_sample
                 continue
             out = kernels.sde_step(x, v, s, s_next, eta=eta, sde_type=sde_type, noise=noise_fn(i),
-                                   backend=backend)
+                                   backend=backend, validate=i == 0 or slot == 0)
             if record:
                 trajectory[:, slot, 0].copy_(x)
                 trajectory[:, slot, 1].copy_(out.prev_sample)
