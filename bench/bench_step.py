@@ -149,7 +149,6 @@ def _time(fn, device, reps: int = 3) -> float:
 
 def isolated_compute(trainer, cfg, device, with_reward: bool) -> dict[str, float]:
     """The step's model compute, each piece timed alone at the step's shapes."""
-    import kernels
     from trainer.actor.replay import replay_log_probs
 
     adapter, model = trainer.adapter, trainer.model
@@ -186,7 +185,6 @@ def isolated_compute(trainer, cfg, device, with_reward: bool) -> dict[str, float
     updates = cfg.train.num_updates_per_batch
     out["replay_fwd_bwd"] = per_mb * n / mb
     out["anchor_fwd"] = per_anchor * (n / mb) * (updates - 1) / updates
-    del kernels
     return out
 
 

@@ -205,3 +205,41 @@ class DiffusersAdapter(GenerativeModelAdapter):
         dtype = module_dtype(transformer)
         cast = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in conditions.items()}
         return latents.to(dtype).contiguous(), cast, dtype
+
+
+class PackedLatentsAdapter(DiffusersAdapter):
+    """Families whose transformer takes 2x2-packed latents (Qwen-Image, FLUX): one geometry.
+
+    Subclasses set ``display_name`` and ``pipeline_class()`` (the diffusers pipeline whose
+    ``_pack_latents`` defines the packing) and ``vae_scale_factor``.
+    """
+
+    display_name = "this family"
+
+    @staticmethod
+    def pipeline_class():
+        raise NotImplementedError
+
+    @property
+    def vae_scale_factor(self) -> int:
+        raise NotImplementedError
+
+    def resolution_problems(self, height: int, width: int) -> list[str]:
+        multiple = self.vae_scale_factor * 2
+        if height % multiple or width % multiple:
+            return [f"height and width must be multiples of {multiple} for {self.display_name} "
+                    f"(VAE x{self.vae_scale_factor}, 2x2 packing), got {height}x{width}"]
+        return []
+
+    def init_noise_shape(self, height: int, width: int) -> tuple[int, int, int]:
+        step = self.vae_scale_factor * 2
+        return (self.transformer_config["in_channels"] // 4, 2 * (int(height) // step),
+                2 * (int(width) // step))
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, int]:
+        channels, h, w = self.init_noise_shape(height, width)
+        return (h // 2) * (w // 2), channels * 4
+
+    def noise_to_latents(self, noise: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        channels, h, w = self.init_noise_shape(height, width)
+        return self.pipeline_class()._pack_latents(noise, noise.shape[0], channels, h, w)

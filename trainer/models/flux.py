@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from trainer.models.diffusers_base import DiffusersAdapter, base_module, images_to_uint8
+from trainer.models.diffusers_base import PackedLatentsAdapter, base_module, images_to_uint8
 
 
 def _pipeline_cls():
@@ -29,7 +29,7 @@ def _pipeline_cls():
     return FluxPipeline
 
 
-class FluxAdapter(DiffusersAdapter):
+class FluxAdapter(PackedLatentsAdapter):
     """Adapter of the FLUX.1 family (dotpath ``trainer.models.flux.FluxAdapter``).
 
     Options: ``revision`` (None), ``max_sequence_length`` (512, T5 tokens),
@@ -52,29 +52,13 @@ class FluxAdapter(DiffusersAdapter):
         super().__init__(model_path, **options)
         self.embedded_guidance = float(self.options["embedded_guidance"])
 
-    # ---- geometry -----------------------------------------------------------------------
+    # ---- geometry (packing: PackedLatentsAdapter) ----------------------------------------
+    display_name = "FLUX"
+    pipeline_class = staticmethod(_pipeline_cls)
+
     @property
     def vae_scale_factor(self) -> int:
         return 2 ** (len(self.vae_config["block_out_channels"]) - 1)
-
-    def resolution_problems(self, height: int, width: int) -> list[str]:
-        multiple = self.vae_scale_factor * 2
-        if height % multiple or width % multiple:
-            return [f"height and width must be multiples of {multiple} for FLUX "
-                    f"(VAE x{self.vae_scale_factor}, 2x2 packing), got {height}x{width}"]
-        return []
-
-    def init_noise_shape(self, height: int, width: int) -> tuple[int, int, int]:
-        step = self.vae_scale_factor * 2
-        return self.transformer_config["in_channels"] // 4, 2 * (int(height) // step), 2 * (int(width) // step)
-
-    def latent_shape(self, height: int, width: int) -> tuple[int, int]:
-        channels, h, w = self.init_noise_shape(height, width)
-        return (h // 2) * (w // 2), channels * 4
-
-    def noise_to_latents(self, noise: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        channels, h, w = self.init_noise_shape(height, width)
-        return _pipeline_cls()._pack_latents(noise, noise.shape[0], channels, h, w)
 
     def scheduler_sigmas(self, num_inference_steps: int, height: int, width: int) -> torch.Tensor:
         from diffusers.pipelines.flux.pipeline_flux import calculate_shift

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from trainer.models.diffusers_base import DiffusersAdapter, images_to_uint8
+from trainer.models.diffusers_base import PackedLatentsAdapter, images_to_uint8
 
 
 def _pipeline_cls():
@@ -29,7 +29,7 @@ def _pipeline_cls():
     return QwenImagePipeline
 
 
-class QwenImageAdapter(DiffusersAdapter):
+class QwenImageAdapter(PackedLatentsAdapter):
     """Adapter of the Qwen-Image family (dotpath ``trainer.models.qwen_image.QwenImageAdapter``).
 
     Options: ``revision`` (None), ``max_sequence_length`` (512, text tokens after the template).
@@ -46,29 +46,13 @@ class QwenImageAdapter(DiffusersAdapter):
                     "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
     default_max_sequence_length = 512
 
-    # ---- geometry -----------------------------------------------------------------------
+    # ---- geometry (packing: PackedLatentsAdapter) ----------------------------------------
+    display_name = "Qwen-Image"
+    pipeline_class = staticmethod(_pipeline_cls)
+
     @property
     def vae_scale_factor(self) -> int:
         return 2 ** len(self.vae_config["temperal_downsample"])
-
-    def resolution_problems(self, height: int, width: int) -> list[str]:
-        multiple = self.vae_scale_factor * 2
-        if height % multiple or width % multiple:
-            return [f"height and width must be multiples of {multiple} for Qwen-Image "
-                    f"(VAE x{self.vae_scale_factor}, 2x2 packing), got {height}x{width}"]
-        return []
-
-    def init_noise_shape(self, height: int, width: int) -> tuple[int, int, int]:
-        grid = 2 * (int(height) // (self.vae_scale_factor * 2)), 2 * (int(width) // (self.vae_scale_factor * 2))
-        return self.transformer_config["in_channels"] // 4, grid[0], grid[1]
-
-    def latent_shape(self, height: int, width: int) -> tuple[int, int]:
-        channels, h, w = self.init_noise_shape(height, width)
-        return (h // 2) * (w // 2), channels * 4
-
-    def noise_to_latents(self, noise: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        channels, h, w = self.init_noise_shape(height, width)
-        return _pipeline_cls()._pack_latents(noise, noise.shape[0], channels, h, w)
 
     def scheduler_sigmas(self, num_inference_steps: int, height: int, width: int) -> torch.Tensor:
         from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
