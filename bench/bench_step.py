@@ -19,6 +19,7 @@ trained steps (+ the no-grad anchor forwards). share_outside = 1 - compute / ste
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -113,13 +114,27 @@ def run_mode(mode: str, model_dir: Path, reward_dir: Path | None, args, work: Pa
     trainer = Trainer(cfg, rank=0, world=1, device=device)
     steps = []
     try:
+        busy = []
         for r in range(args.rollouts):
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            steps.append(trainer.train_step(r))
+            with GpuBusySampler(device) as sampler:
+                steps.append(trainer.train_step(r))
+            busy.append(sampler.mean)
+        if trainer.offloaded is not None:  # --offload-train left the actor on the host
+            from trainer.actor.model import onload_actor
+            onload_actor(trainer.model, trainer.optimizer, trainer.offloaded)
+            trainer.offloaded = None
         compute = isolated_compute(trainer, cfg, device, reward_dir is not None)
     finally:
         trainer.close()
+    # NOTE (H200 run, 2026-11-29): without this the previous mode's actor (reference cycles)
+    # stayed allocated through the next mode: "full" read 12.3 GiB after offload, of which
+    # 10.3 GiB was the LoRA run's fp32 base
+    del trainer
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     keep = steps[1:] or steps
     avg = {k: sum(s.get(k, 0.0) for s in keep) / len(keep) for k in keep[-1]}
     compute_total = sum(compute.values())
@@ -132,7 +147,44 @@ def run_mode(mode: str, model_dir: Path, reward_dir: Path | None, args, work: Pa
             "compute": compute, "compute_total": compute_total,
             "share_outside": 1.0 - compute_total / avg["perf/step_time"],
             "first_update_ratio": steps[-1].get("train/first_update_ratio_mean"),
-            "logp_parity": steps[-1].get("train/logp_parity")}
+            "logp_parity": steps[-1].get("train/logp_parity"),
+            # NVML's utilization: share of time at least one kernel ran on the device, from
+            # any process (engine included), polled through the step; None if NVML is absent
+            "gpu_busy_nvml": (sum(busy[1:] or busy) / len(busy[1:] or busy)
+                              if all(b is not None for b in busy) else None)}
+
+
+class GpuBusySampler:
+    """Polls NVML's GPU utilization (percent of the last sample period with a kernel running)
+    every 20 ms on a thread; ``mean`` is the average as a fraction, or None without NVML."""
+
+    def __init__(self, device) -> None:
+        self.device, self.values, self.mean = device, [], None
+        self._stop = None
+
+    def __enter__(self):
+        import threading
+
+        if self.device.type != "cuda":
+            return self
+        try:
+            torch.cuda.utilization(self.device)
+        except Exception:  # no pynvml / NVML on this machine
+            return self
+        self._stop = threading.Event()
+
+        def poll():
+            while not self._stop.wait(0.02):
+                self.values.append(torch.cuda.utilization(self.device))
+        self._thread = threading.Thread(target=poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self._stop is not None:
+            self._stop.set()
+            self._thread.join()
+            self.mean = sum(self.values) / len(self.values) / 100.0 if self.values else None
 
 
 def _time(fn, device, reps: int = 3) -> float:
@@ -227,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['logp_parity']} | {dev} |")
         print("  stages:", {k: round(v, 4) for k, v in r["stage_times"].items()})
         print("  compute:", {k: round(v, 4) for k, v in r["compute"].items()})
+        print("  gpu busy (NVML):", r["gpu_busy_nvml"], "| mem after offload GB:",
+              r["stage_times"].get("perf/mem_allocated_gb"))
     return 0
 
 

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The GPU session in two calls (each under the device tool's 10-minute limit):
+# The GPU sessions, a call per part (each under the device tool's 10-minute limit):
 #   bash bench/gpu_suite.sh A   kernels (tests + bench), ipc (tests + bench), rewards
 #   bash bench/gpu_suite.sh B   engine (bench + tests), one training step (LoRA + full), toy run
 # Needs the carried wheels in .whl (diffusers, importlib_metadata). Every log and result goes
 # to $OUT/logs and comes back as one archive, $OUT/<part>.tar.gz.
 set -u
 PART=${1:-A}
-OUT=${OUT:-/tmp/out}; LOGS=$OUT/logs; mkdir -p "$LOGS"
+OUT=${OUT:-/tmp/out}; LOGS=$OUT/logs; [ "$PART" = E ] && LOGS=$OUT  # E: logs come back as they are
+mkdir -p "$LOGS"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl >/dev/null 2>&1 && export PYTHONPATH=/tmp/site
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -51,6 +52,13 @@ D)
     --capture-range-end=stop -t cuda,nvtx -o "$LOGS/toy_2steps" python3 -m trainer launch \
     --config toy --profile-steps 2:4 --set train.num_rollouts=4 --set data.eval_prompt_data=none \
     --set logging.run_dir=/tmp/toyprof --set logging.progress=false
+  ;;
+E)  # session 2: offload proof, engine log-prob parity, checkpoint GPU self-check, step + NVML busy
+  step nvml_probe 20 python3 -c "import torch; print('nvml utilization', torch.cuda.utilization())"
+  TAIL=25 step offload_engine_tests 170 $PYT -s tests/test_offload_gpu.py tests/test_engine_gpu.py
+  step ckpt_selfcheck 60 python3 tests/test_checkpoint_harness.py selfcheck cuda 1
+  TAIL=30 step step_bench 250 python3 bench/bench_step.py --out "$LOGS/step.json" --layers 8
+  exit 0
   ;;
 esac
 tar -czf "$OUT/$PART.tar.gz" -C "$OUT" logs && rm -rf "$LOGS"

@@ -156,6 +156,14 @@ def test_request_validation_lists_every_problem(adapter):
                      "rollout_noise_level must be", "sorted and unique", "outside [0, 6)",
                      "rollout_sde_type must be", "noise_recipe", "sigmas has 3 values"):
         assert fragment in text, fragment
+    shared = dict(good, extra_sampling_params=dict(good["extra_sampling_params"],
+                                                   initial_noise_ids=[IDS[0]] * len(IDS)))
+    assert parse_generate_request(adapter, shared).initial_noise_ids == [IDS[0]] * len(IDS)
+    for ids, why in (([IDS[0]], "must be 6 non-empty strings"), ([""] * 6, "non-empty strings")):
+        bad_ids = dict(good, extra_sampling_params=dict(good["extra_sampling_params"],
+                                                        initial_noise_ids=ids))
+        with pytest.raises(RequestError, match=why):
+            parse_generate_request(adapter, bad_ids)
     sde0 = dict(good, rollout_sde_step_indices=[0, 2])
     with pytest.raises(RequestError, match="singular at sigma == 1"):
         parse_generate_request(adapter, sde0)

@@ -54,6 +54,37 @@ def test_batch_layout_and_stable_ids(setup):
     assert positional.sample_ids(RECORDS, 2)[2] == ["prompt:2:sample:0", "prompt:2:sample:1"]
 
 
+def test_init_same_noise_shares_x_t_within_a_group_only(setup):
+    """init_same_noise: a group's candidates start from one x_T (the first candidate's), their
+    SDE step noise still differs; other groups and the default are unaffected."""
+    adapter, engines = setup
+    sampling = {**TRAIN_SAMPLING, "sde_pool": [1, 2], "num_sde_steps": 1}
+    shared = _driver(adapter, engines[:1], sampling={**sampling, "init_same_noise": True})
+    own = _driver(adapter, engines[:1], sampling=sampling)
+    a = shared.generate(RECORDS, N, rollout_id=3, policy_version=0, write_artifacts=False)
+    b = own.generate(RECORDS, N, rollout_id=3, policy_version=0, write_artifacts=False)
+    step = a.sde_indices[0]
+    x_in = a.latents[:, 0]  # x at the first SDE step: only ODE steps (and x_T) before it
+    for g in range(len(RECORDS)):
+        r0, r1 = 2 * g, 2 * g + 1
+        assert torch.equal(x_in[r0], x_in[r1]), f"group {g} does not share x_T (step {step})"
+        assert not torch.equal(a.next_latents[r0, 0], a.next_latents[r1, 0])  # own step noise
+        assert not torch.equal(b.latents[r0, 0], b.latents[r1, 0])            # default: own x_T
+    assert not torch.equal(x_in[0], x_in[2])  # groups differ
+    assert torch.equal(a.latents[0::2], b.latents[0::2])  # slot 0 keeps its own x_T
+    request = adapter.build_rollout_request(["p", "p", "q"], ["i0", "i1", "j0"],
+                                            {**SAMPLING, "init_same_noise": True}, rollout_id=0,
+                                            seed=1, group_index=[0, 0, 1])
+    assert request["extra_sampling_params"]["initial_noise_ids"] == ["i0", "i0", "j0"]
+    evaluation = adapter.build_rollout_request(["p", "p"], ["i0", "i1"],
+                                               {**SAMPLING, "init_same_noise": True},
+                                               rollout_id=None, seed=1, group_index=[0, 0])
+    assert "initial_noise_ids" not in evaluation["extra_sampling_params"]  # eval: own x_T
+    with pytest.raises(ValueError, match="init_same_noise needs driver_xt"):
+        adapter.build_rollout_request(["p"], ["i0"], {**SAMPLING, "init_same_noise": True,
+                                                      "driver_xt": False}, rollout_id=0, seed=1)
+
+
 def test_waves_over_engines_give_the_same_rollout(setup):
     adapter, engines = setup
     one = _driver(adapter, engines[:1]).generate(RECORDS, N, rollout_id=1, policy_version=0)

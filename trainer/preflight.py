@@ -68,7 +68,7 @@ SAMPLING_KEYS: frozenset[str] = frozenset({
     "height", "width", "num_inference_steps", "guidance_scale", "eta", "sde_type",
     "sde_indices", "sde_pool", "num_sde_steps", "sde_timestep_fraction",
     "sde_resample_per_rollout", "driver_xt", "driver_sigmas", "sample_id_mode", "sigma_max",
-    "init_noise_latent_shape"})
+    "init_noise_latent_shape", "init_same_noise"})
 _DOTPATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
 _FLOOR_EPS = 1e-9  # keeps lo = 1/12 from flooring to step 0 through float rounding
 
@@ -268,7 +268,7 @@ def _check_sampling(c: _Checker) -> None:
                     f"(eta 0 is the ODE: no noise, no log-prob to train)")
     if "sample_id_mode" in s:
         c.one_of("sampling.sample_id_mode", s["sample_id_mode"], SAMPLE_ID_MODES)
-    for name in ("sde_resample_per_rollout", "driver_xt", "driver_sigmas"):
+    for name in ("sde_resample_per_rollout", "driver_xt", "driver_sigmas", "init_same_noise"):
         if name in s and not isinstance(s[name], bool):
             c.error(f"{_key('sampling.' + name)}={s[name]!r} must be true or false")
     if steps is not None and _check_sde_keys(c, s, steps):

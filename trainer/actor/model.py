@@ -161,7 +161,7 @@ def lr_at_step(step: int, cfg: Config) -> float:
 class OffloadState:
     """Host copies of the actor's device storage while the engine holds the GPU."""
 
-    host: dict[int, torch.Tensor]
+    host: dict[int, tuple[torch.Tensor, int]]  # id(tensor) -> (pinned copy, storage bytes)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -170,7 +170,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return (t.to_local() if hasattr(t, "to_local") else t).detach()
 
 
-def _offload_tensors(tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+def _offload_tensors(tensors: list[torch.Tensor]) -> dict[int, tuple[torch.Tensor, int]]:
     host = {}
     for t in tensors:
         loc = _local(t)
@@ -178,7 +178,9 @@ def _offload_tensors(tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
             continue
         cpu = torch.empty(loc.shape, dtype=loc.dtype, pin_memory=True)
         cpu.copy_(loc, non_blocking=True)
-        host[id(t)] = cpu
+        # the storage can be larger than the view (FSDP2 pads a shard to an even split):
+        # remember its size so onload restores the same layout
+        host[id(t)] = (cpu, loc.untyped_storage().nbytes())
     torch.cuda.synchronize()  # NOTE: host sync; the copies must land before storage is freed
     for t in tensors:
         if id(t) in host:
@@ -186,13 +188,15 @@ def _offload_tensors(tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
     return host
 
 
-def _onload_tensors(tensors: list[torch.Tensor], host: dict[int, torch.Tensor]) -> None:
+def _onload_tensors(tensors: list[torch.Tensor],
+                    host: dict[int, tuple[torch.Tensor, int]]) -> None:
     for t in tensors:
-        cpu = host.get(id(t))
-        if cpu is None:
+        entry = host.get(id(t))
+        if entry is None:
             continue
+        cpu, nbytes = entry
         loc = _local(t)
-        loc.untyped_storage().resize_(cpu.numel() * cpu.element_size())
+        loc.untyped_storage().resize_(nbytes)
         loc.copy_(cpu, non_blocking=True)
 
 
@@ -211,7 +215,11 @@ def offload_actor(model: nn.Module, optimizer: torch.optim.Optimizer) -> Offload
     Resizing the local shard's storage to 0 is what actually frees it under fully_shard
     (reassigning param.data would free nothing, per spec).
     """
-    return OffloadState(_offload_tensors(actor_tensors(model, optimizer)))
+    state = OffloadState(_offload_tensors(actor_tensors(model, optimizer)))
+    # hand the freed blocks back to the device, not just to this process's caching allocator:
+    # the colocated engine is another process
+    torch.cuda.empty_cache()
+    return state
 
 
 @torch.no_grad()

@@ -190,7 +190,8 @@ class EngineCore:
         adapter, h, w, ids = self.adapter, spec.height, spec.width, spec.sample_ids
         latent_shape = tuple(adapter.latent_shape(h, w))
         if spec.driver_xt:  # the driver's recipe: a pure function of (seed, sample id, stream)
-            x_t = self._to_device(adapter.initial_latents(ids, h, w, seed=spec.noise_seed,
+            x_t = self._to_device(adapter.initial_latents(spec.initial_noise_ids or ids, h, w,
+                                                          seed=spec.noise_seed,
                                                           dtype=torch.float32, device="cpu"))
 
             def noise_fn(step: int) -> torch.Tensor:

@@ -57,6 +57,7 @@ class GenerateSpec:
     eta: float
     driver_xt: bool                  # draw x_T and step noise with trainer.models.noise
     noise_seed: int
+    initial_noise_ids: list[str] | None = None  # x_T ids (driver's init_same_noise); None = sample_ids
     return_trajectory: bool = False
     return_env: bool = False
     single_prompt: bool = False      # SGLang's prompt-string form (HTTP replies a list)
@@ -227,6 +228,14 @@ def parse_generate_request(adapter: GenerativeModelAdapter, request: Any) -> Gen
     if not _is_int(noise_seed):
         problems.append(f"extra_sampling_params.initial_noise_seed must be an integer, got {noise_seed!r}")
         noise_seed = 0
+    init_ids = extra.get("initial_noise_ids")
+    if init_ids is not None:
+        if recipe is None:
+            problems.append("extra_sampling_params.initial_noise_ids needs the driver's noise_recipe")
+        if not isinstance(init_ids, list) or len(init_ids) != len(sample_ids) or \
+                not all(isinstance(s, str) and s for s in init_ids):
+            problems.append(f"extra_sampling_params.initial_noise_ids must be {len(sample_ids)} "
+                            f"non-empty strings (one per candidate), got {init_ids!r}"[:300])
 
     return_traj = _get_bool(request, "rollout_return_dit_trajectory", False, problems)
     return_env = _get_bool(request, "rollout_return_denoising_env", False, problems)
@@ -236,5 +245,6 @@ def parse_generate_request(adapter: GenerativeModelAdapter, request: Any) -> Gen
         prompts=prompts, sample_ids=list(sample_ids), seed=int(seed), height=int(height),
         width=int(width), sigmas=sigmas, sde_indices=indices, sde_type=str(sde_type),
         eta=float(eta), driver_xt=recipe is not None, noise_seed=int(noise_seed),
+        initial_noise_ids=None if init_ids is None else list(init_ids),
         return_trajectory=return_traj, return_env=return_env, single_prompt=single,
         request_id=str(request.get("request_id") or uuid.uuid4().hex[:16]))

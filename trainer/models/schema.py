@@ -28,6 +28,10 @@ Request (``build_request``; plain JSON types only, so ``json.dumps`` works as is
         sigmas                      list[float] N+1 schedule, 1.0 ... 0.0   (driver_sigmas)
         noise_recipe                str         ``noise.RECIPE``            (driver_xt)
         initial_noise_seed          int         seed of the recipe          (driver_xt)
+        initial_noise_ids           list[str]   B ids x_T is drawn from (optional, driver_xt;
+                                                absent = sample_ids). The driver's
+                                                ``init_same_noise`` gives every candidate of a
+                                                group its first candidate's id here.
 
 Step i goes from sigmas[i] to sigmas[i+1]. With ``driver_sigmas`` the engine uses ``sigmas``
 exactly as given (it must not shift them again). With ``driver_xt`` x_T is
@@ -83,6 +87,11 @@ SAMPLING_DEFAULTS: dict[str, Any] = {
     "driver_xt": True,
     "init_noise_latent_shape": None,
     "sde_indices": None,
+    # DanceGRPO's name: the candidates of a group share x_T (their step noise still differs),
+    # so the group baseline removes the reward variance x_T causes and the advantage credits
+    # only the SDE steps. Off by default (the spec's behaviour: x_T per candidate). Applies
+    # to training rollouts, never to eval (rollout_id None).
+    "init_same_noise": False,
 }
 #: Keys of --sampling-config read by the driver or the actor; the adapter accepts and ignores them.
 SAMPLING_KEYS_ELSEWHERE = frozenset({
@@ -234,9 +243,12 @@ def build_request(adapter: "GenerativeModelAdapter", prompts: Sequence[str],
     sde_type = cfg["sde_type"]
     if sde_type not in SDE_TYPES:
         problems.append(f"sde_type must be one of {SDE_TYPES}, got {sde_type!r}")
-    for key in ("driver_sigmas", "driver_xt"):
+    for key in ("driver_sigmas", "driver_xt", "init_same_noise"):
         if not isinstance(cfg[key], bool):
             problems.append(f"{key} must be true or false, got {cfg[key]!r}")
+    if cfg["init_same_noise"] is True and cfg["driver_xt"] is False:
+        problems.append("init_same_noise needs driver_xt: without the driver's recipe the "
+                        "engine draws x_T from its own generator and cannot share it")
     if rollout_id is not None and not _is_int(rollout_id):
         problems.append(f"rollout_id must be an integer or None, got {rollout_id!r}")
     if not _is_int(seed):
@@ -300,6 +312,12 @@ def build_request(adapter: "GenerativeModelAdapter", prompts: Sequence[str],
     if cfg["driver_xt"]:
         extra["noise_recipe"] = noise.RECIPE
         extra["initial_noise_seed"] = int(seed)
+        if cfg["init_same_noise"] is True and rollout_id is not None:
+            # training rollouts only: eval (rollout_id None) keeps one x_T per candidate, so
+            # its numbers do not depend on this training-side choice
+            first_of_group: dict[int, str] = {}
+            extra["initial_noise_ids"] = [first_of_group.setdefault(int(g), sid)
+                                          for g, sid in zip(group, sample_ids)]
     return {
         "prompt": prompts,
         "seed": int(seed),

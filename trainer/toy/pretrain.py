@@ -32,6 +32,9 @@ import torch
 from trainer.toy import modeling, world
 
 
+SIGMA_SAMPLING = ("logit_normal", "uniform")
+
+
 def _batch(rng: np.random.Generator, specs: list[dict[str, Any]], singles: list[dict[str, Any]],
            batch: int, size: int) -> tuple[list[str], torch.Tensor]:
     prompts, images = [], np.empty((batch, size, size, 3), dtype=np.uint8)
@@ -47,7 +50,8 @@ def _batch(rng: np.random.Generator, specs: list[dict[str, Any]], singles: list[
 def pretrain(out: str | Path, *, seed: int = 0, steps: int = 1500, minutes: float = 20.0,
              batch: int = 32, lr: float = 1e-3, warmup: int = 200, ema: float = 0.999,
              resolution: int = 32, threads: int | None = None, log_every: int = 100,
-             snapshot_every: int = 0,
+             snapshot_every: int = 0, sigma_sampling: str = "logit_normal",
+             pos_embed_scale: float = 1.0,
              transformer_config: dict[str, Any] | None = None,
              text_encoder_config: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train and write the model directory to ``out``; returns the run's info dict.
@@ -60,6 +64,14 @@ def pretrain(out: str | Path, *, seed: int = 0, steps: int = 1500, minutes: floa
     transformer, text_encoder, tokenizer = modeling.build_untrained(
         seed, transformer=dict(transformer_config or {}, sample_size=resolution),
         text_encoder=text_encoder_config)
+    if sigma_sampling not in SIGMA_SAMPLING:
+        raise ValueError(f"sigma_sampling must be one of {SIGMA_SAMPLING}, got {sigma_sampling!r}")
+    if pos_embed_scale != 1.0:
+        # The fixed sin-cos position table is a persistent buffer: scaled here, it ships with
+        # the weights. A larger table lets position outweigh content at high noise, where the
+        # layout is decided (the 1.0 model is nearly translation-equivariant at sigma 0.9).
+        with torch.no_grad():
+            transformer.pos_embed.pos_embed.mul_(pos_embed_scale)
     modules = torch.nn.ModuleDict({"transformer": transformer, "text_encoder": text_encoder})
     ema_modules = copy.deepcopy(modules).requires_grad_(False)
     opt = torch.optim.AdamW(modules.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
@@ -79,14 +91,18 @@ def pretrain(out: str | Path, *, seed: int = 0, steps: int = 1500, minutes: floa
     def info(wall: float) -> dict[str, Any]:
         return {"seed": seed, "steps": step, "planned_steps": steps, "batch": batch, "lr": lr,
                 "ema": ema, "threads": torch.get_num_threads(), "wall_seconds": round(wall, 1),
-                "stopped_early": step < steps, "torch": torch.__version__}
+                "stopped_early": step < steps, "torch": torch.__version__,
+                "sigma_sampling": sigma_sampling, "pos_embed_scale": pos_embed_scale}
 
     while step < steps and time.perf_counter() - start < minutes * 60:
         prompts, x0 = _batch(rng, pairs, singles, batch, resolution)
         ids = tokenizer(prompts, padding="max_length", max_length=length,
                         return_tensors="pt").input_ids
         noise = torch.randn(x0.shape, generator=gen)
-        sigma = torch.sigmoid(torch.randn(batch, generator=gen))
+        if sigma_sampling == "uniform":  # as much weight on high noise (layout) as on detail
+            sigma = torch.rand(batch, generator=gen)
+        else:
+            sigma = torch.sigmoid(torch.randn(batch, generator=gen))
         s = sigma.view(-1, 1, 1, 1)
         text = text_encoder(input_ids=ids)
         v = transformer(hidden_states=(1 - s) * x0 + s * noise,
@@ -133,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (1: the shipped run; also the fastest per CPU-second)")
+    p.add_argument("--sigma-sampling", default="logit_normal", choices=SIGMA_SAMPLING,
+                   help="training noise levels: SD3's logit-normal(0, 1) or uniform in [0, 1]")
+    p.add_argument("--pos-embed-scale", type=float, default=1.0,
+                   help="multiply the transformer's fixed position table (shipped with it)")
     p.add_argument("--snapshot-every", type=int, default=0,
                    help="also write the EMA model every N steps under OUT/snapshots/")
     args = p.parse_args(argv)
@@ -142,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("; ".join(problems))
     info = pretrain(args.out, seed=args.seed, steps=args.steps, minutes=args.minutes,
                     batch=args.batch, lr=args.lr, threads=args.threads,
-                    snapshot_every=args.snapshot_every)
+                    snapshot_every=args.snapshot_every, sigma_sampling=args.sigma_sampling,
+                    pos_embed_scale=args.pos_embed_scale)
     print(info)
     return 0
 
