@@ -11,6 +11,11 @@ import os
 
 import pytest
 
+# NOTE (2026-11-29, session 2): still failing, and now understood: the shipped model draws
+# token-sized pieces placed by each token's own x_T, not objects (trainer/toy/README.md, "Why
+# RL does not move this model yet"); 24 recipe variants on the H200 and the CPU (lr, LoRA,
+# group-shared x_T, more SDE steps, group size, KL, std modes; bench/RESULTS.md) keep the eval
+# within noise or make it fall. The loop itself learns a dense reward (test_train_learns.py).
 # NOTE (2026-11-29, this 2-core CPU): this acceptance test does NOT pass yet. Measured: eval
 # before [0.609, 0.622, 0.634] after 10 rollouts [0.636, 0.629, 0.617] (seeds 1234/7/99):
 # gain 0.006 against a seed-to-seed spread of 0.025. Longer runs (40 rollouts, lr 3e-5) reach

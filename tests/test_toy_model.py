@@ -157,6 +157,26 @@ def test_pretrain_is_deterministic_for_a_seed(tmp_path):
     ToyAdapter(tmp_path / "a")   # loadable
 
 
+def test_pretrain_options_ship_with_the_weights(tmp_path):
+    """--sigma-sampling uniform trains differently; --pos-embed-scale survives save/load."""
+    kw = dict(steps=2, minutes=5, batch=4, warmup=1, threads=1, log_every=1000,
+              transformer_config=TINY_TRANSFORMER, text_encoder_config=TINY_TEXT)
+    pretrain(tmp_path / "base", seed=1, **kw)
+    pretrain(tmp_path / "opt", seed=1, sigma_sampling="uniform", pos_embed_scale=4.0, **kw)
+    w = {n: load_file(tmp_path / n / "transformer" / "diffusion_pytorch_model.safetensors")
+         for n in ("base", "opt")}
+    init, _, _ = modeling.build_untrained(1, transformer=TINY_TRANSFORMER, text_encoder=TINY_TEXT)
+    table = init.state_dict()["pos_embed.pos_embed"]
+    assert torch.equal(w["base"]["pos_embed.pos_embed"], table)
+    assert torch.equal(w["opt"]["pos_embed.pos_embed"], 4.0 * table)
+    loaded = ToyAdapter(tmp_path / "opt").load_train_model()
+    assert torch.equal(loaded.pos_embed.pos_embed, 4.0 * table)
+    info = json.loads((tmp_path / "opt" / "toy_config.json").read_text())["info"]
+    assert info["sigma_sampling"] == "uniform" and info["pos_embed_scale"] == 4.0
+    with pytest.raises(ValueError, match="sigma_sampling"):
+        pretrain(tmp_path / "bad", seed=1, sigma_sampling="cosine", **kw)
+
+
 def test_pretrain_cli_rejects_bad_arguments_at_once(capsys):
     with pytest.raises(SystemExit):
         pretrain_main(["--out", "x", "--minutes", "0", "--steps", "-1"])
