@@ -75,7 +75,7 @@ def worker(args: argparse.Namespace) -> None:
     Path(args.out).write_text(json.dumps(out))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default="toy")
     ap.add_argument("--variant", action="append", default=[], help="NAME[: override; override ...]")
@@ -89,9 +89,10 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=1)
     ap.add_argument("--out", default="toy_curves.json")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.worker:
-        return worker(args)
+        worker(args)
+        return 0
     variants = list(args.variant)
     if args.variants_file:
         variants += [line.strip() for line in Path(args.variants_file).read_text().splitlines()
@@ -100,7 +101,7 @@ def main() -> None:
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     pending = list(enumerate(variants))
-    running: list[tuple[subprocess.Popen, Path]] = []
+    running: list[tuple[subprocess.Popen, Path, str]] = []
     results = []
     root = str(Path(__file__).resolve().parents[1])  # the workers import trainer from here
     env = {**os.environ, "OMP_NUM_THREADS": "1",
@@ -109,16 +110,19 @@ def main() -> None:
         while pending and len(running) < args.parallel:
             i, v = pending.pop(0)
             part = out_path.with_name(f"{out_path.stem}.part{i}.json")  # survives a kill
+            part.unlink(missing_ok=True)  # never report an earlier run's curve
             cmd = [sys.executable, __file__, "--worker", v, "--out", str(part)]
             for flag in ("recipe", "rollouts", "eval_every", "eval_prompts", "eval_samples", "device"):
                 cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
             cmd += ["--noise-seeds", *map(str, args.noise_seeds)]
-            running.append((subprocess.Popen(cmd, env=env), part))
+            running.append((subprocess.Popen(cmd, env=env), part, v))
         time.sleep(2)
-        for proc, part in list(running):
+        for entry in list(running):
+            proc, part, v = entry
             if proc.poll() is not None:
-                running.remove((proc, part))
+                running.remove(entry)
                 res = json.loads(part.read_text()) if part.exists() else {}
+                res.setdefault("name", parse_variant(v)[0])  # a worker that died early wrote nothing
                 res["returncode"] = proc.returncode
                 results.append(res)
                 Path(args.out).write_text(json.dumps(results, indent=1))
@@ -126,7 +130,8 @@ def main() -> None:
         curve = " ".join(f"{e['rollout']}:{e['reward_mean']:.3f}" for e in r.get("evals", []))
         print(f"{r.get('name')}: rc={r['returncode']} {r.get('seconds_per_rollout')} s/rollout "
               f"noise={r.get('noise')} eval {curve}")
+    return max((abs(r["returncode"]) for r in results), default=0)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -271,6 +271,9 @@ def _check_sampling(c: _Checker) -> None:
     for name in ("sde_resample_per_rollout", "driver_xt", "driver_sigmas", "init_same_noise"):
         if name in s and not isinstance(s[name], bool):
             c.error(f"{_key('sampling.' + name)}={s[name]!r} must be true or false")
+    if s.get("init_same_noise") is True and s.get("driver_xt") is False:
+        c.error(f"{_key('sampling.init_same_noise')}=true needs driver_xt: without the driver's "
+                f"x_T recipe the engine draws x_T itself and cannot share it within a group")
     if steps is not None and _check_sde_keys(c, s, steps):
         upper = trainable_indices_upper_bound(s)
         if not upper:

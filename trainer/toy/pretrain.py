@@ -149,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (1: the shipped run; also the fastest per CPU-second)")
+    p.add_argument("--ema", type=float, default=0.999,
+                   help="EMA decay of the saved weights (0: save the raw weights)")
     p.add_argument("--sigma-sampling", default="logit_normal", choices=SIGMA_SAMPLING,
                    help="training noise levels: SD3's logit-normal(0, 1) or uniform in [0, 1]")
     p.add_argument("--pos-embed-scale", type=float, default=1.0,
@@ -161,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         p.error("; ".join(problems))
     info = pretrain(args.out, seed=args.seed, steps=args.steps, minutes=args.minutes,
-                    batch=args.batch, lr=args.lr, threads=args.threads,
+                    batch=args.batch, lr=args.lr, threads=args.threads, ema=args.ema,
                     snapshot_every=args.snapshot_every, sigma_sampling=args.sigma_sampling,
                     pos_embed_scale=args.pos_embed_scale)
     print(info)
