@@ -6,8 +6,9 @@
 Builds a random-weight Qwen-Image-shaped model directory (QwenImageTransformer2DModel at the
 real width: 24 heads x 128, joint_attention_dim 3584, in 64 / out 16 channels, reduced depth;
 the default AutoencoderKLQwenImage; a one-layer Qwen2.5-VL text encoder at the real hidden
-size) and a PickScore-shaped CLIP ViT-H-14 reward (random weights), then runs the real Trainer
-(engine process, colocated reward, FSDP2 world 1, weight sync through ipc/) for a few rollouts
+size) and a reward (JPEG compressibility on the CPU; `--reward-model`: a PickScore-shaped CLIP
+ViT-H-14 with random weights, whose equal scores leave nothing to train), then runs the real
+Trainer (engine process, colocated reward, FSDP2 world 1, weight sync through ipc/) for a few rollouts
 of 1 prompt x 8 candidates at 384², 12 steps, 3 trained SDE steps.
 
 Reported per mode (the last rollouts, the first is warm-up): step time by stage, peak memory,
@@ -135,10 +136,15 @@ def run_mode(mode: str, model_dir: Path, reward_dir: Path | None, args, work: Pa
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    trained = all(s.get("train/optimizer_steps", 0.0) > 0 for s in steps)
+    if not trained:
+        print(f"WARNING [{mode}]: some steps did not train (degenerate rewards): their step "
+              "times are not training-step figures", flush=True)
     keep = steps[1:] or steps
     avg = {k: sum(s.get(k, 0.0) for s in keep) / len(keep) for k in keep[-1]}
     compute_total = sum(compute.values())
-    return {"mode": mode, "stage_times": {k: v for k, v in avg.items() if k.startswith("perf/")},
+    return {"mode": mode, "trained": trained,
+            "stage_times": {k: v for k, v in avg.items() if k.startswith("perf/")},
             "step_time": avg["perf/step_time"], "samples_per_s": avg["perf/samples_per_s"],
             "transitions_per_s": avg["perf/train_transitions_per_s"],
             "peak_gb": avg.get("perf/mem_peak_gb", float("nan")),
@@ -249,7 +255,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true")
-    p.add_argument("--no-reward-model", action="store_true")
+    # NOTE: the PickScore-shaped scorer has random weights and gives every candidate the same
+    # score (to 1e-6), so every group is degenerate and training is skipped (H200 runs of
+    # 2026-11-29, twice): the default reward is JPEG compressibility on the CPU; the scorer is
+    # opt-in, to time the reward model itself.
+    p.add_argument("--reward-model", action="store_true",
+                   help="score with the random-weight PickScore-shaped model (no training happens)")
+    p.add_argument("--no-reward-model", action="store_true", help="the default; kept for old commands")
     p.add_argument("--no-offload", action="store_true",
                    help="keep actor and engine resident (no colocate offload)")
     args = p.parse_args(argv)
@@ -260,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     model_dir = build_qwen_shaped(work / "qwen", args.layers, args.tiny)
     reward_dir = None
-    if not args.no_reward_model:
+    if args.reward_model and not args.no_reward_model:
         from bench_rewards import build_model_dir
         reward_dir = work / "pickscore"
         build_model_dir(str(reward_dir), tiny=args.tiny, device=torch.device(args.device))
