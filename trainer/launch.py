@@ -144,6 +144,10 @@ def rank_main(argv: list[str]) -> int:
             from trainer.checkpoint import load_checkpoint
             load_checkpoint(trainer, cfg.checkpoint.load)
         trainer.train()
+        if dist.is_initialized() and world > 1:
+            # every rank done with its collectives before any tears the group down (a rank
+            # destroying gloo while its peer still talks can abort the peer at exit)
+            dist.barrier()
     finally:
         if trainer is not None:
             trainer.close()
