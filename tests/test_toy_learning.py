@@ -13,7 +13,7 @@ import pytest
 
 # NOTE (2026-11-29, session 2): still failing, and now understood: the shipped model draws
 # token-sized pieces placed by each token's own x_T, not objects (trainer/toy/README.md, "Why
-# RL does not move this model yet"); 24 recipe variants on the H200 and the CPU (lr, LoRA,
+# RL does not move this model yet"); 26 recipe variants on the H200 and the CPU (lr, LoRA,
 # group-shared x_T, more SDE steps, group size, KL, std modes; bench/RESULTS.md) keep the eval
 # within noise or make it fall. The loop itself learns a dense reward (test_train_learns.py).
 # NOTE (2026-11-29, this 2-core CPU): this acceptance test does NOT pass yet. Measured: eval
