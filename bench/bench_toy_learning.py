@@ -57,11 +57,7 @@ def worker(args: argparse.Namespace) -> None:
 
     try:
         evaluate(0)
-        base_seed = trainer.driver.seed
-        for seed in args.noise_seeds:
-            trainer.driver.seed = seed
-            out["noise"].append(trainer.evaluate(0, tag="noise")["eval/reward_mean"])
-        trainer.driver.seed = base_seed
+        out["noise"] = trainer.eval_over_seeds(args.noise_seeds)
         t0 = time.perf_counter()
         for rollout in range(args.rollouts):
             m = trainer.train_step(rollout)

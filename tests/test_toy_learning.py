@@ -28,14 +28,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiproc,
 SEEDS = (1234, 7, 99)
 
 
-def _eval_over_seeds(trainer) -> list[float]:
-    out = []
-    for seed in SEEDS:
-        trainer.driver.seed = seed
-        out.append(trainer.evaluate(0, tag="noise")["eval/reward_mean"])
-    trainer.driver.seed = trainer.cfg.rollout.generation_seed
-    return out
-
 
 def test_toy_run_improves_eval_reward_beyond_seed_noise(tmp_path):
     from trainer.config import load_config
@@ -47,11 +39,11 @@ def test_toy_run_improves_eval_reward_beyond_seed_noise(tmp_path):
         "logging.tensorboard=false"])
     trainer = Trainer(cfg, rank=0, world=1, device="cpu")
     try:
-        before = _eval_over_seeds(trainer)
+        before = trainer.eval_over_seeds(SEEDS)
         for rollout_id in range(cfg.train.num_rollouts):
             metrics = trainer.train_step(rollout_id)
             assert metrics["train/first_update_ratio_mean"] == 1.0
-        after = _eval_over_seeds(trainer)
+        after = trainer.eval_over_seeds(SEEDS)
     finally:
         trainer.close()
     noise = max(max(before) - min(before), max(after) - min(after))

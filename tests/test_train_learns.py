@@ -25,14 +25,6 @@ def redness(images: torch.Tensor, prompts, metadata) -> torch.Tensor:
 redness.component = "red"
 
 
-def _eval_over_seeds(trainer) -> list[float]:
-    out = []
-    for seed in SEEDS:
-        trainer.driver.seed = seed
-        out.append(trainer.evaluate(0, tag="noise")["eval/reward_mean"])
-    trainer.driver.seed = trainer.cfg.rollout.generation_seed
-    return out
-
 
 def test_a_learnable_reward_rises_beyond_its_noise(tmp_path):
     from trainer.config import load_config
@@ -46,12 +38,12 @@ def test_a_learnable_reward_rises_beyond_its_noise(tmp_path):
         "logging.progress=false", "logging.tensorboard=false"])
     trainer = Trainer(cfg, rank=0, world=1, device="cpu")
     try:
-        before = _eval_over_seeds(trainer)
+        before = trainer.eval_over_seeds(SEEDS)
         for rollout_id in range(cfg.train.num_rollouts):
             metrics = trainer.train_step(rollout_id)
             assert metrics["train/first_update_ratio_mean"] == 1.0
             assert metrics["train/policy_version"] == rollout_id + 1
-        after = _eval_over_seeds(trainer)
+        after = trainer.eval_over_seeds(SEEDS)
     finally:
         trainer.close()
     noise = max(max(before) - min(before), max(after) - min(after))

@@ -452,6 +452,18 @@ class Trainer:
                                     path=self.run_dir / "eval" / f"{tag}_step{step:05d}.png")
         return out
 
+    def eval_over_seeds(self, seeds) -> list[float]:
+        """The eval reward at the current weights under each generation seed: the spread is
+        the eval's own noise (what a change of the policy must beat). Restores the seed."""
+        base, out = self.driver.seed, []
+        try:
+            for seed in seeds:
+                self.driver.seed = int(seed)
+                out.append(self.evaluate(0, tag="noise")["eval/reward_mean"])
+        finally:
+            self.driver.seed = base
+        return out
+
     # ---- the run ----------------------------------------------------------------------
     def train(self) -> dict[str, float]:
         cfg = self.cfg
