@@ -12,10 +12,12 @@ Trainer (engine process, colocated reward, FSDP2 world 1, weight sync through ip
 of 1 prompt x 8 candidates at 384², 12 steps, 3 trained SDE steps.
 
 Reported per mode (the last rollouts, the first is warm-up): step time by stage, peak memory,
-samples/s, transitions/s, and the share of the step outside model compute, where model compute
-is measured in isolation right after with the same shapes: 12 transformer forwards at batch 8
-(rollout), text encoding, VAE decode, reward scoring, and the replay forwards+backwards of the
-trained steps (+ the no-grad anchor forwards). share_outside = 1 - compute / step.
+samples/s, transitions/s, and the share of the step outside model compute: the Trainer's own
+perf/outside_compute_share, where model compute is measured in place by CUDA events around
+every transformer forward and backward (engine and replay), the text encoder, the VAE decode
+and the reward model (trainer.profiling.ComputeMeter). An earlier version timed those pieces
+in isolation after the run; on the H200 their sum exceeded the step itself (FSDP and autograd
+costs the pipelined step hides), so the share could not be read from it.
 """
 from __future__ import annotations
 
@@ -122,11 +124,6 @@ def run_mode(mode: str, model_dir: Path, reward_dir: Path | None, args, work: Pa
             with GpuBusySampler(device) as sampler:
                 steps.append(trainer.train_step(r))
             busy.append(sampler.mean)
-        if trainer.offloaded is not None:  # --offload-train left the actor on the host
-            from trainer.actor.model import onload_actor
-            onload_actor(trainer.model, trainer.optimizer, trainer.offloaded)
-            trainer.offloaded = None
-        compute = isolated_compute(trainer, cfg, device, reward_dir is not None)
     finally:
         trainer.close()
     # NOTE (H200 run, 2026-11-29): without this the previous mode's actor (reference cycles)
@@ -142,16 +139,19 @@ def run_mode(mode: str, model_dir: Path, reward_dir: Path | None, args, work: Pa
               "times are not training-step figures", flush=True)
     keep = steps[1:] or steps
     avg = {k: sum(s.get(k, 0.0) for s in keep) / len(keep) for k in keep[-1]}
-    compute_total = sum(compute.values())
+    compute = {k.removeprefix("perf/compute/"): v for k, v in avg.items()
+               if k.startswith("perf/compute/")}
+    compute_total = avg["perf/model_compute_time"]
     return {"mode": mode, "trained": trained,
-            "stage_times": {k: v for k, v in avg.items() if k.startswith("perf/")},
+            "stage_times": {k: v for k, v in avg.items() if k.startswith("perf/")
+                            and not k.startswith("perf/compute/")},
             "step_time": avg["perf/step_time"], "samples_per_s": avg["perf/samples_per_s"],
             "transitions_per_s": avg["perf/train_transitions_per_s"],
             "peak_gb": avg.get("perf/mem_peak_gb", float("nan")),
             "weight_sync_s": avg.get("weight_sync/seconds", float("nan")),
             "weight_sync_gb": avg.get("train/weight_sync_gb", float("nan")),
             "compute": compute, "compute_total": compute_total,
-            "share_outside": 1.0 - compute_total / avg["perf/step_time"],
+            "share_outside": avg["perf/outside_compute_share"],
             "first_update_ratio": steps[-1].get("train/first_update_ratio_mean"),
             "logp_parity": steps[-1].get("train/logp_parity"),
             # NVML's utilization: share of time at least one kernel ran on the device, from
@@ -191,59 +191,6 @@ class GpuBusySampler:
             self._stop.set()
             self._thread.join()
             self.mean = sum(self.values) / len(self.values) / 100.0 if self.values else None
-
-
-def _time(fn, device, reps: int = 3) -> float:
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / reps
-
-
-def isolated_compute(trainer, cfg, device, with_reward: bool) -> dict[str, float]:
-    """The step's model compute, each piece timed alone at the step's shapes."""
-    from trainer.actor.replay import replay_log_probs
-
-    adapter, model = trainer.adapter, trainer.model
-    s = cfg.rollout.sampling
-    h, w, n_steps = s["height"], s["width"], s["num_inference_steps"]
-    n = cfg.rollout.n_samples_per_prompt
-    dtype = torch.bfloat16 if cfg.rollout.engine_dtype == "bf16" else torch.float32
-    frozen = adapter.load_frozen(device=device, dtype=dtype)
-    prompts = ["a red panda in a teacup"] * n
-    out = {"text_encode": _time(lambda: adapter.encode_prompts(frozen, prompts), device)}
-    cond = {k: v.to(device) for k, v in adapter.encode_prompts(frozen, prompts).items()}
-    lat = adapter.initial_latents([f"s{i}" for i in range(n)], h, w, seed=0, dtype=dtype,
-                                  device=device)
-    sig = torch.full((n,), 0.8, device=device)
-    with torch.no_grad():
-        fwd = _time(lambda: adapter.velocity(model, lat, sig, cond, h, w), device)
-    out["rollout_transformer"] = fwd * n_steps
-    out["vae_decode"] = _time(lambda: adapter.decode(frozen, lat, h, w), device)
-    if with_reward:
-        imgs = torch.randint(0, 255, (n, h, w, 3), dtype=torch.uint8)
-        out["reward"] = _time(lambda: trainer.reward.score(imgs, prompts, [{}] * n), device)
-    batch = trainer.rollout(10_000)  # a real batch for the replay shapes
-    mb = cfg.train.micro_batch_size
-    rows = list(range(mb))
-
-    def fwd_bwd():
-        lp = replay_log_probs(adapter, model, batch.select(rows))
-        lp.sum().backward()
-        model.zero_grad(set_to_none=True)
-
-    per_mb = _time(fwd_bwd, device)
-    with torch.no_grad():
-        per_anchor = _time(lambda: replay_log_probs(adapter, model, batch.select(rows)), device)
-    updates = cfg.train.num_updates_per_batch
-    out["replay_fwd_bwd"] = per_mb * n / mb
-    out["anchor_fwd"] = per_anchor * (n / mb) * (updates - 1) / updates
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

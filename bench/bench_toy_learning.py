@@ -62,6 +62,9 @@ def worker(args: argparse.Namespace) -> None:
         for rollout in range(args.rollouts):
             m = trainer.train_step(rollout)
             out["train_reward"].append(round(m["reward/mean"], 5))
+            out.setdefault("train_components", []).append(
+                {k[7:-5]: round(v, 4) for k, v in m.items()
+                 if k.startswith("reward/") and k.endswith("_mean") and k != "reward/mean"})
             if (rollout + 1) % args.eval_every == 0 or rollout + 1 == args.rollouts:
                 out["seconds_per_rollout"] = round((time.perf_counter() - t0) / (rollout + 1), 3)
                 evaluate(rollout + 1)

@@ -6,7 +6,8 @@
 # to $OUT/logs and comes back as one archive, $OUT/<part>.tar.gz.
 set -u
 PART=${1:-A}
-OUT=${OUT:-/tmp/out}; LOGS=$OUT/logs; [ "$PART" = E ] && LOGS=$OUT  # E: logs come back as they are
+OUT=${OUT:-/tmp/out}; LOGS=$OUT/logs
+case "$PART" in E|F|G) LOGS=$OUT;; esac  # E-G: logs come back as they are
 mkdir -p "$LOGS"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl >/dev/null 2>&1 && export PYTHONPATH=/tmp/site
@@ -52,6 +53,19 @@ D)
     --capture-range-end=stop -t cuda,nvtx -o "$LOGS/toy_2steps" python3 -m trainer launch \
     --config toy --profile-steps 2:4 --set train.num_rollouts=4 --set data.eval_prompt_data=none \
     --set logging.run_dir=/tmp/toyprof --set logging.progress=false
+  ;;
+F)  # session 3: the step with model compute measured in place (perf/outside_compute_share)
+  TAIL=30 step step_bench 280 python3 bench/bench_step.py --out "$LOGS/step.json" --layers 8
+  TAIL=30 step step_bench_nooffload 200 python3 bench/bench_step.py --out "$LOGS/step_nooff.json" \
+    --layers 8 --no-offload
+  exit 0
+  ;;
+G)  # session 3: toy learning sweep on the 4,000-step model (ROUND, ROLLOUTS, SECS from the env)
+  TAIL=20 step "toy_${ROUND:-round5}" "${SECS:-560}" python3 bench/bench_toy_learning.py \
+    --variants-file "bench/sweeps/toy_${ROUND:-round5}.txt" --rollouts "${ROLLOUTS:-200}" \
+    --eval-every 20 --eval-prompts 256 --noise-seeds 7 99 --parallel 12 --device cuda \
+    --out "$LOGS/${ROUND:-round5}.json"
+  exit 0
   ;;
 E)  # session 2: offload proof, engine log-prob parity, checkpoint GPU self-check, step + NVML busy
   step nvml_probe 20 python3 -c "import torch; print('nvml utilization', torch.cuda.utilization())"

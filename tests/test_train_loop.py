@@ -80,6 +80,37 @@ def test_step_contracts(make_trainer):
         trainer.engine.checksum()
     m2 = trainer.train_step(1)
     assert trainer.policy_version == 2 and m2["train/first_update_ratio_mean"] == 1.0
+    # model compute measured in place: every part of the step reported, inside the step time
+    for m in (m1, m2):
+        parts = {k.removeprefix("perf/compute/") for k in m if k.startswith("perf/compute/")}
+        assert parts == {"engine_text_encoder", "engine_transformer", "engine_vae",
+                         "transformer", "transformer_backward", "reward_model"}, parts
+        assert all(m[f"perf/compute/{p}"] > 0 for p in parts)
+        assert 0 < m["perf/model_compute_time"] < m["perf/step_time"]
+        assert m["perf/outside_compute_share"] == pytest.approx(
+            1 - m["perf/model_compute_time"] / m["perf/step_time"])
+
+
+def test_compute_meter_regions_do_not_nest_and_pop_resets():
+    import time
+
+    from trainer.profiling import ComputeMeter
+    meter = ComputeMeter()
+    with meter.region("outer", "cpu"):
+        time.sleep(0.02)
+        with meter.region("inner", "cpu"):  # inside an open region: not timed twice
+            time.sleep(0.02)
+    with meter.region("outer", "cpu"):
+        time.sleep(0.01)
+    got = meter.pop()
+    assert set(got) == {"outer"} and got["outer"] >= 0.05
+    assert meter.pop() == {}
+    with pytest.raises(RuntimeError):
+        with meter.region("failed", "cpu"):
+            raise RuntimeError("boom")
+    with meter.region("after", "cpu"):  # a failed region leaves the meter usable
+        pass
+    assert set(meter.pop()) == {"after"}  # a region that raised is not counted
 
 
 def test_single_update_loss_is_zero(make_trainer):

@@ -26,7 +26,7 @@ from trainer.actor.replay import plan_updates, replay_log_probs
 from trainer.actor.sync import sync_payload
 from trainer.config import Config, write_resolved
 from trainer.metrics import MetricsLogger
-from trainer.profiling import ProfileWindow, StageTimer, nvtx_range
+from trainer.profiling import ComputeMeter, ProfileWindow, StageTimer, add_times, nvtx_range
 from trainer.prompts import PromptSampler, load_records
 
 log = logging.getLogger("trainer")
@@ -59,6 +59,7 @@ class Trainer:
         if rank == 0:
             write_resolved(cfg, self.run_dir)
         self.timer = StageTimer(sync=self.device.type == "cuda")
+        self.meter = ComputeMeter()  # model compute inside the step (perf/compute/*)
         self.profile = ProfileWindow(cfg.logging.profile_steps)
         self.metrics = MetricsLogger(self.run_dir, enabled=rank == 0,
                                      tensorboard=cfg.logging.tensorboard,
@@ -150,6 +151,7 @@ class Trainer:
         from trainer.rewards import build_reward_manager
         r = self.cfg.reward
         device = self.device if r.runtime == "colocate" else torch.device("cpu")
+        self.reward_device = device
         self.reward = build_reward_manager(
             scorer_path=r.scorer_path, model_path=r.model_path, runtime=r.runtime,
             endpoint=r.endpoint, device=device, custom_reward_path=r.custom_reward_path,
@@ -168,11 +170,16 @@ class Trainer:
                                          progress=self.cfg.logging.progress and self.rank == 0)
         return batch
 
+    def _reward_device(self) -> torch.device:
+        return getattr(self, "reward_device", torch.device("cpu"))
+
     def score(self, batch) -> tuple[torch.Tensor, dict[str, float]]:
         from trainer.rewards import compute_advantages
         r = self.cfg.reward
         with self.timer.stage("reward"):
-            components, metrics = self.reward.score(batch.images, batch.prompts, batch.metadata)
+            with self.meter.region("reward_model", self._reward_device()):
+                components, metrics = self.reward.score(batch.images, batch.prompts,
+                                                        batch.metadata)
             weights = r.component_weights or {c: 1.0 for c in components}
             adv, adv_metrics, failed = compute_advantages(
                 components, batch.group_index, weights=weights,
@@ -190,7 +197,7 @@ class Trainer:
         itself the anchor" (an update-0 micro-batch: no optimizer step has happened yet)."""
         t = self.cfg.train
         with nvtx_range("train/replay"):
-            logp = replay_log_probs(self.adapter, self.model, mb)
+            logp = replay_log_probs(self.adapter, self.model, mb, meter=self.meter)
         engine_logp = mb.log_probs.to(logp.device)
         old = logp.detach() if anchor is None else anchor.to(logp.device)
         adv = adv.to(logp.device)
@@ -200,7 +207,7 @@ class Trainer:
             kl = self._kl_to_reference(mb)
             loss = loss + t.kl_coef * kl.mean()
             stats["kl"] = kl.mean().detach()
-        with nvtx_range("train/backward"):
+        with nvtx_range("train/backward"), self.meter.region("transformer_backward", self.device):
             (loss * scale).backward()
         stats["loss"] = loss.detach()
         if anchor is None:  # replay vs the engine's own sampling log-prob, same weights
@@ -215,9 +222,10 @@ class Trainer:
         for s in range(len(mb.sde_indices)):
             x = mb.latents[:, s].to(device)
             sig, sig_n = mb.sigmas[:, s].to(device), mb.sigmas_next[:, s].to(device)
-            v = self.adapter.velocity(self.model, x, sig, cond, mb.height, mb.width)
-            with torch.no_grad(), self.model.disable_adapter():
-                v_ref = self.adapter.velocity(self.model, x, sig, cond, mb.height, mb.width)
+            with self.meter.region("transformer", device):
+                v = self.adapter.velocity(self.model, x, sig, cond, mb.height, mb.width)
+                with torch.no_grad(), self.model.disable_adapter():
+                    v_ref = self.adapter.velocity(self.model, x, sig, cond, mb.height, mb.width)
             cols.append(kernels.sde_kl(v, v_ref, sig, sig_n, eta=mb.eta, sde_type=mb.sde_type))
         return torch.stack(cols, 1)
 
@@ -293,7 +301,8 @@ class Trainer:
         with torch.no_grad(), nvtx_range("train/anchor"):
             for micro_batches in plan.updates[1:]:
                 for rows in micro_batches:
-                    lp = replay_log_probs(self.adapter, self.model, batch.select(rows))
+                    lp = replay_log_probs(self.adapter, self.model, batch.select(rows),
+                                          meter=self.meter)
                     anchors[rows.to(anchors.device)] = lp.float().to(anchors.device)
         return anchors
 
@@ -389,6 +398,13 @@ class Trainer:
         times = self.timer.pop()
         metrics.update({f"perf/{k}_time": v for k, v in times.items()})
         metrics["perf/step_time"] = step_time
+        compute = add_times({f"engine_{k}": v for k, v in self.driver.last_compute_s.items()},
+                            self.meter.pop())
+        metrics.update({f"perf/compute/{k}": v for k, v in compute.items()})
+        metrics["perf/model_compute_time"] = sum(compute.values())
+        # Share of the step outside transformer / VAE / text-encoder / reward-model compute
+        # (ComputeMeter's definition): the framework's own overhead, target <= 5 % on a GPU.
+        metrics["perf/outside_compute_share"] = 1.0 - sum(compute.values()) / step_time
         metrics["perf/samples_per_s"] = n / step_time * self.world
         metrics["perf/train_samples_per_s"] = n / times["train"] * self.world
         metrics["perf/train_transitions_per_s"] = (n * len(batch.sde_indices) / times["train"]

@@ -28,6 +28,62 @@ def nvtx_range(name: str) -> Iterator[None]:
         yield
 
 
+class ComputeMeter:
+    """Model compute measured in place, inside the real step (perf/compute/*).
+
+    ``region(name, device)`` wraps one model call (a transformer forward or backward, the VAE
+    decode, the text encoder, the reward model). On a CUDA device it records a pair of CUDA
+    events on the current stream, so a region's time is the GPU time from its first kernel's
+    turn to its last kernel's end, launch gaps inside it included, and nothing is
+    synchronised until ``pop()``; on the CPU it is the host clock. Regions do not nest: an
+    inner region inside an open one is not timed again. The share of a step outside model
+    compute is then 1 - sum(regions) / step (sampler maths, log-prob kernels, advantages,
+    optimizer, weight sync, data movement and Python orchestration all count as outside).
+    """
+
+    def __init__(self) -> None:
+        self._open = False
+        self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self._host: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def region(self, name: str, device: torch.device | str) -> Iterator[None]:
+        if self._open:
+            yield
+            return
+        self._open = True
+        try:
+            if torch.device(device).type == "cuda":
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                yield
+                end.record()
+                self._events.append((name, start, end))
+            else:
+                t0 = time.perf_counter()
+                yield
+                self._host[name] = self._host.get(name, 0.0) + time.perf_counter() - t0
+        finally:
+            self._open = False
+
+    def pop(self) -> dict[str, float]:
+        """Seconds per region name since the last pop (waits for the last CUDA region)."""
+        out, self._host = self._host, {}
+        if self._events:
+            for name, start, end in self._events:
+                end.synchronize()
+                out[name] = out.get(name, 0.0) + start.elapsed_time(end) / 1000.0
+            self._events = []
+        return out
+
+
+def add_times(into: dict[str, float], more: dict[str, float] | None) -> dict[str, float]:
+    for k, v in (more or {}).items():
+        into[k] = into.get(k, 0.0) + float(v)
+    return into
+
+
 class StageTimer:
     """Wall time per stage (host clock) plus its NVTX range.
 

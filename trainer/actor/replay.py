@@ -5,6 +5,7 @@ weights and inputs the replayed log-prob equals the recorded one.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -12,14 +13,16 @@ from torch import nn
 
 import kernels
 from trainer.models.base import GenerativeModelAdapter, RolloutBatch
+from trainer.profiling import ComputeMeter
 
 
 def replay_log_probs(adapter: GenerativeModelAdapter, model: nn.Module, batch: RolloutBatch,
-                     *, backend: str = "auto") -> torch.Tensor:
+                     *, backend: str = "auto", meter: ComputeMeter | None = None) -> torch.Tensor:
     """log pi_theta(x_next | x) for every (sample, trained step): [b, S] fp32, with grad.
 
     One forward per trained step over the micro-batch; each column is its own step, so a step
     drifting out of the clip range does not zero the others' gradients (mean taken later).
+    ``meter`` times the transformer forwards (perf/compute/transformer).
     """
     device = next(model.parameters()).device
     cols = []
@@ -29,7 +32,8 @@ def replay_log_probs(adapter: GenerativeModelAdapter, model: nn.Module, batch: R
         x_next = batch.next_latents[:, s].to(device, non_blocking=True)
         sigma = batch.sigmas[:, s].to(device)
         sigma_next = batch.sigmas_next[:, s].to(device)
-        v = adapter.velocity(model, x, sigma, conditions, batch.height, batch.width)
+        with meter.region("transformer", device) if meter else contextlib.nullcontext():
+            v = adapter.velocity(model, x, sigma, conditions, batch.height, batch.width)
         # validate=False: the engine's sde_step already validated these sigmas when it sampled
         # the transition (and validation with tensor sigmas costs a host sync per step).
         cols.append(kernels.sde_log_prob(x, v, x_next, sigma, sigma_next, eta=batch.eta,

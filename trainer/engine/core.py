@@ -35,7 +35,7 @@ from torch import nn
 from trainer.engine.request import GenerateSpec, parse_generate_request
 from trainer.engine.sampler import denoise
 from trainer.models.base import GenerativeModelAdapter
-from trainer.profiling import nvtx_range
+from trainer.profiling import ComputeMeter, nvtx_range
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 LORA_KEYS = ("rank", "alpha", "target_modules", "dropout")
@@ -133,6 +133,7 @@ class EngineCore:
         self.generate_calls = 0
         self._host_copies: dict[str, torch.Tensor] = {}
         self._lock = threading.RLock()
+        self.meter = ComputeMeter()
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
@@ -174,7 +175,7 @@ class EngineCore:
 
     def _conditions(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         unique = list(dict.fromkeys(prompts))
-        with nvtx_range("rollout/encode_prompts"):
+        with nvtx_range("rollout/encode_prompts"), self.meter.region("text_encoder", self.device):
             encoded = self.adapter.encode_prompts(self.frozen, unique)
         if unique == prompts:
             return dict(encoded)
@@ -215,6 +216,7 @@ class EngineCore:
         with self._lock:
             self._check_open("generate")
             spec = parse_generate_request(self.adapter, request)
+            self.meter = ComputeMeter()  # this request's regions only (a failed one leaves none)
             if self.receiver is not None:
                 self.receiver.assert_servable()
             t0 = time.perf_counter()
@@ -224,12 +226,14 @@ class EngineCore:
                 x_t, noise_fn = self._noise(spec)
 
                 def velocity(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-                    return self.adapter.velocity(self.transformer, x, sigma, conditions, h, w)
+                    with self.meter.region("transformer", self.device):
+                        return self.adapter.velocity(self.transformer, x, sigma, conditions,
+                                                     h, w)
 
                 out = denoise(velocity, x_t, spec.sigmas, spec.sde_indices, eta=spec.eta,
                               sde_type=spec.sde_type, noise_fn=noise_fn,
                               record=spec.return_trajectory)
-                with nvtx_range("rollout/vae_decode"):
+                with nvtx_range("rollout/vae_decode"), self.meter.region("vae", self.device):
                     images = self.adapter.decode(self.frozen, out.final, h, w)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # NOTE: host sync, once per request (timing)
@@ -246,6 +250,8 @@ class EngineCore:
                 "images": images,
                 "policy_version": self.get_version(),
                 "inference_time_s": time.perf_counter() - t0,
+                # model compute inside this request, seconds per part (perf/compute/engine_*)
+                "compute_s": self.meter.pop(),
             }
             if spec.return_trajectory:
                 sig = torch.tensor(spec.sigmas, dtype=torch.float32)

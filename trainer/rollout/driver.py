@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from trainer.models.base import GenerativeModelAdapter, RolloutBatch
-from trainer.profiling import nvtx_range
+from trainer.profiling import add_times, nvtx_range
 from trainer.rollout.artifacts import (prune_stale_artifacts, rollout_dir, sampling_fingerprint,
                                        write_group_images, write_group_sidecar)
 from trainer.rollout.batch import concat_batches
@@ -100,6 +100,7 @@ class RolloutDriver:
         self.artifact_root = None if artifact_root is None else Path(artifact_root)
         self.retention = int(retention)
         self.wave_size = wave_size or 1
+        self.last_compute_s: dict[str, float] = {}  # set by each generate()
         self.sample_id_mode = sample_id_mode
         self.fingerprint = sampling_fingerprint(self.sampling)
         self.driver_xt = bool(self.sampling.get("driver_xt", True))
@@ -168,6 +169,9 @@ class RolloutDriver:
             bar = tqdm(total=len(records), desc="rollout" if rollout_id is not None else "eval",
                        unit="group", leave=False)
         packed: list[RolloutBatch] = [None] * len(requests)  # type: ignore[list-item]
+        # Model compute the engines reported for this rollout, seconds per part summed over
+        # requests (engines serving in parallel add up: GPU-seconds, not wall time).
+        self.last_compute_s: dict[str, float] = {}
         writes: list[Future] = []
         num_engines = len(self.engines)
         with nvtx_range("rollout"), ThreadPoolExecutor(num_engines, "rollout-engine") as pool, \
@@ -177,7 +181,8 @@ class RolloutDriver:
                 futures = {i: pool.submit(self._serve, self.engines[i % num_engines], requests[i])
                            for i in wave}
                 for i in wave:
-                    packed[i], reported = futures[i].result()
+                    packed[i], reported, compute = futures[i].result()
+                    add_times(self.last_compute_s, compute)
                     if reported is not None and reported != policy_version:
                         raise RuntimeError(
                             f"rollout at policy version {policy_version} got stale weights: engine "
@@ -200,13 +205,17 @@ class RolloutDriver:
         batch.rollout_id = rollout_id
         return batch
 
-    def _serve(self, engine: Any, request: dict[str, Any]) -> tuple[RolloutBatch, int | None]:
+    def _serve(self, engine: Any, request: dict[str, Any]
+               ) -> tuple[RolloutBatch, int | None, dict[str, float] | None]:
         """One request on one engine; the adapter validates the answer (one error, all problems).
         Also returns the weight version the engine reported (None: it reports none, e.g. a
-        stock SGLang server)."""
+        stock SGLang server) and its model-compute seconds (None when it reports none)."""
         response = engine.generate(request)
         reported = response.get("policy_version") if isinstance(response, dict) else None
-        return self.adapter.pack_trajectory(response, request), reported
+        compute = response.get("compute_s") if isinstance(response, dict) else None
+        if not isinstance(compute, dict):
+            compute = None
+        return self.adapter.pack_trajectory(response, request), reported, compute
 
     def _prepare_directory(self, rollout_id: int | None, policy_version: int,
                            write_artifacts: bool) -> Path | None:
