@@ -52,8 +52,12 @@ def worker(args: argparse.Namespace) -> None:
 
     def evaluate(rollout: int) -> None:
         m = trainer.evaluate(rollout, tag="curve")
-        out["evals"].append({"rollout": rollout, **{k[5:]: round(v, 5) for k, v in m.items()}})
-        print(f"[{name}] eval@{rollout} {m['eval/reward_mean']:.4f}", flush=True)
+        point = {"rollout": rollout, **{k[5:]: round(v, 5) for k, v in m.items()}}
+        if args.paired_seeds and rollout > 0:  # the noise seeds again: a paired gain per seed
+            point["noise_seeds"] = [round(v, 5) for v in trainer.eval_over_seeds(args.noise_seeds)]
+        out["evals"].append(point)
+        print(f"[{name}] eval@{rollout} {m['eval/reward_mean']:.4f}"
+              + (f" seeds {point['noise_seeds']}" if "noise_seeds" in point else ""), flush=True)
 
     try:
         evaluate(0)
@@ -84,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-prompts", type=int, default=256)
     ap.add_argument("--eval-samples", type=int, default=2)
     ap.add_argument("--noise-seeds", type=int, nargs="*", default=[])
+    ap.add_argument("--paired-seeds", action="store_true",
+                    help="re-run every later eval under the noise seeds too (paired gains)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--parallel", type=int, default=1)
     ap.add_argument("--out", default="toy_curves.json")
@@ -114,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             for flag in ("recipe", "rollouts", "eval_every", "eval_prompts", "eval_samples", "device"):
                 cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
             cmd += ["--noise-seeds", *map(str, args.noise_seeds)]
+            cmd += ["--paired-seeds"] if args.paired_seeds else []
             running.append((subprocess.Popen(cmd, env=env), part, v))
         time.sleep(2)
         for entry in list(running):

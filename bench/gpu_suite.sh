@@ -65,6 +65,9 @@ G)  # session 3: toy learning sweep on the 4,000-step model (ROUND, ROLLOUTS, SE
     --variants-file "bench/sweeps/toy_${ROUND:-round5}.txt" --rollouts "${ROLLOUTS:-200}" \
     --eval-every 20 --eval-prompts 256 --noise-seeds 7 99 --parallel 12 --device cuda \
     --out "$LOGS/${ROUND:-round5}.json"
+  # the device tool returns at most 8 files: one archive of the parts and the log
+  tar -czf "$OUT/${ROUND:-round5}.tar.gz" -C "$OUT" $(cd "$OUT" && ls | grep -v '\.tar\.gz$') \
+    && find "$OUT" -mindepth 1 ! -name '*.tar.gz' -delete
   exit 0
   ;;
 E)  # session 2: offload proof, engine log-prob parity, checkpoint GPU self-check, step + NVML busy
