@@ -107,7 +107,7 @@ def run_mode(mode: str, model_dir: Path, reward_dir: Path | None, args, work: Pa
                  "fsdp.param_dtype=fp32", "rollout.offload_rollout=false",
                  "fsdp.offload_train=false"]
     recipe = "qwen-image-t2i-lora" if lora else "qwen-image-t2i-full"
-    cfg = load_config(recipe, sets)
+    cfg = load_config(recipe, sets + list(args.set))
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29533")
@@ -211,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-reward-model", action="store_true", help="the default; kept for old commands")
     p.add_argument("--no-offload", action="store_true",
                    help="keep actor and engine resident (no colocate offload)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra config override for both modes, e.g. train.adam_fused=true")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="bench_step_"))
     (work / "prompts.jsonl").write_text("\n".join(json.dumps(

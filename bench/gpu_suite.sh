@@ -58,6 +58,9 @@ F)  # session 3: the step with model compute measured in place (perf/outside_com
   TAIL=30 step step_bench 280 python3 bench/bench_step.py --out "$LOGS/step.json" --layers 8
   TAIL=30 step step_bench_nooffload 200 python3 bench/bench_step.py --out "$LOGS/step_nooff.json" \
     --layers 8 --no-offload
+  # next session: the same with torch's fused AdamW (full fine-tuning's outside share was 14 %)
+  [ -n "${FUSED:-}" ] && TAIL=30 step step_bench_fused 200 python3 bench/bench_step.py \
+    --out "$LOGS/step_fused.json" --layers 8 --no-offload --set train.adam_fused=true
   exit 0
   ;;
 G)  # session 3: toy learning sweep on the 4,000-step model (ROUND, ROLLOUTS, SECS from the env)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from trainer.actor.model import (apply_activation_checkpointing, assert_trainable_boundary,
-                                 lr_at_step, strip_wrapper_names)
+                                 build_optimizer, lr_at_step, strip_wrapper_names)
 from trainer.actor.replay import plan_updates
 from trainer.actor.sync import merged_full_tensors, named_full_tensors
 from trainer.config import load_config
@@ -55,6 +55,29 @@ def test_lr_schedule_warmup_then_shapes():
     assert lr_at_step(9, cfg) == pytest.approx(0.1 + 0.9 * 0.5)
     cfg.train.lr_scheduler = "constant"
     assert lr_at_step(50, cfg) == 1.0
+
+
+def test_adam_fused_is_the_same_maths():
+    """--adam-fused selects torch's fused AdamW; it must train like the default one."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 6)
+    runs = {"init": copy.deepcopy(Tiny().state_dict())}
+    for fused in (False, True):
+        cfg = load_config(None, ["train.lr=1e-2", "train.weight_decay=0.1",
+                                 f"train.adam_fused={str(fused).lower()}"])
+        model = Tiny()
+        model.load_state_dict(runs["init"])
+        opt = build_optimizer(model, cfg)
+        assert opt.defaults["fused"] is (True if fused else None)
+        for _ in range(3):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        runs[fused] = model.state_dict()
+    moved = [k for k in runs["init"] if not torch.equal(runs["init"][k], runs[False][k])]
+    assert moved
+    for k in runs[False]:
+        torch.testing.assert_close(runs[True][k], runs[False][k], rtol=1e-5, atol=1e-6)
 
 
 def test_merge_matches_peft_merge_and_unload():

@@ -141,7 +141,8 @@ def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
     t = cfg.train
     return torch.optim.AdamW(params, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
-                             eps=t.adam_eps, weight_decay=t.weight_decay)
+                             eps=t.adam_eps, weight_decay=t.weight_decay,
+                             **({"fused": True} if t.adam_fused else {}))
 
 
 def lr_at_step(step: int, cfg: Config) -> float:
