@@ -8,6 +8,7 @@ spread across seeds is the noise, and the mean gain over the same seeds must exc
 from __future__ import annotations
 
 import pytest
+from eval_gain import train_and_measure
 
 # NOTE (2026-11-29, this 2-core CPU, session 3; bench_toy_learning.py --paired-seeds): with the
 # recipe as shipped, before [0.690, 0.695, 0.706] after 20 rollouts [0.720, 0.726, 0.725]:
@@ -15,7 +16,6 @@ import pytest
 # (spread 0.027 against a gain of 0.008 measured here), hence 256 prompts.
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
-SEEDS = (1234, 7, 99)
 ROLLOUTS = 20
 
 
@@ -27,16 +27,11 @@ def test_toy_run_improves_eval_reward_beyond_seed_noise(tmp_path):
         f"train.num_rollouts={ROLLOUTS}", "data.eval_max_prompts=256",
         f"logging.run_dir={tmp_path / 'run'}",
         "logging.progress=false", "logging.tensorboard=false"])
-    trainer = Trainer(cfg, rank=0, world=1, device="cpu")
-    try:
-        before = trainer.eval_over_seeds(SEEDS)
-        for rollout_id in range(cfg.train.num_rollouts):
-            metrics = trainer.train_step(rollout_id)
-            assert metrics["train/first_update_ratio_mean"] == 1.0
-        after = trainer.eval_over_seeds(SEEDS)
-    finally:
-        trainer.close()
-    noise = max(max(before) - min(before), max(after) - min(after))
-    gain = sum(after) / len(after) - sum(before) / len(before)
+
+    def check_step(rollout_id: int, metrics: dict) -> None:
+        assert metrics["train/first_update_ratio_mean"] == 1.0
+
+    before, after, gain, noise = train_and_measure(
+        Trainer(cfg, rank=0, world=1, device="cpu"), cfg.train.num_rollouts, check_step)
     print(f"eval before {before} after {after} gain {gain:.4f} noise {noise:.4f}")
     assert gain > noise, (before, after)

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from eval_gain import train_and_measure
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("torch_single_thread")]
-
-SEEDS = (1234, 7, 99)
 
 
 def redness(images: torch.Tensor, prompts, metadata) -> torch.Tensor:
@@ -23,7 +22,6 @@ def redness(images: torch.Tensor, prompts, metadata) -> torch.Tensor:
 
 
 redness.component = "red"
-
 
 
 def test_a_learnable_reward_rises_beyond_its_noise(tmp_path):
@@ -36,17 +34,12 @@ def test_a_learnable_reward_rises_beyond_its_noise(tmp_path):
         "reward.required_components=[]", "reward.component_weights={}",
         "data.eval_max_prompts=32", f"logging.run_dir={tmp_path / 'run'}",
         "logging.progress=false", "logging.tensorboard=false"])
-    trainer = Trainer(cfg, rank=0, world=1, device="cpu")
-    try:
-        before = trainer.eval_over_seeds(SEEDS)
-        for rollout_id in range(cfg.train.num_rollouts):
-            metrics = trainer.train_step(rollout_id)
-            assert metrics["train/first_update_ratio_mean"] == 1.0
-            assert metrics["train/policy_version"] == rollout_id + 1
-        after = trainer.eval_over_seeds(SEEDS)
-    finally:
-        trainer.close()
-    noise = max(max(before) - min(before), max(after) - min(after))
-    gain = sum(after) / len(after) - sum(before) / len(before)
+
+    def check_step(rollout_id: int, metrics: dict) -> None:
+        assert metrics["train/first_update_ratio_mean"] == 1.0
+        assert metrics["train/policy_version"] == rollout_id + 1
+
+    before, after, gain, noise = train_and_measure(
+        Trainer(cfg, rank=0, world=1, device="cpu"), cfg.train.num_rollouts, check_step)
     print(f"redness eval before {before} after {after}: gain {gain:.4f}, noise {noise:.4f}")
     assert gain > 2 * noise, (before, after)

@@ -170,14 +170,11 @@ class Trainer:
                                          progress=self.cfg.logging.progress and self.rank == 0)
         return batch
 
-    def _reward_device(self) -> torch.device:
-        return getattr(self, "reward_device", torch.device("cpu"))
-
     def score(self, batch) -> tuple[torch.Tensor, dict[str, float]]:
         from trainer.rewards import compute_advantages
         r = self.cfg.reward
         with self.timer.stage("reward"):
-            with self.meter.region("reward_model", self._reward_device()):
+            with self.meter.region("reward_model", self.reward_device):
                 components, metrics = self.reward.score(batch.images, batch.prompts,
                                                         batch.metadata)
             weights = r.component_weights or {c: 1.0 for c in components}

@@ -100,7 +100,9 @@ class RolloutDriver:
         self.artifact_root = None if artifact_root is None else Path(artifact_root)
         self.retention = int(retention)
         self.wave_size = wave_size or 1
-        self.last_compute_s: dict[str, float] = {}  # set by each generate()
+        # Model compute the engines reported for the last generate(), seconds per part summed
+        # over requests (engines serving in parallel add up: GPU-seconds, not wall time).
+        self.last_compute_s: dict[str, float] = {}
         self.sample_id_mode = sample_id_mode
         self.fingerprint = sampling_fingerprint(self.sampling)
         self.driver_xt = bool(self.sampling.get("driver_xt", True))
@@ -169,9 +171,7 @@ class RolloutDriver:
             bar = tqdm(total=len(records), desc="rollout" if rollout_id is not None else "eval",
                        unit="group", leave=False)
         packed: list[RolloutBatch] = [None] * len(requests)  # type: ignore[list-item]
-        # Model compute the engines reported for this rollout, seconds per part summed over
-        # requests (engines serving in parallel add up: GPU-seconds, not wall time).
-        self.last_compute_s: dict[str, float] = {}
+        self.last_compute_s = {}
         writes: list[Future] = []
         num_engines = len(self.engines)
         with nvtx_range("rollout"), ThreadPoolExecutor(num_engines, "rollout-engine") as pool, \
