@@ -78,16 +78,15 @@ def build_qwen_shaped(out: Path, layers: int, tiny: bool) -> Path:
     return out
 
 
-def run_mode(mode: str, model_dir: Path, reward_dir: Path | None, args, work: Path) -> dict:
-    import torch.distributed as dist
-
-    from trainer.config import load_config
-    from trainer.loop import Trainer
-
+def step_overrides(mode: str, model_dir: Path, reward_dir: Path | None, args, work: Path,
+                   groups: int = 1) -> tuple[str, list[str]]:
+    """(recipe, --set overrides) of the benchmarked step: ``groups`` prompts x 8 candidates
+    (bench_multi_gpu.py passes one group per GPU), everything else as the docstring says."""
     lora = mode == "lora"
     n = 8
-    sets = [f"model.model_path={model_dir}", "rollout.rollout_batch_size=1",
-            f"rollout.n_samples_per_prompt={n}", f"train.num_rollouts={args.rollouts}",
+    sets = [f"model.model_path={model_dir}", f"rollout.rollout_batch_size={groups}",
+            f"rollout.n_samples_per_prompt={n}", f"rollout.global_batch_size={groups * n}",
+            f"train.num_rollouts={args.rollouts}",
             "data.eval_prompt_data=none", f"data.prompt_data={work / 'prompts.jsonl'}",
             f"logging.run_dir={work / ('run_' + mode)}", "rollout.write_artifacts=false",
             "logging.progress=false", "logging.tensorboard=false", "fsdp.load_wave_size=0",
@@ -107,7 +106,16 @@ def run_mode(mode: str, model_dir: Path, reward_dir: Path | None, args, work: Pa
                  "fsdp.param_dtype=fp32", "rollout.offload_rollout=false",
                  "fsdp.offload_train=false"]
     recipe = "qwen-image-t2i-lora" if lora else "qwen-image-t2i-full"
-    cfg = load_config(recipe, sets + list(args.set))
+    return recipe, sets + list(args.set)
+
+
+def run_mode(mode: str, model_dir: Path, reward_dir: Path | None, args, work: Path) -> dict:
+    import torch.distributed as dist
+
+    from trainer.config import load_config
+    from trainer.loop import Trainer
+
+    cfg = load_config(*step_overrides(mode, model_dir, reward_dir, args, work))
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29533")
@@ -133,6 +141,12 @@ def run_mode(mode: str, model_dir: Path, reward_dir: Path | None, args, work: Pa
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    return summarize(mode, steps, busy)
+
+
+def summarize(mode: str, steps: list[dict], busy: list | None = None) -> dict:
+    """The figures of one mode from its per-step metrics (the first step is warm-up)."""
+    busy = busy or [None]
     trained = all(s.get("train/optimizer_steps", 0.0) > 0 for s in steps)
     if not trained:
         print(f"WARNING [{mode}]: some steps did not train (degenerate rewards): their step "
@@ -151,6 +165,10 @@ def run_mode(mode: str, model_dir: Path, reward_dir: Path | None, args, work: Pa
             "weight_sync_s": avg.get("weight_sync/seconds", float("nan")),
             "weight_sync_gb": avg.get("train/weight_sync_gb", float("nan")),
             "compute": compute, "compute_total": compute_total,
+            # named outside parts: optimizer (clip + step, GPU span) and the sync's phases
+            "outside_parts": {k: v for k, v in avg.items() if k.startswith("perf/outside/")
+                              or (k.startswith("weight_sync/") and k.endswith("_s")
+                                  and k != "weight_sync/gb_per_s")},
             "share_outside": avg["perf/outside_compute_share"],
             "first_update_ratio": steps[-1].get("train/first_update_ratio_mean"),
             "logp_parity": steps[-1].get("train/logp_parity"),
@@ -240,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['logp_parity']} | {dev} |")
         print("  stages:", {k: round(v, 4) for k, v in r["stage_times"].items()})
         print("  compute:", {k: round(v, 4) for k, v in r["compute"].items()})
+        print("  outside parts:", {k: round(v, 4) for k, v in r["outside_parts"].items()})
         print("  gpu busy (NVML):", r["gpu_busy_nvml"], "| mem after offload GB:",
               r["stage_times"].get("perf/mem_allocated_gb"))
     return 0

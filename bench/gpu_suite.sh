@@ -7,7 +7,7 @@
 set -u
 PART=${1:-A}
 OUT=${OUT:-/tmp/out}; LOGS=$OUT/logs
-case "$PART" in E|F|G) LOGS=$OUT;; esac  # E-G: logs come back as they are
+case "$PART" in E|F|G|H|I) LOGS=$OUT;; esac  # E-G: logs come back as they are
 mkdir -p "$LOGS"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl >/dev/null 2>&1 && export PYTHONPATH=/tmp/site
@@ -71,6 +71,22 @@ G)  # session 3: toy learning sweep on the 4,000-step model (ROUND, ROLLOUTS, SE
   # the device tool returns at most 8 files: one archive of the parts and the log
   tar -czf "$OUT/${ROUND:-round5}.tar.gz" -C "$OUT" $(cd "$OUT" && ls | grep -v '\.tar\.gz$') \
     && find "$OUT" -mindepth 1 ! -name '*.tar.gz' -delete
+  exit 0
+  ;;
+H)  # session 4, one GPU: the step after the sync fast path, foreach vs fused AdamW
+  export CUDA_VISIBLE_DEVICES=${GPU:-0}
+  TAIL=16 step step_full_foreach 200 python3 bench/bench_step.py --out "$LOGS/step_foreach.json" \
+    --layers 8 --no-offload --modes full
+  TAIL=30 step step_fused 280 python3 bench/bench_step.py --out "$LOGS/step_fused.json" \
+    --layers 8 --no-offload --set train.adam_fused=true
+  exit 0
+  ;;
+I)  # session 4, every GPU of the host: weak scaling 1 -> N through the launcher, 2-node dry run
+  TAIL=40 step multi_gpu 560 python3 bench/bench_multi_gpu.py --out "$LOGS/multi_gpu.json" \
+    --layers 8 --gpus 1 $(python3 -c "import torch; print(torch.cuda.device_count())") \
+    --nnodes-dry-run --timeout 170 ${SETS:-}
+  tar -czf "$OUT/I.tar.gz" -C "$OUT" $(cd "$OUT" && ls | grep -v '\.tar\.gz$') \
+    && find "$OUT" -mindepth 1 ! -name '*.tar.gz' ! -name 'multi_gpu.*' -delete
   exit 0
   ;;
 E)  # session 2: offload proof, engine log-prob parity, checkpoint GPU self-check, step + NVML busy

@@ -74,6 +74,8 @@ def test_adam_fused_is_the_same_maths():
             opt.step()
             opt.zero_grad()
         runs[fused] = model.state_dict()
+    # the default (None) picks by device: foreach for CPU parameters
+    assert build_optimizer(Tiny(), load_config(None, [])).defaults["fused"] is None
     moved = [k for k in runs["init"] if not torch.equal(runs["init"][k], runs[False][k])]
     assert moved
     for k in runs[False]:

@@ -123,10 +123,12 @@ class TrainConfig:
     adam_beta1: float = _f(0.9, "--adam-beta1", "AdamW beta1.")
     adam_beta2: float = _f(0.999, "--adam-beta2", "AdamW beta2.")
     adam_eps: float = _f(1e-8, "--adam-eps", "AdamW eps.")
-    adam_fused: bool = _f(False, "--adam-fused",
-                          "torch's fused AdamW (one kernel per step over all parameters) instead of "
-                          "its default foreach one; same maths (1.5e-8 apart after 3 FSDP2 steps on "
-                          "CPU). Off by default until measured on a GPU (bench_step --set).")
+    adam_fused: bool | None = _f(None, "--adam-fused",
+                                 "torch's fused AdamW (one kernel per step over all parameters) "
+                                 "instead of its foreach one; same maths (1.5e-8 apart after 3 "
+                                 "FSDP2 steps on CPU). None (default): fused when the parameters "
+                                 "are on a GPU (H200, 2.76 B fp32 params: 2 steps 0.139 -> 0.087 s, "
+                                 "peak memory 50.2 -> 42.1 GB), foreach on the CPU.")
     clip_grad: float = _f(1.0, "--clip-grad", "Grad-norm clip before each optimizer step.")
     seed: int = _f(0, "--seed", "Seed of model init (LoRA) and everything not sampling.")
     anchor: str = _f("replay", "--train-anchor",

@@ -60,6 +60,8 @@ class Trainer:
             write_resolved(cfg, self.run_dir)
         self.timer = StageTimer(sync=self.device.type == "cuda")
         self.meter = ComputeMeter()  # model compute inside the step (perf/compute/*)
+        # named parts of what lies outside it (perf/outside/*): grad clip + optimizer steps
+        self.outside = ComputeMeter()
         self.profile = ProfileWindow(cfg.logging.profile_steps)
         self.metrics = MetricsLogger(self.run_dir, enabled=rank == 0,
                                      tensorboard=cfg.logging.tensorboard,
@@ -255,7 +257,7 @@ class Trainer:
                     first_ratio = stats["ratio_mean"]
                 for k, v in stats.items():
                     sums.setdefault(k, []).append(v.detach().float())
-            with nvtx_range("train/optimizer"):
+            with nvtx_range("train/optimizer"), self.outside.region("optimizer", self.device):
                 gn = torch.nn.utils.clip_grad_norm_(params, cfg.train.clip_grad)
                 gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
                 grad_norms.append(gn)
@@ -360,10 +362,17 @@ class Trainer:
                             "post-write", [f"engine checksum {got} != sent {stats.checksum} "
                                            "after commit"], version)
                 self.policy_version = version
-                return {"weight_sync/seconds": float(getattr(stats, "seconds", 0.0)),
-                        "train/weight_sync_gb": float(getattr(stats, "bytes", 0)) / 1e9,
-                        "train/weight_sync_tensors": float(getattr(stats, "tensors", 0)),
-                        "weight_sync/handle_opens": float(getattr(stats, "handle_opens", 0))}
+                seconds = float(getattr(stats, "seconds", 0.0))
+                gb = float(getattr(stats, "bytes", 0)) / 1e9
+                out = {"weight_sync/seconds": seconds, "train/weight_sync_gb": gb,
+                       "weight_sync/gb_per_s": gb / seconds if seconds > 0 else 0.0,
+                       "train/weight_sync_tensors": float(getattr(stats, "tensors", 0)),
+                       "weight_sync/handle_opens": float(getattr(stats, "handle_opens", 0))}
+                # where the sync's time goes: prepare (scan + manifest), begin (receiver's
+                # accept), write (gathers + copy kernels + fence), commit (receiver's check)
+                out.update({f"weight_sync/{k}_s": float(v)
+                            for k, v in (getattr(stats, "timings", None) or {}).items()})
+                return out
             except ipc.WeightSyncError as exc:
                 self.sync_failures += 1
                 log.error("weight sync of version %d failed (attempt %d/%d): %s",
@@ -399,6 +408,7 @@ class Trainer:
                             self.meter.pop())
         metrics.update({f"perf/compute/{k}": v for k, v in compute.items()})
         metrics["perf/model_compute_time"] = sum(compute.values())
+        metrics.update({f"perf/outside/{k}": v for k, v in self.outside.pop().items()})
         # Share of the step outside transformer / VAE / text-encoder / reward-model compute
         # (ComputeMeter's definition): the framework's own overhead, target <= 5 % on a GPU.
         metrics["perf/outside_compute_share"] = 1.0 - sum(compute.values()) / step_time

@@ -140,9 +140,12 @@ def shard_actor(model: nn.Module, adapter: GenerativeModelAdapter, cfg: Config) 
 def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
     t = cfg.train
+    fused = t.adam_fused
+    if fused is None:  # measured on the H200 (config docstring); the CPU keeps foreach
+        fused = bool(params) and all(p.device.type == "cuda" for p in params)
     return torch.optim.AdamW(params, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
                              eps=t.adam_eps, weight_decay=t.weight_decay,
-                             **({"fused": True} if t.adam_fused else {}))
+                             **({"fused": True} if fused else {}))
 
 
 def lr_at_step(step: int, cfg: Config) -> float:
