@@ -71,7 +71,8 @@ def run_one(mode: str, gpus: int, model_dir: Path, args, work: Path) -> dict:
     run_work = work / f"{mode}_{gpus}"
     run_work.mkdir(parents=True, exist_ok=True)
     (run_work / "prompts.jsonl").write_text((work / "prompts.jsonl").read_text())
-    recipe, sets = step_overrides(mode, model_dir, None, args, run_work, groups=gpus)
+    recipe, sets = step_overrides(mode, model_dir, None, args, run_work,
+                                  groups=gpus * args.groups)
     cmd = _launch_cmd(recipe, sets, ["--nproc", str(gpus),
                                      "--rdzv-endpoint", f"127.0.0.1:{_port()}"])
     t0 = time.perf_counter()
@@ -130,8 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus", type=int, nargs="+", default=[1, 2])
     p.add_argument("--modes", nargs="+", default=["lora", "full"])
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--rollouts", type=int, default=3)
+    p.add_argument("--rollouts", type=int, default=6)
     p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--groups", type=int, default=1, help="prompts per GPU per step (x 8)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--offload", action="store_true", help="colocate offload on (default off)")
@@ -181,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{'-' if eff is None else f'{100 * eff:.1f} %'} | "
                   f"{100 * r['share_outside']:.1f} % |")
             print("  outside parts:", {k: round(v, 4) for k, v in r["outside_parts"].items()})
+            print("  step times:", [round(t, 3) for t in r["step_times"]])
     ok = all(r["ok"] for r in results["runs"]) and (results["nnodes"] is None
                                                       or results["nnodes"]["ok"])
     return 0 if ok else 1

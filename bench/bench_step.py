@@ -25,6 +25,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -90,6 +91,9 @@ def step_overrides(mode: str, model_dir: Path, reward_dir: Path | None, args, wo
             "data.eval_prompt_data=none", f"data.prompt_data={work / 'prompts.jsonl'}",
             f"logging.run_dir={work / ('run_' + mode)}", "rollout.write_artifacts=false",
             "logging.progress=false", "logging.tensorboard=false", "fsdp.load_wave_size=0",
+            # no checkpoint: the end-of-run save of the full model took 47-66 s on the H200
+            # host's disk (session 4) and is not part of a step
+            "checkpoint.save=none", "checkpoint.save_interval=0",
             f"train.micro_batch_size={args.micro_batch}", f"launch.device={args.device}"]
     if args.tiny:
         sets += ['rollout.sampling={"height": 64, "width": 64}']
@@ -115,7 +119,8 @@ def run_mode(mode: str, model_dir: Path, reward_dir: Path | None, args, work: Pa
     from trainer.config import load_config
     from trainer.loop import Trainer
 
-    cfg = load_config(*step_overrides(mode, model_dir, reward_dir, args, work))
+    cfg = load_config(*step_overrides(mode, model_dir, reward_dir, args, work,
+                                      groups=args.groups))
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29533")
@@ -152,11 +157,14 @@ def summarize(mode: str, steps: list[dict], busy: list | None = None) -> dict:
         print(f"WARNING [{mode}]: some steps did not train (degenerate rewards): their step "
               "times are not training-step figures", flush=True)
     keep = steps[1:] or steps
-    avg = {k: sum(s.get(k, 0.0) for s in keep) / len(keep) for k in keep[-1]}
+    # the median of the kept steps, per metric (= the mean for 2 steps): the lent 2-GPU host
+    # showed single 3x steps (session 4: 1.9 s then 6.3 s on the same run)
+    avg = {k: statistics.median(s.get(k, 0.0) for s in keep) for k in keep[-1]}
     compute = {k.removeprefix("perf/compute/"): v for k, v in avg.items()
                if k.startswith("perf/compute/")}
     compute_total = avg["perf/model_compute_time"]
     return {"mode": mode, "trained": trained,
+            "step_times": [s.get("perf/step_time") for s in steps],
             "stage_times": {k: v for k, v in avg.items() if k.startswith("perf/")
                             and not k.startswith("perf/compute/")},
             "step_time": avg["perf/step_time"], "samples_per_s": avg["perf/samples_per_s"],
@@ -218,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", nargs="+", default=["lora", "full"])
     p.add_argument("--rollouts", type=int, default=3)
     p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--groups", type=int, default=1,
+                   help="prompts per step (x 8 candidates); 8 = the recipes' global batch of 64")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true")
     # NOTE: the PickScore-shaped scorer has random weights and gives every candidate the same
@@ -247,11 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     results = [run_mode(m, model_dir, reward_dir, args, work) for m in args.modes]
     Path(args.out).write_text(json.dumps(results, indent=2))
     dev = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    print(f"\n| mode | layers | step s | samples/s | transitions/s | peak GB | sync s (GB) | "
+    print(f"\n| mode | layers | samples | step s | samples/s | transitions/s | peak GB | sync s (GB) | "
           f"compute s | outside | ratio0 | parity | device |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['mode']} | {args.layers} | {r['step_time']:.3f} | {r['samples_per_s']:.2f} "
+        print(f"| {r['mode']} | {args.layers} | {8 * args.groups} | {r['step_time']:.3f} | {r['samples_per_s']:.2f} "
               f"| {r['transitions_per_s']:.2f} | {r['peak_gb']:.1f} | {r['weight_sync_s']:.4f} "
               f"({r['weight_sync_gb']:.2f}) | {r['compute_total']:.3f} | "
               f"{100 * r['share_outside']:.1f}% | {r['first_update_ratio']} | "

@@ -7,7 +7,7 @@
 set -u
 PART=${1:-A}
 OUT=${OUT:-/tmp/out}; LOGS=$OUT/logs
-case "$PART" in E|F|G|H|I) LOGS=$OUT;; esac  # E-G: logs come back as they are
+case "$PART" in E|F|G|H|I|J) LOGS=$OUT;; esac  # E-G: logs come back as they are
 mkdir -p "$LOGS"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl >/dev/null 2>&1 && export PYTHONPATH=/tmp/site
@@ -87,6 +87,17 @@ I)  # session 4, every GPU of the host: weak scaling 1 -> N through the launcher
     --nnodes-dry-run --timeout 170 ${SETS:-}
   tar -czf "$OUT/I.tar.gz" -C "$OUT" $(cd "$OUT" && ls | grep -v '\.tar\.gz$') \
     && find "$OUT" -mindepth 1 ! -name '*.tar.gz' ! -name 'multi_gpu.*' -delete
+  exit 0
+  ;;
+J)  # session 4: weak scaling again (6 rollouts, median step, no end-of-run checkpoint) and the
+    # full step at the recipes' global batch on one GPU (8 prompts x 8 = 64 samples)
+  TAIL=40 step multi_gpu 400 python3 bench/bench_multi_gpu.py --out "$LOGS/multi_gpu.json" \
+    --layers 8 --gpus 1 $(python3 -c "import torch; print(torch.cuda.device_count())") \
+    --timeout 150 ${SETS:-}
+  CUDA_VISIBLE_DEVICES=0 TAIL=12 step step_full_64 150 python3 bench/bench_step.py \
+    --out "$LOGS/step_full_64.json" --layers 8 --no-offload --modes full --groups 8
+  tar -czf "$OUT/J.tar.gz" -C "$OUT" $(cd "$OUT" && ls | grep -v '\.tar\.gz$') \
+    && find "$OUT" -mindepth 1 ! -name '*.tar.gz' ! -name '*.json' -delete
   exit 0
   ;;
 E)  # session 2: offload proof, engine log-prob parity, checkpoint GPU self-check, step + NVML busy
