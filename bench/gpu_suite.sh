@@ -7,7 +7,7 @@
 set -u
 PART=${1:-A}
 OUT=${OUT:-/tmp/out}; LOGS=$OUT/logs
-case "$PART" in E|F|G|H|I|J) LOGS=$OUT;; esac  # E-G: logs come back as they are
+case "$PART" in E|F|G|H|I|J|K) LOGS=$OUT;; esac  # E-G: logs come back as they are
 mkdir -p "$LOGS"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl >/dev/null 2>&1 && export PYTHONPATH=/tmp/site
@@ -98,6 +98,12 @@ J)  # session 4: weak scaling again (6 rollouts, median step, no end-of-run chec
     --out "$LOGS/step_full_64.json" --layers 8 --no-offload --modes full --groups 8
   tar -czf "$OUT/J.tar.gz" -C "$OUT" $(cd "$OUT" && ls | grep -v '\.tar\.gz$') \
     && find "$OUT" -mindepth 1 ! -name '*.tar.gz' ! -name '*.json' -delete
+  exit 0
+  ;;
+K)  # session 4: GPU tests after the defaults changed (fused AdamW on GPU, local-tensor sync)
+  TAIL=15 step gpu_tests 300 $PYT -s tests/test_offload_gpu.py tests/test_engine_gpu.py \
+    tests/test_ipc_cuda.py tests/test_sync_gather.py
+  TAIL=15 step ckpt_selfcheck 150 python3 tests/test_checkpoint_harness.py selfcheck cuda 1
   exit 0
   ;;
 E)  # session 2: offload proof, engine log-prob parity, checkpoint GPU self-check, step + NVML busy

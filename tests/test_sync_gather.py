@@ -36,11 +36,13 @@ def _rank(rank: int, world: int, port: int, errors) -> None:
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world)
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", (world,))  # gloo on CPU, GPU or not on this machine
         plain = _model()
         model = _model()
         for layer in model:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         views = dict(named_sync_tensors(model))
         ours = dict(named_full_tensors(model))
         theirs = {n: p.full_tensor() for n, p in model.named_parameters()}
