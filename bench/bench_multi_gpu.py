@@ -25,10 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,13 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench_step import build_qwen_shaped, step_overrides, summarize  # noqa: E402
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from bench_step import prepare_work, step_overrides, summarize  # noqa: E402
+from trainer.launch import free_port  # noqa: E402
 
 
 def _launch_cmd(recipe: str, sets: list[str], extra: list[str]) -> list[str]:
@@ -68,19 +61,17 @@ def _env(visible: str | None = None) -> dict:
 
 
 def run_one(mode: str, gpus: int, model_dir: Path, args, work: Path) -> dict:
-    run_work = work / f"{mode}_{gpus}"
-    run_work.mkdir(parents=True, exist_ok=True)
-    (run_work / "prompts.jsonl").write_text((work / "prompts.jsonl").read_text())
-    recipe, sets = step_overrides(mode, model_dir, None, args, run_work,
-                                  groups=gpus * args.groups)
+    run_dir = work / f"run_{mode}_{gpus}"
+    recipe, sets = step_overrides(mode, model_dir, None, args, work, groups=gpus * args.groups,
+                                  run_dir=run_dir)
     cmd = _launch_cmd(recipe, sets, ["--nproc", str(gpus),
-                                     "--rdzv-endpoint", f"127.0.0.1:{_port()}"])
+                                     "--rdzv-endpoint", f"127.0.0.1:{free_port()}"])
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True,
                           timeout=args.timeout)
     wall = time.perf_counter() - t0
     (Path(args.out).parent / f"{mode}_{gpus}.log").write_text(proc.stdout + proc.stderr)
-    rows = _rows(run_work / f"run_{mode}")
+    rows = _rows(run_dir)
     if proc.returncode != 0 or len(rows) < args.rollouts:
         tail = (proc.stdout + proc.stderr)[-3000:]
         return {"mode": mode, "gpus": gpus, "ok": False, "rc": proc.returncode, "wall_s": wall,
@@ -93,12 +84,10 @@ def run_one(mode: str, gpus: int, model_dir: Path, args, work: Path) -> dict:
 
 def nnodes_dry_run(model_dir: Path, args, work: Path) -> dict:
     """Two launcher processes as node 0 and node 1 of one rendezvous, one GPU each."""
-    run_work = work / "nnodes"
-    run_work.mkdir(parents=True, exist_ok=True)
-    (run_work / "prompts.jsonl").write_text((work / "prompts.jsonl").read_text())
+    run_dir = work / "run_nnodes"
     sub = argparse.Namespace(**{**vars(args), "rollouts": 2})
-    recipe, sets = step_overrides("lora", model_dir, None, sub, run_work, groups=2)
-    endpoint = f"127.0.0.1:{_port()}"
+    recipe, sets = step_overrides("lora", model_dir, None, sub, work, groups=2, run_dir=run_dir)
+    endpoint = f"127.0.0.1:{free_port()}"
     procs = []
     for node in (0, 1):
         cmd = _launch_cmd(recipe, sets, ["--nproc", "1", "--nnodes", "2", "--node-rank",
@@ -115,8 +104,8 @@ def nnodes_dry_run(model_dir: Path, args, work: Path) -> dict:
             proc.kill()
             rcs.append(None)
         log.close()
-    rows = _rows(run_work / "run_lora")
-    cfg_text = (run_work / "run_lora" / "config.toml")
+    rows = _rows(run_dir)
+    cfg_text = run_dir / "config.toml"
     return {"return_codes": rcs, "steps_logged": len(rows),
             "ok": rcs == [0, 0] and len(rows) == 2,
             "samples_per_s": [r.get("perf/samples_per_s") for r in rows],
@@ -143,13 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
     args.no_offload = not args.offload
-    work = Path(tempfile.mkdtemp(prefix="bench_multi_"))
-    (work / "prompts.jsonl").write_text("\n".join(json.dumps(
-        {"prompt": f"a photo of a red panda number {i} in a teacup",
-         "metadata": {"sample_id": f"p{i}"}}) for i in range(64)))
-    t0 = time.perf_counter()
-    model_dir = build_qwen_shaped(work / "qwen", args.layers, args.tiny)
-    print(f"built models in {time.perf_counter() - t0:.1f}s", flush=True)
+    work, model_dir = prepare_work("bench_multi_", args.layers, args.tiny)
     results: dict = {"runs": [], "nnodes": None, "device": (torch.cuda.get_device_name()
                                                             if args.device == "cuda" else "cpu")}
     if not args.skip_steps:

@@ -79,17 +79,32 @@ def build_qwen_shaped(out: Path, layers: int, tiny: bool) -> Path:
     return out
 
 
+def prepare_work(prefix: str, layers: int, tiny: bool) -> tuple[Path, Path]:
+    """(work dir, model dir): a temporary work dir holding prompts.jsonl (64 prompts) and the
+    Qwen-shaped model directory."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    (work / "prompts.jsonl").write_text("\n".join(json.dumps(
+        {"prompt": f"a photo of a red panda number {i} in a teacup",
+         "metadata": {"sample_id": f"p{i}"}}) for i in range(64)))
+    t0 = time.perf_counter()
+    model_dir = build_qwen_shaped(work / "qwen", layers, tiny)
+    print(f"built models in {time.perf_counter() - t0:.1f}s", flush=True)
+    return work, model_dir
+
+
 def step_overrides(mode: str, model_dir: Path, reward_dir: Path | None, args, work: Path,
-                   groups: int = 1) -> tuple[str, list[str]]:
+                   groups: int = 1, run_dir: Path | None = None) -> tuple[str, list[str]]:
     """(recipe, --set overrides) of the benchmarked step: ``groups`` prompts x 8 candidates
-    (bench_multi_gpu.py passes one group per GPU), everything else as the docstring says."""
+    (bench_multi_gpu.py passes one group per GPU), prompts from ``work``, the run in
+    ``run_dir`` (default ``work/run_<mode>``), everything else as the docstring says."""
     lora = mode == "lora"
     n = 8
+    run_dir = run_dir or work / f"run_{mode}"
     sets = [f"model.model_path={model_dir}", f"rollout.rollout_batch_size={groups}",
             f"rollout.n_samples_per_prompt={n}", f"rollout.global_batch_size={groups * n}",
             f"train.num_rollouts={args.rollouts}",
             "data.eval_prompt_data=none", f"data.prompt_data={work / 'prompts.jsonl'}",
-            f"logging.run_dir={work / ('run_' + mode)}", "rollout.write_artifacts=false",
+            f"logging.run_dir={run_dir}", "rollout.write_artifacts=false",
             "logging.progress=false", "logging.tensorboard=false", "fsdp.load_wave_size=0",
             # no checkpoint: the end-of-run save of the full model took 47-66 s on the H200
             # host's disk (session 4) and is not part of a step
@@ -242,27 +257,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra config override for both modes, e.g. train.adam_fused=true")
     args = p.parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="bench_step_"))
-    (work / "prompts.jsonl").write_text("\n".join(json.dumps(
-        {"prompt": f"a photo of a red panda number {i} in a teacup",
-         "metadata": {"sample_id": f"p{i}"}}) for i in range(64)))
-    t0 = time.perf_counter()
-    model_dir = build_qwen_shaped(work / "qwen", args.layers, args.tiny)
+    work, model_dir = prepare_work("bench_step_", args.layers, args.tiny)
     reward_dir = None
     if args.reward_model and not args.no_reward_model:
         from bench_rewards import build_model_dir
+        t0 = time.perf_counter()
         reward_dir = work / "pickscore"
         build_model_dir(str(reward_dir), tiny=args.tiny, device=torch.device(args.device))
-    print(f"built models in {time.perf_counter() - t0:.1f}s", flush=True)
+        print(f"built the reward model in {time.perf_counter() - t0:.1f}s", flush=True)
     results = [run_mode(m, model_dir, reward_dir, args, work) for m in args.modes]
     Path(args.out).write_text(json.dumps(results, indent=2))
     dev = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    print(f"\n| mode | layers | samples | step s | samples/s | transitions/s | peak GB | sync s (GB) | "
-          f"compute s | outside | ratio0 | parity | device |")
+    print("\n| mode | layers | samples | step s | samples/s | transitions/s | peak GB | "
+          "sync s (GB) | compute s | outside | ratio0 | parity | device |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['mode']} | {args.layers} | {8 * args.groups} | {r['step_time']:.3f} | {r['samples_per_s']:.2f} "
-              f"| {r['transitions_per_s']:.2f} | {r['peak_gb']:.1f} | {r['weight_sync_s']:.4f} "
+        print(f"| {r['mode']} | {args.layers} | {8 * args.groups} | {r['step_time']:.3f} "
+              f"| {r['samples_per_s']:.2f} | {r['transitions_per_s']:.2f} | {r['peak_gb']:.1f} "
+              f"| {r['weight_sync_s']:.4f} "
               f"({r['weight_sync_gb']:.2f}) | {r['compute_total']:.3f} | "
               f"{100 * r['share_outside']:.1f}% | {r['first_update_ratio']} | "
               f"{r['logp_parity']} | {dev} |")

@@ -4,7 +4,6 @@ and a one-rank mesh hands out its local tensors themselves (same object, same st
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -12,12 +11,6 @@ import torch
 import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model() -> torch.nn.Module:
@@ -64,7 +57,8 @@ def _rank(rank: int, world: int, port: int, errors) -> None:
 def _run(world: int) -> None:
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
-    port = _port()
+    from trainer.launch import free_port
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, world, port, errors)) for r in range(world)]
     for p in procs:
         p.start()

@@ -181,10 +181,8 @@ def test_two_nodes_one_host_rendezvous(tiny_model_dir, tmp_path):
     """The multi-node launch path on one host: two launchers as node 0 and node 1
     (--nnodes 2 --node-rank i, one rank each, a local c10d rendezvous), gloo. Both exit 0 and
     global rank 0 logs every step of the 2-rank run."""
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from trainer.launch import free_port
+    port = free_port()
     sets = _overrides(tiny_model_dir("sd3"), tmp_path, ["train.micro_batch_size=2"])
     procs = []
     for node in (0, 1):

@@ -127,8 +127,8 @@ class TrainConfig:
                                  "torch's fused AdamW (one kernel per step over all parameters) "
                                  "instead of its foreach one; same maths (1.5e-8 apart after 3 "
                                  "FSDP2 steps on CPU). None (default): fused when the parameters "
-                                 "are on a GPU (H200, 2.76 B fp32 params: 2 steps 0.139 -> 0.087 s, "
-                                 "peak memory 50.2 -> 42.1 GB), foreach on the CPU.")
+                                 "are on a GPU (H200, 2.76 B fp32 params: 2 steps 0.139 -> "
+                                 "0.087 s, peak memory 50.2 -> 42.1 GB), foreach on the CPU.")
     clip_grad: float = _f(1.0, "--clip-grad", "Grad-norm clip before each optimizer step.")
     seed: int = _f(0, "--seed", "Seed of model init (LoRA) and everything not sampling.")
     anchor: str = _f("replay", "--train-anchor",

@@ -101,7 +101,8 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host now (rendezvous / MASTER_PORT on one machine)."""
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -128,7 +129,7 @@ def rank_main(argv: list[str]) -> int:
         # fp32 master copies) applies the same way on one GPU as on eight.
         if "MASTER_ADDR" not in os.environ:
             os.environ["MASTER_ADDR"] = "127.0.0.1"
-            os.environ["MASTER_PORT"] = str(_free_port())
+            os.environ["MASTER_PORT"] = str(free_port())
         dist.init_process_group("nccl" if kind == "cuda" else "gloo", rank=rank,
                                 world_size=world)
     if kind == "cuda":
