@@ -79,15 +79,18 @@ def build_qwen_shaped(out: Path, layers: int, tiny: bool) -> Path:
     return out
 
 
-def prepare_work(prefix: str, layers: int, tiny: bool) -> tuple[Path, Path]:
+def prepare_work(prefix: str, layers: int, tiny: bool,
+                 model_dir: Path | None = None) -> tuple[Path, Path]:
     """(work dir, model dir): a temporary work dir holding prompts.jsonl (64 prompts) and the
-    Qwen-shaped model directory."""
+    Qwen-shaped model directory (``model_dir``: built there once, reused when present)."""
     work = Path(tempfile.mkdtemp(prefix=prefix))
     (work / "prompts.jsonl").write_text("\n".join(json.dumps(
         {"prompt": f"a photo of a red panda number {i} in a teacup",
          "metadata": {"sample_id": f"p{i}"}}) for i in range(64)))
+    if model_dir is not None and (model_dir / "model_index.json").exists():
+        return work, model_dir
     t0 = time.perf_counter()
-    model_dir = build_qwen_shaped(work / "qwen", layers, tiny)
+    model_dir = build_qwen_shaped(model_dir or work / "qwen", layers, tiny)
     print(f"built models in {time.perf_counter() - t0:.1f}s", flush=True)
     return work, model_dir
 
@@ -194,6 +197,9 @@ def summarize(mode: str, steps: list[dict], busy: list | None = None) -> dict:
                                   and k != "weight_sync/gb_per_s")},
             "share_outside": avg["perf/outside_compute_share"],
             "first_update_ratio": steps[-1].get("train/first_update_ratio_mean"),
+            "micro_batch": steps[-1].get("train/micro_batch_size"),
+            "recompiles": [s.get("perf/recompiles") for s in steps],
+            "train_ms_per_transition": 1000.0 / avg["perf/train_transitions_per_s"],
             "logp_parity": steps[-1].get("train/logp_parity"),
             # NVML's utilization: share of time at least one kernel ran on the device, from
             # any process (engine included), polled through the step; None if NVML is absent
@@ -234,21 +240,75 @@ class GpuBusySampler:
             self.mean = sum(self.values) / len(self.values) / 100.0 if self.values else None
 
 
+def add_floors(results: list[dict], model_dir: Path, args) -> dict:
+    """The floors of bench/floors.py, measured now, in this process, for each mode's
+    micro-batch (rows = samples x trained steps), plus diffusers' eager generate."""
+    from floors import diffusers_images_per_s, fwd_bwd_ms
+
+    steps = 3
+    floors: dict = {}
+    for r in results:
+        rows = int(r["micro_batch"] or args.micro_batch) * steps
+        if rows not in floors:
+            floors[rows] = fwd_bwd_ms(str(model_dir), rows) / rows
+        r["floor_ms_per_transition"] = floors[rows]
+        r["floor_ratio"] = r["train_ms_per_transition"] / floors[rows]
+    out = {"floor_ms_per_transition": floors}
+    if args.diffusers:
+        out["diffusers_images_per_s"] = diffusers_images_per_s(str(model_dir))
+    return out
+
+
+def print_table(results: list[dict], extra: dict, args) -> None:
+    dev = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"\n| row | step s | rollout s | train s | train ms/transition | floor ms/transition"
+          f" | ratio | engine img/s | micro-batch | peak GB | recompiles | ratio0 | parity |"
+          f" ({dev}, {args.layers} layers, {8 * args.groups} samples)")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        st = r["stage_times"]
+        print(f"| {r['label']} | {r['step_time']:.3f} | {st.get('perf/rollout_time', 0):.3f} | "
+              f"{st.get('perf/train_time', 0):.3f} | {r['train_ms_per_transition']:.2f} | "
+              f"{r.get('floor_ms_per_transition', float('nan')):.2f} | "
+              f"{r.get('floor_ratio', float('nan')):.2f} | "
+              f"{8 * args.groups / st.get('perf/rollout_time', float('nan')):.1f} | "
+              f"{r['micro_batch']} | {r['peak_gb']:.1f} | {r['recompiles']} | "
+              f"{r['first_update_ratio']} | {r['logp_parity']} |")
+        print("  stages:", {k: round(v, 4) for k, v in st.items()})
+        print("  compute:", {k: round(v, 4) for k, v in r["compute"].items()})
+    if "diffusers_images_per_s" in extra:
+        print(f"diffusers eager QwenImagePipeline: {extra['diffusers_images_per_s']:.1f} img/s")
+    peer = extra.get("peer")
+    if peer:
+        print(f"peer (plain eager loop, micro-batch {peer['micro_batch']}, {peer['updates']} "
+              f"updates): step {peer['step']:.3f} s, rollout {peer['rollout']:.3f} s, train "
+              f"{peer['train']:.3f} s = {peer['train_ms_per_transition']:.2f} ms/transition, "
+              f"peak {peer['peak_gb']:.1f} GB")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--modes", nargs="+", default=["lora", "full"])
-    p.add_argument("--rollouts", type=int, default=3)
-    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--rollouts", type=int, default=4)
+    p.add_argument("--micro-batch", default="auto")
     p.add_argument("--groups", type=int, default=1,
                    help="prompts per step (x 8 candidates); 8 = the recipes' global batch of 64")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true")
+    p.add_argument("--model-dir", type=Path, default=None,
+                   help="build the model here once and reuse it on later runs")
+    p.add_argument("--label", default="", help="prefix of this run's row names")
+    p.add_argument("--floors", action="store_true",
+                   help="measure the compiled fwd+bwd floor of each row's micro-batch (GPU)")
+    p.add_argument("--diffusers", action="store_true",
+                   help="time diffusers' eager pipeline on the same model (GPU)")
+    p.add_argument("--peer", action="store_true",
+                   help="run the plain eager loop (bench/peer_step.py) at --micro-batch (GPU)")
     # NOTE: the PickScore-shaped scorer has random weights and gives every candidate the same
-    # score (to 1e-6), so every group is degenerate and training is skipped (H200 runs of
-    # 2026-11-29, twice): the default reward is JPEG compressibility on the CPU; the scorer is
-    # opt-in, to time the reward model itself.
+    # score (to 1e-6), so every group is degenerate and training is skipped: the default
+    # reward is JPEG compressibility on the CPU; the scorer is opt-in, to time it.
     p.add_argument("--reward-model", action="store_true",
                    help="score with the random-weight PickScore-shaped model (no training happens)")
     p.add_argument("--no-reward-model", action="store_true", help="the default; kept for old commands")
@@ -257,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra config override for both modes, e.g. train.adam_fused=true")
     args = p.parse_args(argv)
-    work, model_dir = prepare_work("bench_step_", args.layers, args.tiny)
+    work, model_dir = prepare_work("bench_step_", args.layers, args.tiny, args.model_dir)
     reward_dir = None
     if args.reward_model and not args.no_reward_model:
         from bench_rewards import build_model_dir
@@ -265,24 +325,20 @@ def main(argv: list[str] | None = None) -> int:
         reward_dir = work / "pickscore"
         build_model_dir(str(reward_dir), tiny=args.tiny, device=torch.device(args.device))
         print(f"built the reward model in {time.perf_counter() - t0:.1f}s", flush=True)
-    results = [run_mode(m, model_dir, reward_dir, args, work) for m in args.modes]
-    Path(args.out).write_text(json.dumps(results, indent=2))
-    dev = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    print("\n| mode | layers | samples | step s | samples/s | transitions/s | peak GB | "
-          "sync s (GB) | compute s | outside | ratio0 | parity | device |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in results:
-        print(f"| {r['mode']} | {args.layers} | {8 * args.groups} | {r['step_time']:.3f} "
-              f"| {r['samples_per_s']:.2f} | {r['transitions_per_s']:.2f} | {r['peak_gb']:.1f} "
-              f"| {r['weight_sync_s']:.4f} "
-              f"({r['weight_sync_gb']:.2f}) | {r['compute_total']:.3f} | "
-              f"{100 * r['share_outside']:.1f}% | {r['first_update_ratio']} | "
-              f"{r['logp_parity']} | {dev} |")
-        print("  stages:", {k: round(v, 4) for k, v in r["stage_times"].items()})
-        print("  compute:", {k: round(v, 4) for k, v in r["compute"].items()})
-        print("  outside parts:", {k: round(v, 4) for k, v in r["outside_parts"].items()})
-        print("  gpu busy (NVML):", r["gpu_busy_nvml"], "| mem after offload GB:",
-              r["stage_times"].get("perf/mem_allocated_gb"))
+    results = []
+    for m in args.modes:
+        results.append(run_mode(m, model_dir, reward_dir, args, work))
+        results[-1]["label"] = f"{args.label}{m}"
+        Path(args.out).write_text(json.dumps(results, indent=2))
+    extra = add_floors(results, model_dir, args) if args.floors else {}
+    if args.peer:
+        from peer_step import run_peer
+        extra["peer"] = run_peer(str(model_dir), micro_batch=int(args.micro_batch),
+                                 updates=2, rollouts=args.rollouts)
+    Path(args.out).write_text(json.dumps({"rows": results, **extra,
+                                          "args": vars(args) | {"model_dir": str(model_dir)}},
+                                         indent=2, default=str))
+    print_table(results, extra, args)
     return 0
 
 

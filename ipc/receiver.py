@@ -66,14 +66,19 @@ class WeightReceiver:
         timeout_s: bound on every wait for the sender within a sync.
         verify: "full" or "fused" (see the module docstring).
         version: the version of the weights as loaded.
+        on_commit: called as ``on_commit(version, mode)`` on the receiver's thread after a
+            sync commits and before the sender hears of it (an engine re-derives what it
+            serves from the new weights there: the sender's next request sees the result).
     """
 
     def __init__(self, conn, params: Mapping[str, torch.Tensor], *,
                  modes: Mapping[str, list[str]] | None = None, backend: str = "auto",
-                 timeout_s: float = 60.0, verify: str = "full", version: int = 0):
+                 timeout_s: float = 60.0, verify: str = "full", version: int = 0,
+                 on_commit=None):
         names, tensors, backend, device = _validate(params, modes, backend, timeout_s, verify,
                                                     version)
         self._conn = conn
+        self._on_commit = on_commit
         self._timeout = float(timeout_s)
         self._verify = verify
         self.backend = backend
@@ -316,6 +321,8 @@ class WeightReceiver:
             self._n_dirty = int(self._dirty.sum())
             if not self._n_dirty:
                 self._dirty_version, self._dirty_reason = None, ""
+        if self._on_commit is not None:
+            self._on_commit(version, mode)
         send(self._conn, ("committed", seq, checksum))
 
     def _fail(self, reason: str) -> None:

@@ -97,7 +97,7 @@ sglang_urls = "http://a"
         "--set train.seed: cannot parse 'abc' as int",
         "--set 'noequals': expected section.key=value",
         "--set lora.rank: cannot parse '' as int",
-        "--micro-batch-size: cannot parse 'two' as int",
+        "--micro-batch-size: expected an integer or 'auto', got 'two'",
         "unknown flag --no-such-flag",
         "--tensorboard: expected a boolean, got 'perhaps'",
     ]

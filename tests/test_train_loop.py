@@ -161,8 +161,9 @@ def test_two_ranks_fsdp_gloo(tiny_model_dir, tmp_path):
     the base model loaded one rank at a time (--fsdp-load-wave-size 1)."""
     sets = _overrides(tiny_model_dir("sd3"), tmp_path, ["train.micro_batch_size=2",
                                                         "fsdp.load_wave_size=1"])
+    from trainer.launch import free_port  # a fixed port collides with a concurrent run
     cmd = [sys.executable, "-m", "trainer", "launch", "--config", "tiny", "--nproc", "2",
-           "--rdzv-endpoint", "127.0.0.1:29561"]
+           "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
     for s in sets:
         cmd += ["--set", s]
     env = dict(os.environ, PYTHONPATH=str(ROOT))

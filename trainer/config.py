@@ -54,6 +54,11 @@ class ModelConfig:
                               "Optional revision; part of the base-model hash.")
     adapter_options: dict = _f({}, "--model-adapter-options",
                                "Extra keyword arguments for the adapter (JSON dict).")
+    compile: str = _f("auto", "--compile",
+                      "torch.compile of the transformer in the actor and the engine: 'blocks' "
+                      "(each repeated block, before FSDP2 wraps it), 'none' (eager), or 'auto' "
+                      "(blocks on CUDA, eager on the CPU, where compiling costs more than it "
+                      "saves at toy sizes).")
 
 
 @dataclass
@@ -108,7 +113,17 @@ class TrainConfig:
     num_rollouts: int = _f(10, "--num-rollout", "Rollout/train iterations to run.")
     num_updates_per_batch: int = _f(2, "--num-updates-per-batch",
                                     "Disjoint optimizer updates per rollout batch.")
-    micro_batch_size: int = _f(1, "--micro-batch-size", "Candidates per forward.")
+    micro_batch_size: int | str = _f(
+        "auto", "--micro-batch-size",
+        "Samples per forward+backward; each forward carries all their trained steps as rows. "
+        "'auto': the largest divisor of the update that fits the GPU memory free at train "
+        "time (measured once by a one-sample probe); on the CPU the whole update.")
+    micro_batch_memory_fraction: float = _f(
+        0.9, "--micro-batch-memory-fraction",
+        "auto micro-batch: the share of the free GPU memory its replay may use.")
+    micro_batch_memory_gb: float | None = _f(
+        None, "--micro-batch-memory-gb",
+        "auto micro-batch: a fixed budget in GiB instead of the measured free memory.")
     eps_clip: float = _f(1e-4, "--eps-clip", "PPO clip range.")
     eps_clip_high: float | None = _f(None, "--eps-clip-high", "Optional asymmetric upper clip.")
     kl_coef: float = _f(0.0, "--kl-coef",
@@ -151,6 +166,11 @@ class FSDPConfig:
     load_wave_size: int = _f(0, "--fsdp-load-wave-size", "Ranks loading at once; 0 = all.")
     offload_train: bool = _f(False, "--offload-train",
                              "Free actor params/grads and move AdamW state to host in rollout.")
+    offload_policy: str = _f(
+        "as_needed", "--offload-policy",
+        "When offload_train / rollout.offload_rollout run: 'always' (every step), or "
+        "'as_needed' (measured on the first step; skipped while the GPU holds actor and engine "
+        "at their peaks with a 10% margin).")
     debug_fingerprint: bool = _f(False, "--fsdp-debug-fingerprint",
                                  "Log weight fingerprints around each optimizer step.")
 
@@ -164,6 +184,10 @@ class LoRAConfig:
                             "Sync adapter tensors only (base synced once) instead of merging.")
     target_modules: list | None = _f(None, "--lora-target-modules",
                                      "Override the adapter's default target modules.")
+    engine_merge: bool = _f(True, "--lora-engine-merge",
+                            "Adapter mode: the engine folds each synced adapter into its base "
+                            "weights (keeping an exact copy of the targeted base weights), so a "
+                            "LoRA rollout costs what a full-model rollout costs.")
 
 
 @dataclass
@@ -298,6 +322,13 @@ def _type_name(typ: Any) -> str:
 def _coerce(value: Any, typ: Any, where: str, problems: list[str]) -> Any:
     """Coerce a TOML or CLI value to the field's annotated type."""
     t = _type_name(typ)
+    if t == "int | str" and isinstance(value, str):  # an integer or "auto" (micro-batch)
+        text = value.strip()
+        if re.fullmatch(r"-?\d+", text):
+            return int(text)
+        if text != "auto":
+            problems.append(f"{where}: expected an integer or 'auto', got {value!r}")
+        return text
     if isinstance(value, str) and "None" in t and value.strip().lower() in ("none", "null"):
         return None  # also for str | None: how --set and dump_toml spell "unset"
     if isinstance(value, str) and not t.startswith("str"):

@@ -18,14 +18,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-import kernels
-from trainer.actor.model import (build_actor, build_optimizer, lora_spec, lr_at_step,
-                                 offload_actor, onload_actor, shard_actor,
-                                 strip_wrapper_names)
-from trainer.actor.replay import plan_updates, replay_log_probs
+from trainer.actor.model import (build_actor, build_optimizer, lora_spec, offload_actor,
+                                 onload_actor, shard_actor, strip_wrapper_names)
+from trainer.actor.colocate import Footprint, OffloadPolicy, actor_footprint
 from trainer.actor.sync import sync_payload
-from trainer.config import Config, write_resolved
+from trainer.actor.update import train_on
+from trainer.config import DEFAULT_SAMPLING, Config, write_resolved
 from trainer.metrics import MetricsLogger
+from trainer.models.compile import compile_events, compile_wanted
 from trainer.profiling import ComputeMeter, ProfileWindow, StageTimer, add_times, nvtx_range
 from trainer.prompts import PromptSampler, load_records
 
@@ -78,6 +78,9 @@ class Trainer:
         self.next_rollout = 0
         self.sync_failures = 0
         self.offloaded = None
+        self.colocate = OffloadPolicy(cfg.fsdp.offload_policy,
+                                      offload_rollout=cfg.rollout.offload_rollout,
+                                      offload_train=cfg.fsdp.offload_train, device=self.device)
         self._build_data()
         self._build_engine()
         self._build_reward()
@@ -136,7 +139,8 @@ class Trainer:
                 adapter_options=cfg.model.adapter_options, device=str(self.device),
                 dtype=cfg.rollout.engine_dtype, lora=lora_spec(cfg, self.adapter)
                 if cfg.sync_mode == "adapter" else None,
-                weight_sync_conn=recv_end)
+                weight_sync_conn=recv_end, compile=cfg.model.compile,
+                warmup=self._engine_warmup())
             self.sender = ipc.WeightSender(send_end, backend=cfg.weight_sync.backend,
                                            bucket_bytes=cfg.weight_sync.bucket_size_mb << 20,
                                            timeout_s=cfg.weight_sync.timeout_s)
@@ -148,6 +152,15 @@ class Trainer:
             else None, retention=cfg.rollout.artifact_retention_rollouts,
             wave_size=cfg.rollout.wave_size,
             sample_id_mode=cfg.rollout.sampling.get("sample_id_mode", "metadata"))
+
+    def _engine_warmup(self) -> dict | None:
+        """The geometry of a training request, compiled before the first rollout."""
+        if not compile_wanted(self.cfg.model.compile, self.device):
+            return None
+        r = self.cfg.rollout
+        return {"height": int(r.sampling.get("height", DEFAULT_SAMPLING["height"])),
+                "width": int(r.sampling.get("width", DEFAULT_SAMPLING["width"])),
+                "batch": (r.wave_size or 1) * r.n_samples_per_prompt}
 
     def _build_reward(self) -> None:
         from trainer.rewards import build_reward_manager
@@ -163,9 +176,10 @@ class Trainer:
     def rollout(self, rollout_id: int):
         records = self.sampler.groups_for_rollout(rollout_id, self.cfg.rollout.rollout_batch_size)
         mine = records[self.rank * self.groups_per_rank:(self.rank + 1) * self.groups_per_rank]
-        with self.timer.stage("rollout"):
-            if self.cfg.rollout.offload_rollout:
+        if self.cfg.rollout.offload_rollout:
+            with self.timer.stage("engine_resume"):
                 self.engine.resume()
+        with self.timer.stage("rollout"):
             batch = self.driver.generate(mine, self.cfg.rollout.n_samples_per_prompt,
                                          rollout_id=rollout_id,
                                          policy_version=self.policy_version,
@@ -190,120 +204,10 @@ class Trainer:
         metrics["reward/failed_groups"] = float(len(failed))
         return adv, metrics
 
-    def forward_backward_step(self, mb, adv: torch.Tensor, scale: float,
-                              anchor: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        """One micro-batch. ``anchor`` is pi_old for these rows; None means "this forward is
-        itself the anchor" (an update-0 micro-batch: no optimizer step has happened yet)."""
-        t = self.cfg.train
-        with nvtx_range("train/replay"):
-            logp = replay_log_probs(self.adapter, self.model, mb, meter=self.meter)
-        engine_logp = mb.log_probs.to(logp.device)
-        old = logp.detach() if anchor is None else anchor.to(logp.device)
-        adv = adv.to(logp.device)
-        loss, stats = kernels.grpo_clip_loss(logp, old, adv, eps=t.eps_clip,
-                                             eps_high=t.eps_clip_high)
-        if t.kl_coef > 0:
-            kl = self._kl_to_reference(mb)
-            loss = loss + t.kl_coef * kl.mean()
-            stats["kl"] = kl.mean().detach()
-        with nvtx_range("train/backward"), self.meter.region("transformer_backward", self.device):
-            (loss * scale).backward()
-        stats["loss"] = loss.detach()
-        if anchor is None:  # replay vs the engine's own sampling log-prob, same weights
-            stats["logp_parity"] = (logp.detach() - engine_logp).abs().max()
-        return stats
-
-    def _kl_to_reference(self, mb) -> torch.Tensor:
-        """KL(pi_theta || pi_ref) per (sample, step), pi_ref = the model with LoRA disabled."""
-        device = next(self.model.parameters()).device
-        cond = {k: v.to(device) for k, v in mb.conditions.items()}
-        cols = []
-        for s in range(len(mb.sde_indices)):
-            x = mb.latents[:, s].to(device)
-            sig, sig_n = mb.sigmas[:, s].to(device), mb.sigmas_next[:, s].to(device)
-            with self.meter.region("transformer", device):
-                v = self.adapter.velocity(self.model, x, sig, cond, mb.height, mb.width)
-                with torch.no_grad(), self.model.disable_adapter():
-                    v_ref = self.adapter.velocity(self.model, x, sig, cond, mb.height, mb.width)
-            cols.append(kernels.sde_kl(v, v_ref, sig, sig_n, eta=mb.eta, sde_type=mb.sde_type))
-        return torch.stack(cols, 1)
-
     def train_on(self, batch, advantages: torch.Tensor, rollout_id: int) -> dict[str, float]:
-        """Replay and update: the local slice split into --num-updates-per-batch disjoint
-        optimizer updates; pi_old is the engine's recorded log-prob, frozen before the first
-        optimizer step, so the first update's ratio is exactly 1."""
-        cfg = self.cfg
-        gen = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + rollout_id)
-        plan = plan_updates(len(batch), cfg.train.num_updates_per_batch,
-                            cfg.train.micro_batch_size, generator=gen)
-        self._assert_microbatch_count_aligned(plan.num_micro_batches)
-        if self._all_ranks_degenerate(advantages):
-            # No rank has any advantage signal: every update would be a zero-gradient step.
-            return {"train/optimizer_steps": 0.0, "train/optimizer_skips": float(len(plan.updates)),
-                    "train/num_microbatches": float(plan.num_micro_batches)}
-        self.model.train()
-        anchors = self._anchors(batch, plan)
-        sums: dict[str, list[torch.Tensor]] = {}
-        grad_norms, skips, first_ratio, lr = [], 0, None, lr_at_step(self.lr_steps, cfg)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        for u, micro_batches in enumerate(plan.updates):
-            update_size = sum(len(m) for m in micro_batches)
-            for rows in micro_batches:
-                stats = self.forward_backward_step(batch.select(rows), advantages[rows],
-                                                   len(rows) / update_size,
-                                                   None if u == 0 and self.cfg.train.anchor
-                                                   == "replay" else anchors[rows])
-                if u == 0 and first_ratio is None:
-                    first_ratio = stats["ratio_mean"]
-                for k, v in stats.items():
-                    sums.setdefault(k, []).append(v.detach().float())
-            with nvtx_range("train/optimizer"), self.outside.region("optimizer", self.device):
-                gn = torch.nn.utils.clip_grad_norm_(params, cfg.train.clip_grad)
-                gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
-                grad_norms.append(gn)
-                # NOTE: host sync per update: a non-finite norm must skip the step on all
-                # ranks alike (the norm is already all-reduced by FSDP, so they agree).
-                if not torch.isfinite(gn):
-                    skips += 1
-                else:
-                    lr = lr_at_step(self.lr_steps, cfg)
-                    for group in self.optimizer.param_groups:
-                        group["lr"] = lr
-                    self.optimizer.step()
-                    self.lr_steps += 1
-                self.optimizer.zero_grad(set_to_none=True)
-        out = {f"train/{k}": torch.stack(v).mean() for k, v in sums.items()}
-        out["train/ratio_max"] = torch.stack(sums["ratio_max"]).max()
-        out["train/ratio_min"] = torch.stack(sums["ratio_min"]).min()
-        if "logp_parity" in sums:
-            out["train/logp_parity"] = torch.stack(sums["logp_parity"]).max()
-        out["train/first_update_ratio_mean"] = first_ratio
-        out["train/grad_norm"] = torch.stack(grad_norms).mean()
-        out = {k: float(v) for k, v in out.items()}  # NOTE: one host sync for all of them
-        out.update({"train/lr": lr, "train/optimizer_steps": float(len(plan.updates) - skips),
-                    "train/optimizer_skips": float(skips),
-                    "train/num_microbatches": float(plan.num_micro_batches)})
-        return out
-
-    def _anchors(self, batch, plan) -> torch.Tensor | None:
-        """pi_old for every row, frozen before the first optimizer step (spec).
-
-        --train-anchor replay (default): the actor's own no-grad replay of updates 1.. (update
-        0's grad forward doubles as its anchor), so the first update's ratio is exactly 1
-        whatever the numerics of the engine's batch shapes; costs one no-grad forward for
-        (U-1)/U of the samples. --train-anchor engine: the engine's recorded log-probs (no extra
-        forward; the ratio then starts within train/logp_parity of 1).
-        """
-        if self.cfg.train.anchor == "engine":
-            return batch.log_probs
-        anchors = torch.zeros_like(batch.log_probs)
-        with torch.no_grad(), nvtx_range("train/anchor"):
-            for micro_batches in plan.updates[1:]:
-                for rows in micro_batches:
-                    lp = replay_log_probs(self.adapter, self.model, batch.select(rows),
-                                          meter=self.meter)
-                    anchors[rows.to(anchors.device)] = lp.float().to(anchors.device)
-        return anchors
+        """Replay and update (trainer.actor.update): --num-updates-per-batch disjoint optimizer
+        updates; pi_old frozen before the first optimizer step."""
+        return train_on(self, batch, advantages, rollout_id)
 
     def _all_ranks_degenerate(self, advantages: torch.Tensor) -> bool:
         flag = torch.tensor([float(advantages.abs().max() > 0)], dtype=torch.float64,
@@ -382,28 +286,43 @@ class Trainer:
         return {}
 
     def train_step(self, rollout_id: int) -> dict[str, float]:
-        t0 = time.perf_counter()
+        t0, compiles_before = time.perf_counter(), compile_events()
         self.profile.before(rollout_id)
         batch = self.rollout(rollout_id)
         advantages, metrics = self.score(batch)
-        if self.cfg.rollout.offload_rollout:
-            self.engine.release()
+        first_measure = not self.colocate.decided and self.device.type == "cuda"
+        if self.colocate.engine_release:
+            with self.timer.stage("engine_release"):
+                self.engine.release()
         if self.offloaded is not None:
             with self.timer.stage("onload"):
                 onload_actor(self.model, self.optimizer, self.offloaded)
                 self.offloaded = None
+        if first_measure:
+            torch.cuda.reset_peak_memory_stats(self.device)
         with self.timer.stage("train"):
             metrics.update(self.train_on(batch, advantages, rollout_id))
         metrics.update(self.sync_weights())
-        if self.cfg.fsdp.offload_train and self.device.type == "cuda":
+        actor_now = actor_footprint(self.device) if first_measure else None
+        if self.colocate.actor_offload:
             with self.timer.stage("offload"):
                 self.offloaded = offload_actor(self.model, self.optimizer)
+        if first_measure:
+            engine = self.driver.last_engine_memory
+            self.colocate.measure(Footprint(
+                total=torch.cuda.mem_get_info(self.device)[1], actor_resident=actor_now[0],
+                actor_peak=actor_now[1], engine_resident=engine.get("memory_allocated_bytes", 0),
+                engine_peak=engine.get("memory_peak_bytes", 0)))
+        metrics.update(self.colocate.metrics())
         self.profile.after(rollout_id)
         step_time = time.perf_counter() - t0
         n = len(batch)  # this rank's samples; rates are summed over ranks below
         times = self.timer.pop()
         metrics.update({f"perf/{k}_time": v for k, v in times.items()})
         metrics["perf/step_time"] = step_time
+        metrics["perf/recompiles"] = float(compile_events() - compiles_before
+                                           + sum(self.driver.last_compiles))
+        self._watch_recompiles(rollout_id, metrics["perf/recompiles"])
         compute = add_times({f"engine_{k}": v for k, v in self.driver.last_compute_s.items()},
                             self.meter.pop())
         metrics.update({f"perf/compute/{k}": v for k, v in compute.items()})
@@ -425,6 +344,15 @@ class Trainer:
             metrics["perf/mem_reserved_gb"] = torch.cuda.memory_reserved(self.device) / gb
             metrics["perf/mem_peak_gb"] = torch.cuda.max_memory_allocated(self.device) / gb
         return self._reduce_metrics(metrics)
+
+    def _watch_recompiles(self, rollout_id: int, count: float) -> None:
+        """A run that keeps compiling never reaches compiled speed: say so. The first steps
+        compile each shape once (a probe, grad / no-grad, text lengths going dynamic)."""
+        self._recompile_streak = (getattr(self, "_recompile_streak", 0) + 1) if count else 0
+        if rollout_id >= 3 and self._recompile_streak >= 3:
+            log.warning("torch.compile recompiled in each of the last %d steps (%d this step): "
+                        "shapes keep changing; see TORCH_LOGS=recompiles", self._recompile_streak,
+                        int(count))
 
     _MAX_KEYS = ("train/ratio_max", "train/logp_parity", "perf/mem_allocated_gb",
                  "perf/mem_reserved_gb", "perf/mem_peak_gb")

@@ -356,7 +356,20 @@ def _check_geometry(c: _Checker) -> None:
     n_ok = c.at_least("rollout.n_samples_per_prompt", r.n_samples_per_prompt, 2,
                       " for grpo: a group of one has no reward variance, every advantage is 0")
     upd_ok = c.at_least("train.num_updates_per_batch", t.num_updates_per_batch, 1)
-    mb_ok = c.at_least("train.micro_batch_size", t.micro_batch_size, 1)
+    auto_mb = t.micro_batch_size == "auto"
+    if isinstance(t.micro_batch_size, str) and not auto_mb:
+        c.error(f"{_key('train.micro_batch_size')}={t.micro_batch_size!r} must be a positive "
+                f"integer or 'auto'")
+        mb_ok = False
+    else:
+        mb_ok = auto_mb or c.at_least("train.micro_batch_size", t.micro_batch_size, 1)
+    if not 0.0 < t.micro_batch_memory_fraction <= 1.0:
+        c.error(f"{_key('train.micro_batch_memory_fraction')}={t.micro_batch_memory_fraction!r} "
+                f"must be in (0, 1]")
+    if t.micro_batch_memory_gb is not None and not t.micro_batch_memory_gb > 0:
+        c.error(f"{_key('train.micro_batch_memory_gb')}={t.micro_batch_memory_gb!r} must be > 0")
+    c.one_of("model.compile", c.cfg.model.compile, ("auto", "blocks", "none"))
+    c.one_of("fsdp.offload_policy", c.cfg.fsdp.offload_policy, ("always", "as_needed"))
     c.at_least("train.num_rollouts", t.num_rollouts, 1)
     c.one_of("train.advantage_estimator", t.advantage_estimator, ("grpo",))
     c.one_of("train.anchor", t.anchor, ("replay", "engine"))
@@ -382,7 +395,7 @@ def _check_geometry(c: _Checker) -> None:
     if local % n_upd:
         c.error(f"{_key('train.num_updates_per_batch')}={n_upd} does not divide {where} "
                 f"(updates must be disjoint and equal)")
-    elif (local // n_upd) % t.micro_batch_size:
+    elif not auto_mb and (local // n_upd) % t.micro_batch_size:
         c.error(f"{_key('train.micro_batch_size')}={t.micro_batch_size} does not divide the "
                 f"{local // n_upd} samples of one update ({where} / {n_upd} updates)")
 

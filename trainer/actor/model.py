@@ -1,9 +1,10 @@
 """Building the actor: load, LoRA, FSDP2, activation checkpointing, optimizer, LR schedule.
 
 FSDP2 is applied in one place (``apply_fsdp``): ``fully_shard`` per transformer block, then the
-root, as torchtitan does. Mixed precision comes from --fsdp-param-dtype / --fsdp-reduce-dtype;
-trainable parameters are cast to --fsdp-master-dtype (fp32 for LoRA) before sharding so the
-optimizer keeps fp32 master copies while the forward gathers bf16.
+root, as torchtitan does; each block is compiled first (``model.compile``). Mixed precision
+comes from --fsdp-param-dtype / --fsdp-reduce-dtype; trainable parameters are cast to
+--fsdp-master-dtype (fp32 for LoRA) before sharding so the optimizer keeps fp32 master copies
+while the forward gathers bf16. A LoRA actor's frozen base is loaded in the compute dtype.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from torch import nn
 
 from trainer.config import Config
 from trainer.models.base import GenerativeModelAdapter
+from trainer.models.compile import compile_blocks, compile_wanted
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
@@ -43,7 +45,8 @@ def lora_spec(cfg: Config, adapter: GenerativeModelAdapter) -> dict | None:
     if cfg.lora.rank <= 0:
         return None
     return {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha or cfg.lora.rank,
-            "target_modules": list(cfg.lora.target_modules or adapter.lora_target_modules())}
+            "target_modules": list(cfg.lora.target_modules or adapter.lora_target_modules()),
+            "merge": cfg.lora.engine_merge}
 
 
 def inner_model(model: nn.Module) -> nn.Module:
@@ -111,8 +114,11 @@ def build_actor(adapter: GenerativeModelAdapter, cfg: Config, device: torch.devi
     (``shard=False`` leaves the collective ``fully_shard`` to ``shard_actor``, for wave
     loading: fully_shard must run on all ranks together)."""
     torch.manual_seed(cfg.train.seed)  # LoRA init: identical on every rank
-    model = adapter.load_train_model(dtype=torch.float32, device="cpu")
     lora = cfg.lora.rank > 0
+    # LoRA: the frozen base is stored in the compute dtype (half the memory and offload traffic
+    # of fp32, no cast per forward); only the trainable tensors get the master dtype below.
+    load_dtype = DTYPES[cfg.fsdp.param_dtype] if lora else torch.float32
+    model = adapter.load_train_model(dtype=load_dtype, device="cpu")
     if lora:
         model.requires_grad_(False)
         model = apply_lora(model, cfg, adapter)
@@ -127,6 +133,9 @@ def build_actor(adapter: GenerativeModelAdapter, cfg: Config, device: torch.devi
     assert_trainable_boundary(model, lora)
     if cfg.fsdp.activation_checkpointing:
         apply_activation_checkpointing(model, adapter.transformer_blocks(inner_model(model)))
+    if compile_wanted(cfg.model.compile, device):
+        # before fully_shard: its hooks then wrap the compiled forward (torchtitan's order)
+        compile_blocks(current_blocks(model, adapter))
     if distributed and shard:
         apply_fsdp(model, current_blocks(model, adapter), cfg)
     return model

@@ -2,6 +2,13 @@
 
 The same adapter.velocity and kernels.sde_log_prob the engine sampled with, so with the same
 weights and inputs the replayed log-prob equals the recorded one.
+
+All trained steps of a micro-batch go through the transformer as ONE batch of rows (row
+``i * S + s`` is sample i at its trained step s, carrying its own sigma), because a forward of
+b * S rows keeps the GPU busy where S forwards of b rows leave it idle between small kernels.
+The velocity is split back into steps after the forward; the log-prob (and the loss built on
+it) stays per (sample, step), so a step drifting out of the clip range does not zero the
+others' gradients.
 """
 from __future__ import annotations
 
@@ -16,30 +23,95 @@ from trainer.models.base import GenerativeModelAdapter, RolloutBatch
 from trainer.profiling import ComputeMeter
 
 
+@dataclass
+class ReplayRows:
+    """A micro-batch laid out as b * S rows on the model's device (see the module docstring)."""
+
+    x: torch.Tensor           # [b*S, *latent]
+    x_next: torch.Tensor      # [b*S, *latent]
+    sigma: torch.Tensor       # [b*S] fp32
+    sigma_next: torch.Tensor  # [b*S] fp32
+    conditions: dict[str, torch.Tensor]  # each row's sample's conditions, [b*S, ...]
+    samples: int              # b
+    steps: int                # S
+
+
+def replay_rows(batch: RolloutBatch, device: torch.device) -> ReplayRows:
+    """``batch`` as rows, sample-major: row i*S + s = (sample i, trained step s)."""
+    b, steps = len(batch), len(batch.sde_indices)
+    rows = b * steps
+
+    def flat(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(rows, *t.shape[2:]).to(device, non_blocking=True).contiguous()
+
+    cond = {k: v.to(device, non_blocking=True).repeat_interleave(steps, dim=0)
+            for k, v in batch.conditions.items()}
+    return ReplayRows(x=flat(batch.latents), x_next=flat(batch.next_latents),
+                      sigma=flat(batch.sigmas), sigma_next=flat(batch.sigmas_next),
+                      conditions=cond, samples=b, steps=steps)
+
+
+def model_device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def rows_velocity(adapter: GenerativeModelAdapter, model: nn.Module, rows: ReplayRows,
+                  batch: RolloutBatch, meter: ComputeMeter | None = None) -> torch.Tensor:
+    """The one transformer forward over every row: v [b*S, *latent]."""
+    device = rows.x.device
+    with meter.region("transformer", device) if meter else contextlib.nullcontext():
+        return adapter.velocity(model, rows.x, rows.sigma, rows.conditions, batch.height,
+                                batch.width)
+
+
 def replay_log_probs(adapter: GenerativeModelAdapter, model: nn.Module, batch: RolloutBatch,
-                     *, backend: str = "auto", meter: ComputeMeter | None = None) -> torch.Tensor:
+                     *, backend: str = "auto", meter: ComputeMeter | None = None,
+                     rows: ReplayRows | None = None) -> torch.Tensor:
     """log pi_theta(x_next | x) for every (sample, trained step): [b, S] fp32, with grad.
 
-    One forward per trained step over the micro-batch; each column is its own step, so a step
-    drifting out of the clip range does not zero the others' gradients (mean taken later).
-    ``meter`` times the transformer forwards (perf/compute/transformer).
+    One forward of b * S rows (see the module docstring); ``meter`` times it
+    (perf/compute/transformer). ``rows``: the batch already laid out (reused by the KL term).
     """
-    device = next(model.parameters()).device
+    rows = rows or replay_rows(batch, model_device(model))
+    v = rows_velocity(adapter, model, rows, batch, meter)
+    # validate=False: the engine's sde_step already validated these sigmas when it sampled
+    # the transition (and validation with tensor sigmas costs a host sync).
+    logp = kernels.sde_log_prob(rows.x, v, rows.x_next, rows.sigma, rows.sigma_next,
+                                eta=batch.eta, sde_type=batch.sde_type, backend=backend,
+                                validate=False)
+    return logp.reshape(rows.samples, rows.steps)
+
+
+def replay_log_probs_per_step(adapter: GenerativeModelAdapter, model: nn.Module,
+                              batch: RolloutBatch, *, backend: str = "auto") -> torch.Tensor:
+    """The same [b, S] log-probs with one forward of b rows per trained step: the layout the
+    engine samples with. Kept as the reference the batched replay is tested against."""
+    device = model_device(model)
+    conditions = {k: v.to(device) for k, v in batch.conditions.items()}
     cols = []
-    conditions = {k: v.to(device, non_blocking=True) for k, v in batch.conditions.items()}
     for s in range(len(batch.sde_indices)):
-        x = batch.latents[:, s].to(device, non_blocking=True)
-        x_next = batch.next_latents[:, s].to(device, non_blocking=True)
-        sigma = batch.sigmas[:, s].to(device)
-        sigma_next = batch.sigmas_next[:, s].to(device)
-        with meter.region("transformer", device) if meter else contextlib.nullcontext():
-            v = adapter.velocity(model, x, sigma, conditions, batch.height, batch.width)
-        # validate=False: the engine's sde_step already validated these sigmas when it sampled
-        # the transition (and validation with tensor sigmas costs a host sync per step).
-        cols.append(kernels.sde_log_prob(x, v, x_next, sigma, sigma_next, eta=batch.eta,
-                                         sde_type=batch.sde_type, backend=backend,
-                                         validate=False))
+        x = batch.latents[:, s].to(device)
+        sigma, sigma_next = batch.sigmas[:, s].to(device), batch.sigmas_next[:, s].to(device)
+        v = adapter.velocity(model, x, sigma, conditions, batch.height, batch.width)
+        cols.append(kernels.sde_log_prob(x, v, batch.next_latents[:, s].to(device), sigma,
+                                         sigma_next, eta=batch.eta, sde_type=batch.sde_type,
+                                         backend=backend, validate=False))
     return torch.stack(cols, dim=1)
+
+
+def replay_kl(adapter: GenerativeModelAdapter, model: nn.Module, batch: RolloutBatch,
+              rows: ReplayRows, v: torch.Tensor | None = None,
+              meter: ComputeMeter | None = None) -> torch.Tensor:
+    """KL(pi_theta || pi_ref) per (sample, step) [b, S], pi_ref = ``model`` with its LoRA
+    adapter disabled (no grad through the reference). ``v``: the policy's velocity of these
+    rows when the caller has it; otherwise it is computed here."""
+    if v is None:
+        v = rows_velocity(adapter, model, rows, batch, meter)
+    with torch.no_grad(), model.disable_adapter():
+        v_ref = rows_velocity(adapter, model, rows, batch, meter)
+    kl = kernels.sde_kl(v, v_ref, rows.sigma, rows.sigma_next, eta=batch.eta,
+                        sde_type=batch.sde_type, validate=False)
+    return kl.reshape(rows.samples, rows.steps)
 
 
 @dataclass
@@ -55,8 +127,8 @@ class UpdatePlan:
 
 def plan_updates(num_samples: int, num_updates: int, micro_batch_size: int,
                  generator: torch.Generator | None = None) -> UpdatePlan:
-    """Hard errors (spec) when the updates or micro-batches don't divide evenly: uneven
-    chunks would silently change the weight of each sample in the mean."""
+    """Hard errors when the updates or micro-batches don't divide evenly: uneven chunks would
+    silently change the weight of each sample in the mean."""
     problems = []
     if num_updates < 1 or num_samples % num_updates:
         problems.append(f"--num-updates-per-batch {num_updates} does not divide the "

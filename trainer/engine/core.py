@@ -32,13 +32,15 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from trainer.engine.lora_merge import LoraMerger
 from trainer.engine.request import GenerateSpec, parse_generate_request
 from trainer.engine.sampler import denoise
 from trainer.models.base import GenerativeModelAdapter
+from trainer.models.compile import compile_blocks, compile_events, compile_wanted
 from trainer.profiling import ComputeMeter, nvtx_range
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-LORA_KEYS = ("rank", "alpha", "target_modules", "dropout")
+LORA_KEYS = ("rank", "alpha", "target_modules", "dropout", "merge")
 
 
 class EngineStateError(RuntimeError):
@@ -85,6 +87,8 @@ def check_launch_args(*, adapter_path: Any, model_path: Any, device: Any, dtype:
             if targets is not None and (not isinstance(targets, (list, tuple)) or not targets
                                         or not all(isinstance(t, str) for t in targets)):
                 problems.append(f"lora.target_modules must be a non-empty list of names, got {targets!r}")
+            if not isinstance(lora.get("merge", True), bool):
+                problems.append(f"lora.merge must be a boolean, got {lora.get('merge')!r}")
             if lora.get("dropout", 0.0) != 0.0:
                 problems.append("lora.dropout must be 0 (a stochastic forward breaks ratio == 1)")
     if problems:
@@ -112,8 +116,8 @@ class EngineCore:
 
     def __init__(self, adapter: GenerativeModelAdapter, transformer: nn.Module,
                  frozen: dict[str, Any], *, device: str | torch.device,
-                 receiver_factory: Callable[[dict[str, torch.Tensor], dict[str, list[str]]], Any]
-                 | None = None, lora: bool = False) -> None:
+                 receiver_factory: Callable[..., Any] | None = None, lora: bool = False,
+                 merge_lora: bool = False) -> None:
         self.adapter = adapter
         self.transformer = transformer.eval().requires_grad_(False)
         self.frozen = frozen
@@ -127,7 +131,12 @@ class EngineCore:
         self.modes = {"full": names, "merge": [n for n in names if "lora_" not in n]}
         if lora:
             self.modes["adapter"] = lora_names
-        self.receiver = receiver_factory(self.params, self.modes) if receiver_factory else None
+        # adapter served merged into the base weights (trainer.engine.lora_merge)
+        self.merger = LoraMerger(self.transformer) if lora and merge_lora else None
+        self._base_stale = False     # a sync rewrote the base weights the merger keeps
+        self._merge_pending = self.merger is not None
+        self.receiver = receiver_factory(self.params, self.modes, self._on_commit) \
+            if receiver_factory else None
         self.released = False
         self.closed = False
         self.generate_calls = 0
@@ -139,7 +148,8 @@ class EngineCore:
     @classmethod
     def load(cls, *, adapter_path: str, model_path: str, adapter_options: dict | None,
              device: str, dtype: str, lora: dict | None, weight_sync_conn: Any = None,
-             receiver_backend: str = "auto") -> "EngineCore":
+             receiver_backend: str = "auto", compile: str = "none",
+             warmup: dict | None = None) -> "EngineCore":
         check_launch_args(adapter_path=adapter_path, model_path=model_path, device=device,
                           dtype=dtype, lora=lora)
         dev = torch.device(device)
@@ -153,13 +163,62 @@ class EngineCore:
         frozen = adapter.load_frozen(device=dev, dtype=torch_dtype)
         factory = None
         if weight_sync_conn is not None:
-            def factory(params, modes):
+            def factory(params, modes, on_commit):
                 from ipc import WeightReceiver
 
-                receiver = WeightReceiver(weight_sync_conn, params, modes=modes, backend=receiver_backend)
+                receiver = WeightReceiver(weight_sync_conn, params, modes=modes,
+                                          backend=receiver_backend, on_commit=on_commit)
                 receiver.start()
                 return receiver
-        return cls(adapter, transformer, frozen, device=dev, receiver_factory=factory, lora=bool(lora))
+        if compile_wanted(compile, dev):
+            compile_blocks(adapter.transformer_blocks(transformer))
+        core = cls(adapter, transformer, frozen, device=dev, receiver_factory=factory,
+                   lora=bool(lora), merge_lora=bool(lora) and bool(lora.get("merge", True)))
+        if warmup:
+            core.warm_up(**warmup)
+        return core
+
+    # ---- served weights: the merged adapter ---------------------------------------------------
+    def _on_commit(self, version: int, mode: str) -> None:
+        """Receiver thread, after a sync committed: what is served must be re-derived."""
+        if self.merger is not None:
+            self._base_stale = self._base_stale or mode != "adapter"
+            self._merge_pending = True
+
+    def _restore_base(self) -> None:
+        """Weights back to the unmerged base (exactly): a rewritten base is captured as it is."""
+        if self._base_stale or not self.merger.base:
+            self.merger.capture_base()  # the sync wrote every base tensor: it IS the base
+            self._base_stale = False
+        elif self.merger.merged:
+            self.merger.unmerge()
+
+    def _serve_merged(self) -> None:
+        if self.merger is None or not self._merge_pending:
+            return
+        with nvtx_range("rollout/lora_merge"):
+            self._restore_base()
+            self.merger.merge()
+        self._merge_pending = False
+
+    def warm_up(self, *, height: int, width: int, batch: int) -> dict[str, Any]:
+        """Run the transformer at the configured geometry before the first request, so the
+        first rollout does not pay the compile: two prompt lengths, so the text dimension is
+        already dynamic when real prompts of other lengths arrive."""
+        with self._lock, torch.no_grad():
+            self._serve_merged()
+            t0, before = time.perf_counter(), compile_events()
+            shape = tuple(self.adapter.latent_shape(height, width))
+            for prompt in ("warm-up", "a warm-up prompt with rather more words than the first"):
+                cond = self._conditions([prompt] * batch)
+                x = torch.randn((batch, *shape), device=self.device)
+                sigma = torch.full((batch,), 0.5, device=self.device)
+                self.adapter.velocity(self.transformer, x, sigma, cond, height, width)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.warmup_s = time.perf_counter() - t0
+            self.warmup_compiles = compile_events() - before
+        return {"seconds": self.warmup_s, "compiles": self.warmup_compiles}
 
     # ---- generate -------------------------------------------------------------------------
     def _check_open(self, what: str) -> None:
@@ -219,7 +278,10 @@ class EngineCore:
             self.meter = ComputeMeter()  # this request's regions only (a failed one leaves none)
             if self.receiver is not None:
                 self.receiver.assert_servable()
-            t0 = time.perf_counter()
+            t0, compiles_before = time.perf_counter(), compile_events()
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+            self._serve_merged()
             h, w = spec.height, spec.width
             with torch.no_grad(), nvtx_range("rollout/generate"):
                 conditions = self._conditions(spec.prompts)
@@ -252,6 +314,12 @@ class EngineCore:
                 "inference_time_s": time.perf_counter() - t0,
                 # model compute inside this request, seconds per part (perf/compute/engine_*)
                 "compute_s": self.meter.pop(),
+                # torch.compile compilations this request caused (0 once warmed up)
+                "compiles": compile_events() - compiles_before,
+                # what the colocated actor must leave free (trainer.actor.colocate)
+                "memory_allocated_bytes": self._allocated(),
+                "memory_peak_bytes": int(torch.cuda.max_memory_allocated(self.device))
+                if self.device.type == "cuda" else 0,
             }
             if spec.return_trajectory:
                 sig = torch.tensor(spec.sigmas, dtype=torch.float32)
@@ -269,7 +337,11 @@ class EngineCore:
         return int(self.receiver.version) if self.receiver is not None else 0
 
     def checksum(self) -> str:
+        """Of the weights as synced: a merged adapter is unmerged first (re-merged lazily)."""
         with self._lock:
+            if self.merger is not None:
+                self._restore_base()
+                self._merge_pending = True
             if self.receiver is not None:
                 return self.receiver.checksum()
             from ipc import weights_checksum
@@ -307,9 +379,13 @@ class EngineCore:
                 problems.append(f"{len(shapes)} shape mismatches, e.g. {shapes[:3]}")
             if problems:
                 raise ValueError(f"cannot load weights from {folder}:\n  - " + "\n  - ".join(problems))
+            if self.merger is not None:
+                self._restore_base()
             with torch.no_grad():
                 for name, tensor in state.items():
                     self.params[name].copy_(tensor)
+            if self.merger is not None:  # every base tensor was rewritten (missing ones refused)
+                self._base_stale, self._merge_pending = True, True
             return {"success": True, "message": f"loaded {len(state)} tensors from {folder}",
                     "tensors": len(state)}
 
@@ -356,8 +432,9 @@ class EngineCore:
             if self.released:
                 return {"success": True, "message": "already released", "moved": []}
             with nvtx_range("offload"):
+                # no gc.collect(): the dropped storages have no reference cycles, and a full
+                # collection over a heap of compiled graphs costs more than the release itself
                 moved = self._offload() if self.device.type == "cuda" else []
-                gc.collect()
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
             self.released = True
@@ -388,7 +465,9 @@ class EngineCore:
             "status": status, "engine": "flowgrpo-embedded", "family": self.adapter.family,
             "device": str(self.device), "dtype": str(next(iter(self.params.values())).dtype),
             "version": self.get_version(), "released": self.released, "dirty": dirty,
-            "lora": self.lora, "weight_sync": self.receiver is not None, "pid": os.getpid(),
+            "lora": self.lora, "lora_merged": self.merger is not None,
+            "weight_sync": self.receiver is not None, "pid": os.getpid(),
+            "compiles": compile_events(), "warmup_s": getattr(self, "warmup_s", None),
             "generate_calls": self.generate_calls, "num_params": len(self.params),
             "memory_allocated_bytes": self._allocated(),
         }

@@ -59,7 +59,8 @@ def launch_embedded_engine(*, adapter_path: str, model_path: str, adapter_option
                            device: str, dtype: str, lora: dict | None,
                            weight_sync_conn: Any = None, http_port: int | None = None,
                            in_process: bool = False,
-                           startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S) -> EngineClient:
+                           startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+                           compile: str = "none", warmup: dict | None = None) -> EngineClient:
     """Start one embedded engine and return its client.
 
     ``device``: "cpu" or "cuda:<j>" (the rank's own GPU; the spawned process sees the same
@@ -69,7 +70,9 @@ def launch_embedded_engine(*, adapter_path: str, model_path: str, adapter_option
     ``ipc.channel_pair()``. ``http_port``: also serve HTTP on 127.0.0.1 (0 picks a free port;
     the client's ``http_url`` says which). ``in_process``: build the engine in this process (tests,
     CPU runs) instead of spawning one. Bad arguments raise one ValueError before anything loads;
-    a failed load raises with the engine's traceback.
+    a failed load raises with the engine's traceback. ``compile``: the transformer's
+    ``model.compile`` setting; ``warmup``: {"height", "width", "batch"} to run (and compile)
+    before the first request.
     """
     check_launch_args(adapter_path=adapter_path, model_path=model_path, device=device,
                       dtype=dtype, lora=lora)
@@ -78,7 +81,8 @@ def launch_embedded_engine(*, adapter_path: str, model_path: str, adapter_option
         raise ValueError(f"http_port must be an integer in [0, 65536) or None, got {http_port!r}")
     spec = {"adapter_path": adapter_path, "model_path": str(model_path),
             "adapter_options": dict(adapter_options or {}), "device": str(device),
-            "dtype": dtype, "lora": dict(lora) if lora else None}
+            "dtype": dtype, "lora": dict(lora) if lora else None, "compile": compile,
+            "warmup": dict(warmup) if warmup else None}
     if in_process:
         core = EngineCore.load(**spec, weight_sync_conn=weight_sync_conn)
         servers: tuple[Any, ...] = ()

@@ -405,7 +405,7 @@ def response_problems(adapter: "GenerativeModelAdapter", response: Any,
         if "sigmas" not in traj:
             problems.append("missing 'dit_trajectory.sigmas'")
         elif isinstance(sig, torch.Tensor):
-            sig = sig.to(torch.float32)
+            sig = sig.to(torch.float32).cpu()  # compared with the request's host values
             if _shape(sig) != [steps + 1]:
                 problems.append(f"'dit_trajectory.sigmas' has shape {_shape(sig)}, expected [{steps + 1}]")
             elif "sigmas" in extra:
@@ -423,7 +423,7 @@ def response_problems(adapter: "GenerativeModelAdapter", response: Any,
                 problems.append(f"'dit_trajectory.timesteps' has shape {_shape(ts)}, expected [{steps}]")
             elif isinstance(sig, torch.Tensor) and _shape(sig) == [steps + 1]:
                 want_ts = adapter.timesteps_from_sigmas(sig)
-                if not torch.allclose(ts.to(torch.float32), want_ts, rtol=1e-5, atol=1e-5):
+                if not torch.allclose(ts.to(torch.float32).cpu(), want_ts, rtol=1e-5, atol=1e-5):
                     problems.append("'dit_trajectory.timesteps' are not the family's timesteps of "
                                     "'dit_trajectory.sigmas'")
 

@@ -103,6 +103,8 @@ class RolloutDriver:
         # Model compute the engines reported for the last generate(), seconds per part summed
         # over requests (engines serving in parallel add up: GPU-seconds, not wall time).
         self.last_compute_s: dict[str, float] = {}
+        self.last_compiles: list[int] = []  # torch.compile events each request reported
+        self.last_engine_memory: dict[str, int] = {}  # max over requests: allocated, peak
         self.sample_id_mode = sample_id_mode
         self.fingerprint = sampling_fingerprint(self.sampling)
         self.driver_xt = bool(self.sampling.get("driver_xt", True))
@@ -171,7 +173,7 @@ class RolloutDriver:
             bar = tqdm(total=len(records), desc="rollout" if rollout_id is not None else "eval",
                        unit="group", leave=False)
         packed: list[RolloutBatch] = [None] * len(requests)  # type: ignore[list-item]
-        self.last_compute_s = {}
+        self.last_compute_s, self.last_compiles, self.last_engine_memory = {}, [], {}
         writes: list[Future] = []
         num_engines = len(self.engines)
         with nvtx_range("rollout"), ThreadPoolExecutor(num_engines, "rollout-engine") as pool, \
@@ -215,6 +217,12 @@ class RolloutDriver:
         compute = response.get("compute_s") if isinstance(response, dict) else None
         if not isinstance(compute, dict):
             compute = None
+        if isinstance(response, dict) and isinstance(response.get("compiles"), int):
+            self.last_compiles.append(response["compiles"])  # list.append: thread-safe
+        for key in ("memory_allocated_bytes", "memory_peak_bytes"):
+            value = response.get(key) if isinstance(response, dict) else None
+            if isinstance(value, int):
+                self.last_engine_memory[key] = max(value, self.last_engine_memory.get(key, 0))
         return self.adapter.pack_trajectory(response, request), reported, compute
 
     def _prepare_directory(self, rollout_id: int | None, policy_version: int,

@@ -1,0 +1,99 @@
+"""Floors measured in the same run as the step they judge (bench_step.py).
+
+- ``fwd_bwd_ms``: the bare bf16 forward + backward of the same LoRA transformer on random
+  inputs of the step's geometry, each block compiled (or eager), no optimizer, no FSDP, no
+  log-prob: what a replay micro-batch of ``rows`` transitions cannot go below.
+- ``diffusers_images_per_s``: diffusers' own QwenImagePipeline, eager, on the same model
+  directory and geometry (text encoding, denoising loop, VAE decode): what the engine's
+  generate is judged against.
+"""
+from __future__ import annotations
+
+import gc
+import statistics
+
+import torch
+
+TEXT_TOKENS = 16  # about what the bench's prompts encode to after the template is dropped
+
+
+def _median_ms(fn, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def lora_transformer(model_dir: str, rank: int, compiled: bool):
+    from peft import LoraConfig, get_peft_model
+
+    from trainer.models.compile import compile_blocks
+    from trainer.models.qwen_image import QwenImageAdapter
+
+    adapter = QwenImageAdapter(model_dir)
+    model = adapter.load_train_model(dtype=torch.bfloat16, device="cuda")
+    model.requires_grad_(False)
+    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank,
+                                             target_modules=adapter.lora_target_modules()))
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.to(torch.bfloat16)
+    if compiled:
+        compile_blocks(adapter.transformer_blocks(model))
+    return adapter, model
+
+
+def fwd_bwd_ms(model_dir: str, rows: int, *, rank: int = 64, compiled: bool = True,
+               height: int = 384, width: int = 384, forward_only: bool = False) -> float:
+    adapter, model = lora_transformer(model_dir, rank, compiled)
+    joint = adapter.transformer_config["joint_attention_dim"]
+    x = torch.randn((rows, *adapter.latent_shape(height, width)), device="cuda",
+                    dtype=torch.bfloat16)
+    sigma = torch.rand(rows, device="cuda")
+    cond = {"prompt_embeds": torch.randn(rows, TEXT_TOKENS, joint, device="cuda",
+                                         dtype=torch.bfloat16),
+            "prompt_embeds_mask": torch.ones(rows, TEXT_TOKENS, dtype=torch.long, device="cuda")}
+
+    def step():
+        if forward_only:
+            with torch.no_grad():
+                adapter.velocity(model, x, sigma, cond, height, width)
+            return
+        v = adapter.velocity(model, x, sigma, cond, height, width)
+        v.float().square().mean().backward()
+        for p in model.parameters():
+            p.grad = None
+
+    try:
+        return _median_ms(step, warmup=3, iters=10)
+    finally:
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def diffusers_images_per_s(model_dir: str, *, batch: int = 8, steps: int = 12,
+                           height: int = 384, width: int = 384) -> float:
+    from diffusers import QwenImagePipeline
+
+    pipe = QwenImagePipeline.from_pretrained(model_dir, torch_dtype=torch.bfloat16).to("cuda")
+    pipe.set_progress_bar_config(disable=True)
+    prompts = ["a photo of a red panda number 7 in a teacup"] * batch
+
+    def generate():
+        pipe(prompt=prompts, num_inference_steps=steps, height=height, width=width,
+             output_type="pt")
+
+    try:
+        return batch / (_median_ms(generate, warmup=1, iters=3) / 1000.0)
+    finally:
+        del pipe
+        gc.collect()
+        torch.cuda.empty_cache()

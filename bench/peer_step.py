@@ -1,0 +1,153 @@
+"""The peer: one FlowGRPO step written the plain way, as the Flow-GRPO reference structures it.
+
+In one process, eager torch, no engine, no IPC, no compile: the diffusers parts of the model
+directory (text encoder, transformer, VAE) with a peft LoRA on the transformer; a sampling loop
+that records each trained step's latents and the eager SDE log-prob (the torch reference
+formulas); the VAE decode; the same JPEG reward on the CPU; group-normalised advantages; then,
+for each optimizer update, each micro-batch and each trained step, one eager forward + backward
+under bf16 autocast with the fp32 LoRA weights, and fused AdamW. pi_old is the sampler's
+log-prob. Same model, sizes, LoRA and schedule as bench_step.py's trainer rows.
+
+    python bench/peer_step.py --model-dir DIR [--micro-batch 4] [--updates 2] [--rollouts 3]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT)]
+
+import torch  # noqa: E402
+
+from kernels.sde_reference import sde_log_prob_ref, sde_step_ref  # noqa: E402
+
+QWEN_LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj",
+                     "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"]
+
+
+def _sync() -> float:
+    torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+class PeerLoop:
+    def __init__(self, model_dir: str, *, height: int = 384, width: int = 384, steps: int = 12,
+                 sde_indices=(3, 4, 5), eta: float = 0.7, rank: int = 64, lr: float = 3e-4,
+                 eps_clip: float = 1e-4) -> None:
+        from peft import LoraConfig, get_peft_model
+
+        from trainer.models.qwen_image import QwenImageAdapter
+
+        self.adapter = QwenImageAdapter(model_dir)
+        self.frozen = self.adapter.load_frozen(device="cuda", dtype=torch.bfloat16)
+        model = self.adapter.load_train_model(dtype=torch.bfloat16, device="cuda")
+        model.requires_grad_(False)
+        self.model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank,
+                                                      target_modules=QWEN_LORA_TARGETS))
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            p.data = p.data.float()  # fp32 trainable weights, bf16 autocast compute
+        self.optimizer = torch.optim.AdamW(params, lr=lr, fused=True)
+        self.params = params
+        self.h, self.w, self.steps = height, width, steps
+        self.sde, self.eta, self.eps = list(sde_indices), eta, eps_clip
+        self.sigmas = self.adapter.scheduler_sigmas(steps, height, width).cuda()
+
+    @torch.no_grad()
+    def sample(self, prompts: list[str], seed: int):
+        cond = self.adapter.encode_prompts(self.frozen, prompts)
+        gen = torch.Generator("cuda").manual_seed(seed)
+        shape = (len(prompts), *self.adapter.init_noise_shape(self.h, self.w))
+        x = self.adapter.noise_to_latents(torch.randn(shape, generator=gen, device="cuda"),
+                                          self.h, self.w)
+        xs, nexts, logps = [], [], []
+        n = len(prompts)
+        with torch.autocast("cuda", torch.bfloat16):
+            for i in range(self.steps):
+                s, s_next = self.sigmas[i].expand(n), self.sigmas[i + 1].expand(n)
+                v = self.adapter.velocity(self.model, x, s, cond, self.h, self.w).float()
+                if i in self.sde:
+                    noise = torch.randn(x.shape, generator=gen, device="cuda")
+                    x_next, logp, _, _ = sde_step_ref(x, v, s, s_next, eta=self.eta,
+                                                      sde_type="sde", noise=noise)
+                    xs.append(x)
+                    nexts.append(x_next)
+                    logps.append(logp)
+                else:
+                    x_next = x + v * (s_next - s).view(-1, *([1] * (x.dim() - 1)))
+                x = x_next
+        images = self.adapter.decode(self.frozen, x, self.h, self.w)
+        return cond, torch.stack(xs, 1), torch.stack(nexts, 1), torch.stack(logps, 1), images
+
+    def train(self, cond, xs, nexts, old, adv, micro_batch: int, updates: int) -> None:
+        n = xs.shape[0]
+        order = torch.randperm(n)
+        per_update = n // updates
+        for u in range(updates):
+            rows_u = order[u * per_update:(u + 1) * per_update]
+            for rows in rows_u.split(micro_batch):
+                c = {k: v[rows] for k, v in cond.items()}
+                for j, i in enumerate(self.sde):  # one forward + backward per trained step
+                    s = self.sigmas[i].expand(len(rows))
+                    s_next = self.sigmas[i + 1].expand(len(rows))
+                    with torch.autocast("cuda", torch.bfloat16):
+                        v = self.adapter.velocity(self.model, xs[rows, j], s, c, self.h, self.w)
+                    logp = sde_log_prob_ref(xs[rows, j], v.float(), nexts[rows, j], s, s_next,
+                                            eta=self.eta, sde_type="sde")
+                    ratio = torch.exp(logp - old[rows, j])
+                    a = adv[rows]
+                    loss = torch.maximum(-a * ratio,
+                                         -a * ratio.clamp(1 - self.eps, 1 + self.eps)).mean()
+                    (loss * len(rows) / per_update / len(self.sde)).backward()
+            torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self, prompts: list[str], seed: int, micro_batch: int, updates: int) -> dict:
+        from trainer.rewards.jpeg import jpeg_kilobytes
+
+        t0 = _sync()
+        cond, xs, nexts, old, images = self.sample(prompts, seed)
+        t1 = _sync()
+        reward = jpeg_kilobytes(images).cuda()
+        adv = (reward - reward.mean()) / (reward.std() + 1e-4)
+        t2 = _sync()
+        self.train(cond, xs, nexts, old, adv, micro_batch, updates)
+        t3 = _sync()
+        return {"step": t3 - t0, "rollout": t1 - t0, "reward": t2 - t1, "train": t3 - t2}
+
+
+def run_peer(model_dir: str, *, micro_batch: int, updates: int, rollouts: int,
+             samples: int = 8) -> dict:
+    loop = PeerLoop(model_dir)
+    torch.cuda.reset_peak_memory_stats()
+    times = [loop.step([f"a photo of a red panda number {r} in a teacup"] * samples, seed=r,
+                       micro_batch=micro_batch, updates=updates) for r in range(rollouts)]
+    keep = times[1:] or times
+    out = {k: statistics.median(t[k] for t in keep) for k in keep[0]}
+    out["train_ms_per_transition"] = 1000 * out["train"] / (samples * len(loop.sde))
+    out["peak_gb"] = torch.cuda.max_memory_allocated() / 2 ** 30
+    out.update(micro_batch=micro_batch, updates=updates)
+    del loop
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--updates", type=int, default=2)
+    p.add_argument("--rollouts", type=int, default=3)
+    a = p.parse_args()
+    print(run_peer(a.model_dir, micro_batch=a.micro_batch, updates=a.updates,
+                   rollouts=a.rollouts))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

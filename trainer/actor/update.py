@@ -1,0 +1,141 @@
+"""The policy update of one rollout batch: replay, clipped loss, N disjoint optimizer updates.
+
+pi_old (the anchor of the ratio) is frozen before the first optimizer step:
+- the first update's micro-batches use their own training forward, detached (the same
+  parameters, so their ratio is exactly 1 by construction and no separate forward is run);
+- the samples of later updates get a no-grad replay before the first optimizer step
+  (``train.anchor = "replay"``), or the engine's recorded log-probs (``"engine"``, no extra
+  forward; the ratio then starts within ``train/logp_parity`` of 1).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import kernels
+from trainer.actor.micro_batch import resolve_micro_batch
+from trainer.actor.model import lr_at_step
+from trainer.actor.replay import (plan_updates, replay_kl, replay_log_probs, replay_rows,
+                                  rows_velocity)
+from trainer.profiling import nvtx_range
+
+
+def forward_backward(trainer, mb, adv: torch.Tensor, scale: float,
+                     anchor: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """One micro-batch: a forward of all its (sample, step) rows, the loss, its backward.
+
+    ``anchor`` is pi_old for these rows; None means "this forward is itself the anchor" (an
+    update-0 micro-batch: no optimizer step has happened yet)."""
+    t = trainer.cfg.train
+    model, adapter = trainer.model, trainer.adapter
+    rows = replay_rows(mb, next(model.parameters()).device)
+    with nvtx_range("train/replay"):
+        v = rows_velocity(adapter, model, rows, mb, trainer.meter)
+        logp = kernels.sde_log_prob(rows.x, v, rows.x_next, rows.sigma, rows.sigma_next,
+                                    eta=mb.eta, sde_type=mb.sde_type,
+                                    validate=False).reshape(rows.samples, rows.steps)
+    old = logp.detach() if anchor is None else anchor.to(logp.device)
+    loss, stats = kernels.grpo_clip_loss(logp, old, adv.to(logp.device), eps=t.eps_clip,
+                                         eps_high=t.eps_clip_high)
+    if t.kl_coef > 0:
+        kl = replay_kl(adapter, model, mb, rows, v=v, meter=trainer.meter)
+        loss = loss + t.kl_coef * kl.mean()
+        stats["kl"] = kl.mean().detach()
+    with nvtx_range("train/backward"), \
+            trainer.meter.region("transformer_backward", trainer.device):
+        (loss * scale).backward()
+    stats["loss"] = loss.detach()
+    if anchor is None:  # replay vs the engine's own sampling log-prob, same weights
+        stats["logp_parity"] = (logp.detach() - mb.log_probs.to(logp.device)).abs().max()
+    return stats
+
+
+def anchors(trainer, batch, plan) -> torch.Tensor:
+    """pi_old of every row, frozen before the first optimizer step (module docstring).
+    Rows of update 0 are left at 0: their forward is their own anchor."""
+    if trainer.cfg.train.anchor == "engine":
+        return batch.log_probs
+    out = torch.zeros_like(batch.log_probs)
+    with torch.no_grad(), nvtx_range("train/anchor"):
+        for micro_batches in plan.updates[1:]:
+            for rows in micro_batches:
+                lp = replay_log_probs(trainer.adapter, trainer.model, batch.select(rows),
+                                      meter=trainer.meter)
+                out[rows.to(out.device)] = lp.float().to(out.device)
+    return out
+
+
+def optimizer_step(trainer, params: list[torch.Tensor]) -> tuple[torch.Tensor, float | None]:
+    """Clip, then step unless the norm is not finite. Returns (grad norm, the step's lr or
+    None when skipped)."""
+    cfg = trainer.cfg
+    with nvtx_range("train/optimizer"), trainer.outside.region("optimizer", trainer.device):
+        gn = torch.nn.utils.clip_grad_norm_(params, cfg.train.clip_grad)
+        gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
+        # NOTE: host sync per update: a non-finite norm must skip the step on all ranks alike
+        # (the norm is already all-reduced by FSDP, so they agree).
+        lr = None
+        if bool(torch.isfinite(gn)):
+            lr = lr_at_step(trainer.lr_steps, cfg)
+            for group in trainer.optimizer.param_groups:
+                group["lr"] = lr
+            trainer.optimizer.step()
+            trainer.lr_steps += 1
+        trainer.optimizer.zero_grad(set_to_none=True)
+    return gn, lr
+
+
+def train_on(trainer, batch, advantages: torch.Tensor, rollout_id: int) -> dict[str, float]:
+    """Replay and update: the local slice split into --num-updates-per-batch disjoint
+    optimizer updates of micro-batches (``train.micro_batch_size``, or ``auto``)."""
+    cfg = trainer.cfg
+    per_update = len(batch) // max(1, cfg.train.num_updates_per_batch)
+    micro = resolve_micro_batch(trainer, batch, advantages, per_update)
+    gen = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + rollout_id)
+    plan = plan_updates(len(batch), cfg.train.num_updates_per_batch, micro, generator=gen)
+    trainer._assert_microbatch_count_aligned(plan.num_micro_batches)
+    base = {"train/num_microbatches": float(plan.num_micro_batches),
+            "train/micro_batch_size": float(micro)}
+    if trainer._all_ranks_degenerate(advantages):
+        # No rank has any advantage signal: every update would be a zero-gradient step.
+        return {**base, "train/optimizer_steps": 0.0,
+                "train/optimizer_skips": float(len(plan.updates))}
+    trainer.model.train()
+    pi_old = anchors(trainer, batch, plan)
+    sums: dict[str, list[torch.Tensor]] = {}
+    grad_norms, skips, lr = [], 0, lr_at_step(trainer.lr_steps, cfg)
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    for u, micro_batches in enumerate(plan.updates):
+        update_size = sum(len(m) for m in micro_batches)
+        own_anchor = u == 0 and cfg.train.anchor == "replay"
+        for rows in micro_batches:
+            stats = forward_backward(trainer, batch.select(rows), advantages[rows],
+                                     len(rows) / update_size,
+                                     None if own_anchor else pi_old[rows])
+            if u == 0:
+                sums.setdefault("first_update_ratio_mean", []).append(stats["ratio_mean"])
+            for k, v in stats.items():
+                sums.setdefault(k, []).append(v.detach().float())
+        gn, stepped_lr = optimizer_step(trainer, params)
+        grad_norms.append(gn)
+        skips += stepped_lr is None
+        lr = lr if stepped_lr is None else stepped_lr
+    out = {f"train/{k}": torch.stack(v).mean() for k, v in sums.items()}
+    out["train/ratio_max"] = torch.stack(sums["ratio_max"]).max()
+    out["train/ratio_min"] = torch.stack(sums["ratio_min"]).min()
+    if "logp_parity" in sums:
+        out["train/logp_parity"] = torch.stack(sums["logp_parity"]).max()
+    out["train/grad_norm"] = torch.stack(grad_norms).mean()
+    out = {k: float(v) for k, v in out.items()}  # NOTE: one host sync for all of them
+    out.update({**base, "train/lr": lr,
+                "train/optimizer_steps": float(len(plan.updates) - skips),
+                "train/optimizer_skips": float(skips)})
+    return out
+
+
+def all_reduce_min(value: int, device: torch.device) -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
