@@ -243,17 +243,19 @@ class GpuBusySampler:
 def add_floors(results: list[dict], model_dir: Path, args) -> dict:
     """The floors of bench/floors.py, measured now, in this process, for each mode's
     micro-batch (rows = samples x trained steps), plus diffusers' eager generate."""
-    from floors import diffusers_images_per_s, fwd_bwd_ms
+    from floors import diffusers_images_per_s, fwd_bwd_ms, text_tokens
 
-    steps = 3
+    steps, tokens = 3, text_tokens(str(model_dir))
     floors: dict = {}
     for r in results:
         rows = int(r["micro_batch"] or args.micro_batch) * steps
-        if rows not in floors:
-            floors[rows] = fwd_bwd_ms(str(model_dir), rows) / rows
-        r["floor_ms_per_transition"] = floors[rows]
-        r["floor_ratio"] = r["train_ms_per_transition"] / floors[rows]
-    out = {"floor_ms_per_transition": floors}
+        key = f"{r['mode']} x{rows}"
+        if key not in floors:
+            rank = 64 if r["mode"] == "lora" else 0
+            floors[key] = fwd_bwd_ms(str(model_dir), rows, rank=rank, tokens=tokens) / rows
+        r["floor_ms_per_transition"] = floors[key]
+        r["floor_ratio"] = r["train_ms_per_transition"] / floors[key]
+    out = {"floor_ms_per_transition": floors, "text_tokens": tokens}
     if args.diffusers:
         out["diffusers_images_per_s"] = diffusers_images_per_s(str(model_dir))
     return out

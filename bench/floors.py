@@ -1,8 +1,9 @@
 """Floors measured in the same run as the step they judge (bench_step.py).
 
-- ``fwd_bwd_ms``: the bare bf16 forward + backward of the same LoRA transformer on random
-  inputs of the step's geometry, each block compiled (or eager), no optimizer, no FSDP, no
-  log-prob: what a replay micro-batch of ``rows`` transitions cannot go below.
+- ``fwd_bwd_ms``: the bare bf16 forward + backward of the same transformer (with its LoRA,
+  or every weight trainable for full fine-tuning) on random inputs of the step's geometry and
+  text length, each block compiled (or eager), no optimizer, no FSDP, no log-prob: what a
+  replay micro-batch of ``rows`` transitions cannot go below.
 - ``diffusers_images_per_s``: diffusers' own QwenImagePipeline, eager, on the same model
   directory and geometry (text encoding, denoising loop, VAE decode): what the engine's
   generate is judged against.
@@ -14,7 +15,20 @@ import statistics
 
 import torch
 
-TEXT_TOKENS = 16  # about what the bench's prompts encode to after the template is dropped
+BENCH_PROMPT = "a photo of a red panda number 7 in a teacup"
+
+
+def text_tokens(model_dir: str) -> int:
+    """How many tokens the bench's prompt encodes to (the floor's text length)."""
+    from trainer.models.qwen_image import QwenImageAdapter
+
+    adapter = QwenImageAdapter(model_dir)
+    frozen = adapter.load_frozen(device="cuda", dtype=torch.bfloat16)
+    length = int(adapter.encode_prompts(frozen, [BENCH_PROMPT])["prompt_embeds"].shape[1])
+    del frozen
+    gc.collect()
+    torch.cuda.empty_cache()
+    return length
 
 
 def _median_ms(fn, warmup: int, iters: int) -> float:
@@ -32,6 +46,7 @@ def _median_ms(fn, warmup: int, iters: int) -> float:
 
 
 def lora_transformer(model_dir: str, rank: int, compiled: bool):
+    """The bf16 transformer with a LoRA of ``rank`` (trainable), or fully trainable at 0."""
     from peft import LoraConfig, get_peft_model
 
     from trainer.models.compile import compile_blocks
@@ -39,6 +54,10 @@ def lora_transformer(model_dir: str, rank: int, compiled: bool):
 
     adapter = QwenImageAdapter(model_dir)
     model = adapter.load_train_model(dtype=torch.bfloat16, device="cuda")
+    if rank <= 0:
+        if compiled:
+            compile_blocks(adapter.transformer_blocks(model))
+        return adapter, model.requires_grad_(True)
     model.requires_grad_(False)
     model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank,
                                              target_modules=adapter.lora_target_modules()))
@@ -51,15 +70,16 @@ def lora_transformer(model_dir: str, rank: int, compiled: bool):
 
 
 def fwd_bwd_ms(model_dir: str, rows: int, *, rank: int = 64, compiled: bool = True,
-               height: int = 384, width: int = 384, forward_only: bool = False) -> float:
+               height: int = 384, width: int = 384, forward_only: bool = False,
+               tokens: int = 32) -> float:
     adapter, model = lora_transformer(model_dir, rank, compiled)
     joint = adapter.transformer_config["joint_attention_dim"]
     x = torch.randn((rows, *adapter.latent_shape(height, width)), device="cuda",
                     dtype=torch.bfloat16)
     sigma = torch.rand(rows, device="cuda")
-    cond = {"prompt_embeds": torch.randn(rows, TEXT_TOKENS, joint, device="cuda",
+    cond = {"prompt_embeds": torch.randn(rows, tokens, joint, device="cuda",
                                          dtype=torch.bfloat16),
-            "prompt_embeds_mask": torch.ones(rows, TEXT_TOKENS, dtype=torch.long, device="cuda")}
+            "prompt_embeds_mask": torch.ones(rows, tokens, dtype=torch.long, device="cuda")}
 
     def step():
         if forward_only:

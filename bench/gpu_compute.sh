@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Model-compute benchmarks on one GPU (the device tool: each part under its 10-minute limit).
-#   bash bench/gpu_compute.sh step    trainer rows (LoRA, full; recipe defaults, offload on),
-#                                     their compiled fwd+bwd floors, diffusers' eager generate
-#   bash bench/gpu_compute.sh peer    LoRA at the peer's settings (micro-batch 4, 2 updates, no
-#                                     offload) beside the plain eager loop; both modes with the
-#                                     colocate offloads forced every step; the GPU tests
+#   bash bench/gpu_compute.sh step    trainer rows (LoRA, full; recipe defaults), their compiled
+#                                     fwd+bwd floors, diffusers' eager generate; then LoRA at the
+#                                     peer's settings (micro-batch 4, 2 updates, no offload)
+#                                     beside the plain eager loop (bench/peer_step.py)
+#   bash bench/gpu_compute.sh offload both modes with the colocate offloads forced every step
+#                                     (fsdp.offload_policy=always); the GPU tests
 #   bash bench/gpu_compute.sh nsys    two-step Nsight Systems captures of the bench model and
 #                                     their NVTX summaries (REV=<dir> captures a checkout there)
 # Needs the carried wheels in .whl (diffusers, importlib_metadata) and, for nsys, the libdw1 /
@@ -28,15 +29,15 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 BENCH="python3 bench/bench_step.py --layers 8 --model-dir $MODEL"
 case "$PART" in
 step)
-  TAIL=40 run step "${SECS:-540}" $BENCH --out "$OUT/step.json" --modes lora full --floors \
+  TAIL=30 run step "${SECS:-330}" $BENCH --out "$OUT/step.json" --modes lora full --floors \
     --diffusers ${STEP_ARGS:-}
+  TAIL=14 run peer "${SECS2:-230}" $BENCH --out "$OUT/peer.json" --modes lora --no-offload \
+    --micro-batch 4 --label "mb4-no-offload-" --peer ${STEP_ARGS:-}
   ;;
-peer)
-  TAIL=30 run peer "${SECS:-400}" $BENCH --out "$OUT/peer.json" --modes lora --no-offload \
-    --micro-batch 4 --label "mb4-no-offload-" --floors --peer ${STEP_ARGS:-}
-  TAIL=30 run always "${SECS2:-300}" $BENCH --out "$OUT/always.json" --modes lora full \
+offload)
+  TAIL=14 run always "${SECS:-220}" $BENCH --out "$OUT/always.json" --modes lora full \
     --label "offload-always-" --set fsdp.offload_policy=always ${STEP_ARGS:-}
-  TAIL=15 run gpu_tests 150 python3 -m pytest -q -o addopts= -p no:cacheprovider -m gpu tests
+  TAIL=12 run gpu_tests 150 python3 -m pytest -q -o addopts= -p no:cacheprovider -m gpu tests
   ;;
 nsys)
   NSYS=$(ls /opt/nvidia/nsight-compute/*/host/target-linux-x64/nsys | head -1)
@@ -45,7 +46,7 @@ nsys)
   for rev in ${REVS:-after}; do
     # "before": the checkout in .before (bench_step.py there builds its own model copy)
     dir=.; model="--model-dir $MODEL"; [ "$rev" = before ] && dir=.before && model=""
-    TAIL=8 run "nsys_$rev" 280 "$NSYS" profile --capture-range=cudaProfilerApi \
+    TAIL=8 run "nsys_$rev" 200 "$NSYS" profile --capture-range=cudaProfilerApi \
       --capture-range-end=stop -t cuda,nvtx -o "/tmp/step_$rev" --force-overwrite true \
       python3 "$dir/bench/bench_step.py" --layers 8 $model --modes lora \
       --rollouts 4 --out "/tmp/nsys_$rev.json" --set logging.profile_steps=2:4

@@ -172,6 +172,7 @@ class EngineCore:
                 return receiver
         if compile_wanted(compile, dev):
             compile_blocks(adapter.transformer_blocks(transformer))
+            adapter.compile_frozen(frozen)
         core = cls(adapter, transformer, frozen, device=dev, receiver_factory=factory,
                    lora=bool(lora), merge_lora=bool(lora) and bool(lora.get("merge", True)))
         if warmup:
@@ -214,6 +215,7 @@ class EngineCore:
                 x = torch.randn((batch, *shape), device=self.device)
                 sigma = torch.full((batch,), 0.5, device=self.device)
                 self.adapter.velocity(self.transformer, x, sigma, cond, height, width)
+            self.adapter.decode(self.frozen, x, height, width)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.warmup_s = time.perf_counter() - t0

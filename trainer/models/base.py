@@ -137,6 +137,10 @@ class GenerativeModelAdapter(abc.ABC):
                width: int) -> torch.Tensor:
         """Final latents -> images [B, H, W, 3] uint8."""
 
+    def compile_frozen(self, frozen: dict[str, Any]) -> None:
+        """Compile what of the frozen parts pays for it (the engine calls this when it compiles
+        its transformer); nothing by default."""
+
     def scheduler_sigmas(self, num_inference_steps: int, height: int, width: int) -> torch.Tensor:
         """The sampling schedule: num_inference_steps + 1 sigmas from 1.0 down to 0.0 (fp32).
 

@@ -111,6 +111,17 @@ class QwenImageAdapter(PackedLatentsAdapter):
         shape = (1, vae.config.z_dim, 1, 1, 1)
         mean = torch.tensor(vae.config.latents_mean).view(shape).to(z.device, z.dtype)
         inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(z.device, z.dtype)
-        images = vae.decode(z / inv_std + mean, return_dict=False)[0][:, :, 0]
+        z = z / inv_std + mean
+        if vae.use_tiling or z.shape[2] != 1:
+            images = vae.decode(z, return_dict=False)[0][:, :, 0]
+        else:
+            # One frame: vae.decode's causal-conv cache only copies each activation for frames
+            # that never come; without it the decoder computes the same values (tested equal).
+            images = vae.decoder(vae.post_quant_conv(z), feat_cache=None).clamp(-1.0, 1.0)[:, :, 0]
         return images_to_uint8(pipeline.image_processor, images)
+
+    def compile_frozen(self, frozen: dict[str, Any]) -> None:
+        """The VAE decoder under torch.compile (one image frame, no cache: a static graph)."""
+        decoder = frozen["vae"].decoder
+        decoder.forward = torch.compile(decoder.forward)
 
