@@ -28,6 +28,7 @@ from trainer.config import Config, write_resolved
 from trainer.metrics import MetricsLogger
 from trainer.profiling import ComputeMeter, ProfileWindow, StageTimer, add_times, nvtx_range
 from trainer.prompts import PromptSampler, load_records
+from trainer.watchdog import check_progress
 
 log = logging.getLogger("trainer")
 
@@ -497,6 +498,7 @@ class Trainer:
         last = {}
         for rollout_id in range(self.next_rollout, cfg.train.num_rollouts):
             metrics = self.train_step(rollout_id)
+            check_progress(self, rollout_id, metrics)
             self.next_rollout = rollout_id + 1
             step = rollout_id + 1
             is_last = step == cfg.train.num_rollouts
@@ -512,8 +514,9 @@ class Trainer:
         return history
 
     def maybe_save(self, step: int, is_last: bool) -> None:
+        """Every save_interval rollouts and at the end; save_interval -1 never saves."""
         ck = self.cfg.checkpoint
-        if not (ck.save or ck.save_interval):
+        if ck.save_interval < 0:
             return
         if is_last or (ck.save_interval and step % ck.save_interval == 0):
             from trainer.checkpoint import save_checkpoint
