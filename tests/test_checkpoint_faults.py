@@ -222,3 +222,24 @@ def test_resume_cuts_metrics_and_tensorboard_at_the_resumed_step(model_dir, tmp_
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("x")] == \
         [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0)]
+
+
+def test_export_verifies_checkpoint_contents(model_dir, tmp_path, caplog):
+    """export resolves like --load: a corrupted newest iteration is passed over (logged),
+    and an explicitly requested corrupted one is refused with the reason."""
+    from trainer.checkpoint.export import ExportError, plan_export
+    root = tmp_path / "ckpt"
+    _two_saves(model_dir, root)
+    shard = _shard(root / "t2i" / layout.iter_name(2))
+    data = bytearray(shard.read_bytes())
+    data[100:116] = bytes(b ^ 0xFF for b in data[100:116])
+    shard.write_bytes(bytes(data))
+    base = tmp_path / "base" / "transformer"  # plan_export reads only the class name
+    base.mkdir(parents=True)
+    (base / "config.json").write_text(json.dumps({"_class_name": "TinyNet"}))
+    with caplog.at_level(logging.WARNING, "trainer.checkpoint"):
+        plan = plan_export(root, tmp_path / "out", base_model_path=base.parent)
+    assert plan.iter_dir.name == layout.iter_name(1)
+    assert "iter_0000002 skipped" in caplog.text and "content checksum" in caplog.text
+    with pytest.raises(ExportError, match="iteration 2 .* content checksum"):
+        plan_export(root, tmp_path / "out", iteration=2, base_model_path=base.parent)

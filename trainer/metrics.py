@@ -82,7 +82,8 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
             self._tb.close()
             self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=step + 1)
-        logging.getLogger("trainer").warning(
+        logging.getLogger("trainer").log(
+            logging.WARNING if dropped else logging.INFO,
             "resumed at step %d: removed %d metrics.jsonl lines past it%s", step, dropped,
             " (TensorBoard purges its events past it)" if self._tb is not None else "")
         return dropped
