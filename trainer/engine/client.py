@@ -19,6 +19,9 @@ from typing import Any
 import torch
 
 
+_LINE_MAX = 1000
+
+
 class EngineError(RuntimeError):
     """The engine process failed or died; the message carries its traceback."""
 
@@ -41,6 +44,11 @@ def pack_exception(exc: BaseException) -> tuple[Any, str]:
     import pickle
 
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    # the exception's own message is in the traceback again: cut long lines (a 40k-token
+    # prompt quoted in a message would otherwise reach the log twice, whole)
+    text = "\n".join(line if len(line) <= _LINE_MAX else
+                     f"{line[:_LINE_MAX]}... ({len(line)} characters)"
+                     for line in text.split("\n"))
     try:
         pickle.loads(pickle.dumps(exc))
         return exc, text
