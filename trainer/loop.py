@@ -28,6 +28,7 @@ from trainer.config import Config, write_resolved
 from trainer.metrics import MetricsLogger
 from trainer.profiling import ComputeMeter, ProfileWindow, StageTimer, add_times, nvtx_range
 from trainer.prompts import PromptSampler, load_records
+from trainer.engine.recovery import call_with_recovery
 from trainer.watchdog import check_progress
 
 log = logging.getLogger("trainer")
@@ -137,7 +138,9 @@ class Trainer:
                 adapter_options=cfg.model.adapter_options, device=str(self.device),
                 dtype=cfg.rollout.engine_dtype, lora=lora_spec(cfg, self.adapter)
                 if cfg.sync_mode == "adapter" else None,
-                weight_sync_conn=recv_end)
+                weight_sync_conn=recv_end,
+                call_timeout_floor_s=cfg.rollout.engine_timeout_floor_s,
+                call_timeout_per_image_s=cfg.rollout.engine_timeout_per_sample_s)
             self.sender = ipc.WeightSender(send_end, backend=cfg.weight_sync.backend,
                                            bucket_bytes=cfg.weight_sync.bucket_size_mb << 20,
                                            timeout_s=cfg.weight_sync.timeout_s)
@@ -164,13 +167,14 @@ class Trainer:
     def rollout(self, rollout_id: int):
         records = self.sampler.groups_for_rollout(rollout_id, self.cfg.rollout.rollout_batch_size)
         mine = records[self.rank * self.groups_per_rank:(self.rank + 1) * self.groups_per_rank]
-        with self.timer.stage("rollout"):
+        def generate():  # self.engine / self.driver: new ones after an engine restart
             if self.cfg.rollout.offload_rollout:
                 self.engine.resume()
-            batch = self.driver.generate(mine, self.cfg.rollout.n_samples_per_prompt,
-                                         rollout_id=rollout_id,
-                                         policy_version=self.policy_version,
-                                         progress=self.cfg.logging.progress and self.rank == 0)
+            return self.driver.generate(mine, self.cfg.rollout.n_samples_per_prompt,
+                                        rollout_id=rollout_id, policy_version=self.policy_version,
+                                        progress=self.cfg.logging.progress and self.rank == 0)
+        with self.timer.stage("rollout"):
+            batch = call_with_recovery(self, "rollout", generate)
         return batch
 
     def score(self, batch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -459,9 +463,9 @@ class Trainer:
             return {}
         cfg = self.cfg
         with self.timer.stage("eval"), torch.no_grad():
-            batch = self.driver.generate(self.eval_records, cfg.data.n_samples_per_eval_prompt,
-                                         rollout_id=None, policy_version=self.policy_version,
-                                         write_artifacts=False)
+            batch = call_with_recovery(self, "eval", lambda: self.driver.generate(
+                self.eval_records, cfg.data.n_samples_per_eval_prompt, rollout_id=None,
+                policy_version=self.policy_version, write_artifacts=False))
             components, _ = self.reward.score(batch.images, batch.prompts, batch.metadata)
         weights = cfg.reward.component_weights or {c: 1.0 for c in components}
         total = sum(weights.get(c, 0.0) * v.float() for c, v in components.items())

@@ -11,7 +11,7 @@ Design choices where the spec is silent:
   committed iterations are trusted, and rank 0 picks one and broadcasts it, so all ranks load
   the same iteration even if a save lands on the filesystem meanwhile.
 * The engine already holds the base weights from the trainer's construction, so after the
-  restore the weights are pushed again as the saved policy version (``_resync_engine``);
+  restore the weights are pushed again as the saved policy version (``resync_engine``);
   without this the first resumed rollout would sample from the base model.
 * Only an iteration whose content checksums verify is loaded; newer ones that fail are
   logged and renamed ``iter_N.rejected-<time>`` (kept for inspection, out of the timeline, so
@@ -38,7 +38,7 @@ from trainer.checkpoint.shards import broadcast_from_rank0, read_shards
 log = logging.getLogger("trainer.checkpoint")
 
 
-def _resync_engine(trainer, version: int) -> None:
+def resync_engine(trainer, version: int) -> None:
     """Push the restored weights to the engine as policy ``version``: the rollout driver
     refuses samples from an engine whose version differs from the trainer's.
 
@@ -57,8 +57,8 @@ def _resync_engine(trainer, version: int) -> None:
         trainer.policy_version = version - 1
         trainer.sync_weights()
     if trainer.policy_version != version:
-        raise layout.CheckpointError(f"re-syncing the engine to policy version {version} after "
-                                     f"the resume left version {trainer.policy_version}")
+        raise layout.CheckpointError(f"re-syncing the engine to policy version {version} left "
+                                     f"version {trainer.policy_version}")
 
 
 def _set_aside_rejected(chosen: Path) -> None:
@@ -106,7 +106,7 @@ def load_checkpoint(trainer, path: str | Path) -> Path:
     trainer.lr_steps = int(state["lr_scheduler_steps"])
     trainer.next_rollout = int(state["rollout_id"]) + 1
     trainer.checkpoint_failures = int(state.get("checkpoint_failures", 0))
-    _resync_engine(trainer, int(state["policy_version"]))
+    resync_engine(trainer, int(state["policy_version"]))
 
     rng_path = iter_dir / layout.rng_file(trainer.rank)
     if rng_path.is_file():
