@@ -71,7 +71,8 @@ def launch_embedded_engine(*, adapter_path: str, model_path: str, adapter_option
     ``ipc.channel_pair()``. ``http_port``: also serve HTTP on 127.0.0.1 (0 picks a free port;
     the client's ``http_url`` says which). ``in_process``: build the engine in this process (tests,
     CPU runs) instead of spawning one. ``call_timeout_floor_s`` / ``call_timeout_per_image_s``:
-    the deadline of every call of a spawned engine, floor + per image requested (None: none). Bad arguments raise one ValueError before anything loads;
+    the deadline of every call of a spawned engine, floor + per image requested (None: none).
+    Bad arguments raise one ValueError before anything loads;
     a failed load raises with the engine's traceback.
     """
     check_launch_args(adapter_path=adapter_path, model_path=model_path, device=device,
