@@ -95,8 +95,11 @@ def _engine_matches_actor(trainer) -> bool:
         trainer.engine.checksum()
 
 
-def test_trainer_restarts_a_stopped_then_a_killed_engine_until_the_budget(tmp_path, caplog):
-    trainer = _toy_trainer(tmp_path, restarts=1)
+def test_trainer_restarts_stopped_engines_then_stops_at_the_budget(tmp_path, caplog):
+    """A stopped engine in the rollout, then one stopped in the weight sync's checksum check:
+    each is killed, restarted and re-synced (the engine then holds the actor's weights); a
+    killed engine with the budget spent stops with a clear error."""
+    trainer = _toy_trainer(tmp_path, restarts=2)
     pids = []
     try:
         trainer.train_step(0)
@@ -106,15 +109,33 @@ def test_trainer_restarts_a_stopped_then_a_killed_engine_until_the_budget(tmp_pa
         metrics = trainer.train_step(1)                        # restarted, re-synced, trained
         assert trainer.engine_restarts == 1 and trainer.engine.pid != pids[-1]
         assert metrics["train/optimizer_steps"] > 0 and trainer.policy_version == 2
+        assert metrics["train/engine_restarts"] == 1.0
         assert trainer.engine.version == 2 and _engine_matches_actor(trainer)
         assert "engine failed during rollout" in caplog.text and "stopped" in caplog.text
+
+        engine = trainer.engine
+        real_checksum = engine.checksum
+        pids.append(engine.pid)
+
+        def stop_then_checksum():  # the engine stops right when the sync cross-checks it
+            engine.checksum = real_checksum
+            os.kill(engine.pid, signal.SIGSTOP)
+            return real_checksum()
+        engine.checksum = stop_then_checksum
+        trainer.train_step(2)
+        assert trainer.engine_restarts == 2 and trainer.engine.pid != pids[-1]
+        assert trainer.policy_version == 3 and trainer.engine.version == 3
+        assert _engine_matches_actor(trainer)
+        assert "engine failed during weight sync" in caplog.text
+        assert "checksum (stage: weight sync (checksum check))" in caplog.text
+
         pids.append(trainer.engine.pid)
         os.kill(pids[-1], signal.SIGKILL)
         with pytest.raises(EngineError) as e:
-            trainer.train_step(2)
+            trainer.train_step(3)
         msg = str(e.value)
         assert "engine failed during rollout" in msg and "died during generate" in msg
-        assert "restart budget spent (1 of rollout.engine_max_restarts=1)" in msg
+        assert "restart budget spent (2 of rollout.engine_max_restarts=2)" in msg
     finally:
         for pid in pids:
             _kill(pid)

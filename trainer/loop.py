@@ -399,7 +399,7 @@ class Trainer:
                 self.offloaded = None
         with self.timer.stage("train"):
             metrics.update(self.train_on(batch, advantages, rollout_id))
-        metrics.update(self.sync_weights())
+        metrics.update(call_with_recovery(self, "weight sync", self.sync_weights))
         if self.cfg.fsdp.offload_train and self.device.type == "cuda":
             with self.timer.stage("offload"):
                 self.offloaded = offload_actor(self.model, self.optimizer)
@@ -424,6 +424,7 @@ class Trainer:
         metrics["train/policy_version"] = float(self.policy_version)
         metrics["train/weight_sync_failures"] = float(self.sync_failures)
         metrics["train/checkpoint_failures"] = float(getattr(self, "checkpoint_failures", 0))
+        metrics["train/engine_restarts"] = float(getattr(self, "engine_restarts", 0))
         if self.device.type == "cuda":
             gb = 2.0 ** 30
             metrics["perf/mem_allocated_gb"] = torch.cuda.memory_allocated(self.device) / gb
