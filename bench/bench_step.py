@@ -111,7 +111,7 @@ def step_overrides(mode: str, model_dir: Path, reward_dir: Path | None, args, wo
             "logging.progress=false", "logging.tensorboard=false", "fsdp.load_wave_size=0",
             # no checkpoint: the end-of-run save of the full model took 47-66 s on the H200
             # host's disk (session 4) and is not part of a step
-            "checkpoint.save=none", "checkpoint.save_interval=0",
+            "checkpoint.save=none", "checkpoint.save_interval=-1",
             f"train.micro_batch_size={args.micro_batch}", f"launch.device={args.device}"]
     if args.tiny:
         sets += ['rollout.sampling={"height": 64, "width": 64}']

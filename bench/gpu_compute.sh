@@ -46,7 +46,7 @@ nsys)
   for rev in ${REVS:-after}; do
     # "before": the checkout in .before (bench_step.py there builds its own model copy)
     dir=.; model="--model-dir $MODEL"; [ "$rev" = before ] && dir=.before && model=""
-    TAIL=8 run "nsys_$rev" 200 "$NSYS" profile --capture-range=cudaProfilerApi \
+    TAIL=8 run "nsys_$rev" "${NSYS_SECS:-200}" "$NSYS" profile --capture-range=cudaProfilerApi \
       --capture-range-end=stop -t cuda,nvtx -o "/tmp/step_$rev" --force-overwrite true \
       python3 "$dir/bench/bench_step.py" --layers 8 $model --modes lora \
       --rollouts 4 --out "/tmp/nsys_$rev.json" --set logging.profile_steps=2:4
@@ -55,5 +55,7 @@ nsys)
     "$NSYS" stats --report nvtx_sum "/tmp/step_$rev.nsys-rep" 2>/dev/null | head -40
     gzip -c "/tmp/step_$rev.nsys-rep" > "$OUT/step_$rev.nsys-rep.gz"; ls -la "$OUT"
   done
+  [ -n "${GPU_TESTS:-}" ] && TAIL=12 run gpu_tests 150 python3 -m pytest -q -o addopts= \
+    -p no:cacheprovider -m gpu tests
   ;;
 esac

@@ -232,7 +232,11 @@ def _failure_injection(trainer: FakeTrainer, step: int) -> dict:
         out["failures_after_write_error"] = trainer.checkpoint_failures
     finally:
         save_mod.write_rng = real_write_rng
-    if trainer.rank == 0:
+    from trainer.checkpoint.save import checkpoint_root
+    task_dir = checkpoint_root(trainer.cfg) / trainer.cfg.model.task
+    if trainer.rank == 0:  # rank 0 removed the partial save before returning
+        out["partial_dir_left"] = (task_dir / layout_mod.iter_name(step)).exists()
+        (task_dir / layout_mod.iter_name(step)).mkdir()  # a crash leftover to rotate away
         def failing_remove(path):
             raise PermissionError(f"injected: cannot remove {path}")
         layout_mod.remove_tree = failing_remove

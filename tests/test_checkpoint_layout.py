@@ -53,8 +53,11 @@ def test_rotation_plan(tmp_path):
     for n in (1, 2, 3, 4):
         fake_checkpoint(task, n)
     fake_checkpoint(task, 5, commit=False)
-    fake_checkpoint(task, 9)                    # a newer iteration of an abandoned timeline
-    removed = layout.rotate(task, keep=3, new_iteration=6)
+    fake_checkpoint(task, 9)                    # a newer iteration of another timeline
+    with pytest.raises(layout.CheckpointError, match=r"iter_0000009.*--overwrite"):
+        layout.rotate(task, keep=3, new_iteration=6)
+    assert [n for n, _ in layout.iteration_dirs(task)] == [1, 2, 3, 4, 5, 9]  # nothing deleted
+    removed = layout.rotate(task, keep=3, new_iteration=6, overwrite=True)
     assert sorted(p.name for p in removed) == ["iter_0000001", "iter_0000002", "iter_0000005",
                                                "iter_0000009"]
     assert [n for n, _ in layout.iteration_dirs(task)] == [3, 4]

@@ -183,6 +183,7 @@ def test_two_rank_fsdp_resume_is_bit_exact(model_dir, tmp_path):
         report = json.loads((tmp_path / f"reference_report_rank{rank}.json").read_text())
         assert report["failed_save_returned"] == "None"     # rank 1's RNG write failed
         assert report["failures_after_write_error"] == 1     # counted on both ranks
+        assert report.get("partial_dir_left") is not True   # rank 0 removed the partial save
         assert "failed on rank 0" in report["rotation_error"]  # raised on both ranks
     task = tmp_path / "ckpt_full" / "t2i"
     assert not (task / "iter_0000005" / "COMMITTED").exists()

@@ -89,6 +89,14 @@ class RolloutConfig:
     write_artifacts: bool = _f(True, "--write-artifacts", "Write sidecars/PNGs per rollout.")
     offload_rollout: bool = _f(False, "--offload-rollout",
                                "Release engine memory while the actor trains.")
+    engine_timeout_floor_s: float = _f(120.0, "--engine-timeout-floor",
+                                       "Least time any engine call may take before it counts "
+                                       "as hung (seconds).")
+    engine_timeout_per_sample_s: float = _f(30.0, "--engine-timeout-per-sample",
+                                            "Added to the floor per requested image.")
+    engine_max_restarts: int = _f(2, "--engine-max-restarts",
+                                  "Engine restarts (+ weight re-sync) after a hang or death "
+                                  "before the run stops; 0 stops at the first.")
 
 
 @dataclass
@@ -146,6 +154,9 @@ class TrainConfig:
                                  "0.087 s, peak memory 50.2 -> 42.1 GB), foreach on the CPU.")
     clip_grad: float = _f(1.0, "--clip-grad", "Grad-norm clip before each optimizer step.")
     seed: int = _f(0, "--seed", "Seed of model init (LoRA) and everything not sampling.")
+    max_rollouts_without_step: int = _f(10, "--max-rollouts-without-step",
+                                        "Stop with an error after this many consecutive "
+                                        "rollouts with no optimizer step; 0 never stops.")
     anchor: str = _f("replay", "--train-anchor",
                      "pi_old source: 'replay' (actor's own no-grad replay before any optimizer "
                      "step: first ratio exactly 1) or 'engine' (the engine's recorded log-probs).")
@@ -219,9 +230,16 @@ class DataConfig:
 @dataclass
 class CheckpointConfig:
     save: str | None = _f(None, "--save", "Checkpoint root; default <run_dir>/checkpoints.")
-    save_interval: int = _f(0, "--save-interval", "Save every N rollouts; 0 = only at the end.")
+    save_interval: int = _f(0, "--save-interval",
+                            "Save every N rollouts and at the end; 0 = only at the end; "
+                            "-1 = never.")
     load: str | None = _f(None, "--load", "Resume from this checkpoint root.")
     max_actor_ckpt_to_keep: int = _f(2, "--max-actor-ckpt-to-keep", "Rotation; <= 0 keeps all.")
+    resume: bool = _f(False, "--resume",
+                      "Continue the run in --run-dir from its newest verified checkpoint.")
+    overwrite: bool = _f(False, "--overwrite",
+                         "Start over in a --run-dir that holds a run: its metrics are cleared "
+                         "and its checkpoints may be replaced.")
 
 
 @dataclass
@@ -379,7 +397,10 @@ def _apply(cfg: Config, section: str, key: str, value: Any, where: str,
         problems.append(f"{where}: unknown key {section}.{key}")
         return
     hints = _field_types(secs[section])
+    before = len(problems)
     value = _coerce(value, hints[key], where, problems)
+    if len(problems) > before:
+        return  # a badly typed value is reported, never applied: later checks see the default
     if section == "rollout" and key == "sampling" and isinstance(value, dict):
         merged = dict(getattr(cfg.rollout, "sampling"))
         merged.update(value)  # a partial sampling table overrides keys, not the whole dict
@@ -401,10 +422,13 @@ def resolve_recipe(name_or_path: str) -> Path:
 
 
 def load_config(recipe: str | None = None, overrides: list[str] | None = None,
-                flags: dict[str, str] | None = None) -> Config:
+                flags: dict[str, str] | None = None, *,
+                problems_out: list[str] | None = None) -> Config:
     """Defaults < TOML recipe < spec flags < ``--set section.key=value`` overrides.
 
-    Every problem (unknown keys, bad types, bad syntax) is collected and raised at once.
+    Every problem (unknown keys, bad types, bad syntax) is collected and raised at once; with
+    ``problems_out`` they are appended there instead and the config (bad values left at their
+    defaults) is returned, so the caller can add the later checks' problems to the same error.
     """
     cfg = Config()
     problems: list[str] = []
@@ -434,7 +458,9 @@ def load_config(recipe: str | None = None, overrides: list[str] | None = None,
         lhs, rhs = item.split("=", 1)
         section, key = lhs.strip().split(".", 1)
         _apply(cfg, section, key, rhs, f"--set {lhs}", problems)
-    if problems:
+    if problems_out is not None:
+        problems_out.extend(problems)
+    elif problems:
         raise ConfigError(problems)
     return cfg
 

@@ -5,6 +5,12 @@ elastic launcher (torch.distributed.run); multi-node takes the same flags as tor
     python -m trainer launch --config toy [--set section.key=value ...] [--rollout-batch-size 8]
 
 A single CPU process (or --nproc 1 on one node) runs in this process without torchrun.
+
+Every problem of the command line, the recipe and preflight's checks is reported in ONE
+error (exit code 2). Rank 0 holds the run directory's lock for the run's life
+(``trainer.rundir``); a run that stops for a known cause (run dir in use, a stalled run, an
+engine that cannot be recovered, a checkpoint that cannot be trusted) prints one line naming
+it and exits with code 1, without a traceback.
 """
 from __future__ import annotations
 
@@ -19,7 +25,8 @@ from trainer.config import Config, ConfigError, field_help, flag_table, load_con
 _ARGV_ENV = "FLOWGRPO_LAUNCH_ARGV"
 
 
-def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str]]:
+def parse_args(argv: list[str], problems_out: list[str] | None = None
+               ) -> tuple[argparse.Namespace, dict[str, str]]:
     parser = argparse.ArgumentParser(
         prog="python -m trainer launch",
         description="Launch FlowGRPO training. Spec-style flags (e.g. --rollout-batch-size 8) "
@@ -49,14 +56,19 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str]]:
                 val = "true"  # a bare boolean flag
         flags[key] = val
         i += 1
-    if problems:
+    if problems_out is not None:
+        problems_out.extend(problems)
+    elif problems:
         raise ConfigError(problems)
     return args, flags
 
 
-def resolve(argv: list[str]) -> tuple[Config, argparse.Namespace]:
-    args, flags = parse_args(argv)
-    return load_config(args.config, args.overrides, flags), args
+def resolve(argv: list[str], problems_out: list[str] | None = None
+            ) -> tuple[Config, argparse.Namespace]:
+    """The config of ``argv``; with ``problems_out``, problems are collected there (bad values
+    left at their defaults) instead of raised."""
+    args, flags = parse_args(argv, problems_out)
+    return load_config(args.config, args.overrides, flags, problems_out=problems_out), args
 
 
 def _device_kind(cfg: Config) -> str:
@@ -69,16 +81,21 @@ def _device_kind(cfg: Config) -> str:
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        cfg, args = resolve(argv)
+        problems: list[str] = []
+        cfg, args = resolve(argv, problems)  # a missing recipe still raises at once
         from trainer.preflight import preflight
         nproc = cfg.launch.nproc
         if nproc is None:
             import torch
             nproc = max(1, torch.cuda.device_count()) if _device_kind(cfg) == "cuda" else 1
         nnodes = int(str(cfg.launch.nnodes).split(":")[-1])
-        # preflight logs its own warnings
-        preflight(cfg, world_size=nproc * nnodes, gpus_per_node=nproc,
-                  device=_device_kind(cfg))
+        try:  # preflight logs its own warnings
+            preflight(cfg, world_size=nproc * nnodes, gpus_per_node=nproc,
+                      device=_device_kind(cfg))
+        except ConfigError as exc:
+            problems += exc.problems
+        if problems:
+            raise ConfigError(problems)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -86,6 +103,14 @@ def main(argv: list[str]) -> int:
         from trainer.config import dump_toml
         print(dump_toml(cfg))
         return 0
+    if not (nproc == 1 and nnodes == 1) and cfg.launch.node_rank == 0:
+        from trainer.rundir import RunDirError, RunDirLock, claim_run_dir
+        try:  # refuse before torchrun starts any rank; rank 0 takes the lock for real
+            with RunDirLock(cfg.logging.run_dir):
+                claim_run_dir(cfg, check_only=True)
+        except RunDirError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
     if nproc == 1 and nnodes == 1:
         return rank_main(argv)
     from torch.distributed.run import get_args_parser, run
@@ -138,8 +163,9 @@ def rank_main(argv: list[str]) -> int:
     else:
         device = torch.device("cpu")
     seed_everything(cfg.train.seed + rank)
-    trainer = None
+    lock = trainer = None
     try:
+        lock, cfg = _claim_on_rank0(cfg, rank)
         trainer = Trainer(cfg, rank=rank, world=world, device=device)
         if cfg.checkpoint.load:
             from trainer.checkpoint import load_checkpoint
@@ -149,9 +175,47 @@ def rank_main(argv: list[str]) -> int:
             # every rank done with its collectives before any tears the group down (a rank
             # destroying gloo while its peer still talks can abort the peer at exit)
             dist.barrier()
+    except _known_failures() as exc:
+        print(f"error: rank {rank}: {exc}", file=sys.stderr, flush=True)
+        return 1
     finally:
         if trainer is not None:
             trainer.close()
+        if lock is not None:
+            lock.release()
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+def _claim_on_rank0(cfg: Config, rank: int):
+    """Rank 0 locks the run dir and applies --resume/--overwrite; every rank gets its
+    verdict (the lock, or None, and the resulting config)."""
+    from trainer.checkpoint.shards import broadcast_from_rank0
+    from trainer.rundir import RunDirError, RunDirLock, claim_run_dir
+    lock, load, error = None, None, None
+    if rank == 0:
+        try:
+            lock = RunDirLock(cfg.logging.run_dir).acquire()
+            load = claim_run_dir(cfg).checkpoint.load
+        except RunDirError as exc:
+            error = str(exc)
+            if lock is not None:
+                lock.release()
+                lock = None
+    load, error = broadcast_from_rank0((load, error))
+    if error is not None:
+        raise RunDirError(error)
+    import dataclasses
+    return lock, dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint,
+                                                                         load=load))
+
+
+def _known_failures() -> tuple[type[BaseException], ...]:
+    """Failures whose message says everything: reported in one line, exit code 1."""
+    from trainer.checkpoint import CheckpointError, ContractMismatchError
+    from trainer.engine.client import EngineError
+    from trainer.rundir import RunDirError
+    from trainer.watchdog import TrainingStalledError
+    return (RunDirError, CheckpointError, ContractMismatchError, EngineError,
+            TrainingStalledError)

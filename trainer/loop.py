@@ -28,6 +28,8 @@ from trainer.metrics import MetricsLogger
 from trainer.models.compile import compile_events, compile_wanted
 from trainer.profiling import ComputeMeter, ProfileWindow, StageTimer, add_times, nvtx_range
 from trainer.prompts import PromptSampler, load_records
+from trainer.engine.recovery import call_with_recovery
+from trainer.watchdog import check_progress
 
 log = logging.getLogger("trainer")
 
@@ -140,7 +142,9 @@ class Trainer:
                 dtype=cfg.rollout.engine_dtype, lora=lora_spec(cfg, self.adapter)
                 if cfg.sync_mode == "adapter" else None,
                 weight_sync_conn=recv_end, compile=cfg.model.compile,
-                warmup=self._engine_warmup())
+                warmup=self._engine_warmup(),
+                call_timeout_floor_s=cfg.rollout.engine_timeout_floor_s,
+                call_timeout_per_image_s=cfg.rollout.engine_timeout_per_sample_s)
             self.sender = ipc.WeightSender(send_end, backend=cfg.weight_sync.backend,
                                            bucket_bytes=cfg.weight_sync.bucket_size_mb << 20,
                                            timeout_s=cfg.weight_sync.timeout_s)
@@ -176,14 +180,16 @@ class Trainer:
     def rollout(self, rollout_id: int):
         records = self.sampler.groups_for_rollout(rollout_id, self.cfg.rollout.rollout_batch_size)
         mine = records[self.rank * self.groups_per_rank:(self.rank + 1) * self.groups_per_rank]
-        if self.cfg.rollout.offload_rollout:
-            with self.timer.stage("engine_resume"):
-                self.engine.resume()
-        with self.timer.stage("rollout"):
-            batch = self.driver.generate(mine, self.cfg.rollout.n_samples_per_prompt,
-                                         rollout_id=rollout_id,
-                                         policy_version=self.policy_version,
-                                         progress=self.cfg.logging.progress and self.rank == 0)
+        def generate():  # self.engine / self.driver: new ones after an engine restart
+            if self.cfg.rollout.offload_rollout:
+                with self.timer.stage("engine_resume"):
+                    self.engine.resume()
+            with self.timer.stage("rollout"):
+                return self.driver.generate(mine, self.cfg.rollout.n_samples_per_prompt,
+                                            rollout_id=rollout_id,
+                                            policy_version=self.policy_version,
+                                            progress=self.cfg.logging.progress and self.rank == 0)
+        batch = call_with_recovery(self, "rollout", generate)
         return batch
 
     def score(self, batch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -302,7 +308,7 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.device)
         with self.timer.stage("train"):
             metrics.update(self.train_on(batch, advantages, rollout_id))
-        metrics.update(self.sync_weights())
+        metrics.update(call_with_recovery(self, "weight sync", self.sync_weights))
         actor_now = actor_footprint(self.device) if first_measure else None
         if self.colocate.actor_offload:
             with self.timer.stage("offload"):
@@ -338,6 +344,7 @@ class Trainer:
         metrics["train/policy_version"] = float(self.policy_version)
         metrics["train/weight_sync_failures"] = float(self.sync_failures)
         metrics["train/checkpoint_failures"] = float(getattr(self, "checkpoint_failures", 0))
+        metrics["train/engine_restarts"] = float(getattr(self, "engine_restarts", 0))
         if self.device.type == "cuda":
             gb = 2.0 ** 30
             metrics["perf/mem_allocated_gb"] = torch.cuda.memory_allocated(self.device) / gb
@@ -386,9 +393,9 @@ class Trainer:
             return {}
         cfg = self.cfg
         with self.timer.stage("eval"), torch.no_grad():
-            batch = self.driver.generate(self.eval_records, cfg.data.n_samples_per_eval_prompt,
-                                         rollout_id=None, policy_version=self.policy_version,
-                                         write_artifacts=False)
+            batch = call_with_recovery(self, "eval", lambda: self.driver.generate(
+                self.eval_records, cfg.data.n_samples_per_eval_prompt, rollout_id=None,
+                policy_version=self.policy_version, write_artifacts=False))
             components, _ = self.reward.score(batch.images, batch.prompts, batch.metadata)
         weights = cfg.reward.component_weights or {c: 1.0 for c in components}
         total = sum(weights.get(c, 0.0) * v.float() for c, v in components.items())
@@ -425,6 +432,7 @@ class Trainer:
         last = {}
         for rollout_id in range(self.next_rollout, cfg.train.num_rollouts):
             metrics = self.train_step(rollout_id)
+            check_progress(self, rollout_id, metrics)
             self.next_rollout = rollout_id + 1
             step = rollout_id + 1
             is_last = step == cfg.train.num_rollouts
@@ -440,8 +448,9 @@ class Trainer:
         return history
 
     def maybe_save(self, step: int, is_last: bool) -> None:
+        """Every save_interval rollouts and at the end; save_interval -1 never saves."""
         ck = self.cfg.checkpoint
-        if not (ck.save or ck.save_interval):
+        if ck.save_interval < 0:
             return
         if is_last or (ck.save_interval and step % ck.save_interval == 0):
             from trainer.checkpoint import save_checkpoint

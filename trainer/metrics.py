@@ -3,11 +3,17 @@
 Names live under namespaces (train/…, reward/…, perf/…, eval/…). Values reaching ``log``
 must already be Python floats: the caller decides when to pay the host sync (`.item()`),
 once per logged step.
+
+A resume cuts the run's history back to the resumed step (``truncate_after``): the lines of
+``metrics.jsonl`` past it are removed, and TensorBoard's writer is reopened with
+``purge_step`` so TensorBoard discards the old events past it as well.
 """
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -49,6 +55,42 @@ class MetricsLogger:
             self._wandb.log(clean, step=step)
         if console:
             print(self.console_line(step, clean), flush=True)
+
+    def truncate_after(self, step: int) -> int:
+        """Drop every ``metrics.jsonl`` line with a step > ``step`` (kept lines unchanged, the
+        file replaced atomically) and make TensorBoard discard its events past ``step``.
+        Returns the number of lines removed."""
+        if not self.enabled:
+            return 0
+        path = self.run_dir / "metrics.jsonl"
+        self._jsonl.close()
+        kept, dropped = [], 0
+        for line in path.read_text().splitlines(keepends=True):
+            try:
+                past = json.loads(line).get("step", 0) > step
+            except (ValueError, AttributeError):
+                past = False  # an unparsable line is kept: it is not ours to judge
+            if past:
+                dropped += 1
+            else:
+                kept.append(line if line.endswith("\n") else line + "\n")
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, path)
+        self._jsonl = open(path, "a", buffering=1)
+        if self._tb is not None:
+            from torch.utils.tensorboard import SummaryWriter
+            self._tb.close()
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=step + 1)
+        logging.getLogger("trainer").log(
+            logging.WARNING if dropped else logging.INFO,
+            "resumed at step %d: removed %d metrics.jsonl lines past it%s", step, dropped,
+            " (TensorBoard purges its events past it)" if self._tb is not None else "")
+        return dropped
+
+    def clear(self) -> None:
+        """Start the history over (a run started with --overwrite)."""
+        self.truncate_after(-1)
 
     @staticmethod
     def console_line(step: int, m: dict[str, float]) -> str:

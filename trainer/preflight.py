@@ -548,18 +548,51 @@ def _check_data(c: _Checker) -> None:
                     c.error(f"{_key('data.eval_sde_indices')} contains step 0, singular under "
                             f"sde_type='sde'")
     if c.check_paths:
-        for name in ("prompt_data", "eval_prompt_data"):
-            v = getattr(d, name)
-            if v and not v.startswith("toy:") and not Path(v).is_file():
-                c.error(f"{_key('data.' + name)}={v!r} is not a file")
+        _check_prompt_files(c)
         if c.cfg.checkpoint.load and not Path(c.cfg.checkpoint.load).is_dir():
             c.error(f"{_key('checkpoint.load')}={c.cfg.checkpoint.load!r} is not a directory")
+
+
+def _check_prompt_files(c: _Checker) -> None:
+    """Open and parse the prompt files (every bad line as file:line) and refuse eval prompts
+    that are also training prompts: both would otherwise surface after the model loads."""
+    from trainer.data.prompt_files import PromptFileError, overlap_problems, read_numbered
+    d, parsed = c.cfg.data, {}
+    for name in ("prompt_data", "eval_prompt_data"):
+        v = getattr(d, name)
+        if not v or v.startswith("toy:"):
+            continue
+        if not Path(v).is_file():
+            c.error(f"{_key('data.' + name)}={v!r} is not a file")
+            continue
+        try:
+            parsed[name] = read_numbered(v)
+        except PromptFileError as exc:
+            c.errors += [f"{_key('data.' + name)}: {p}" for p in exc.problems[:20]]
+            if len(exc.problems) > 20:
+                c.error(f"{_key('data.' + name)}: ... and {len(exc.problems) - 20} more")
+    if len(parsed) == 2:
+        for problem in overlap_problems(parsed["prompt_data"], parsed["eval_prompt_data"]):
+            c.error(f"{_key('data.eval_prompt_data')}: {problem}")
+
+
+def _check_reliability(c: _Checker) -> None:
+    r, t, ck = c.cfg.rollout, c.cfg.train, c.cfg.checkpoint
+    for name in ("engine_timeout_floor_s", "engine_timeout_per_sample_s"):
+        v = getattr(r, name)
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            c.error(f"{_key('rollout.' + name)}={v!r} must be > 0")
+    c.at_least("rollout.engine_max_restarts", r.engine_max_restarts, 0)
+    c.at_least("train.max_rollouts_without_step", t.max_rollouts_without_step, 0)
+    if ck.resume and ck.overwrite:
+        c.error(f"{_key('checkpoint.resume')} and {_key('checkpoint.overwrite')} contradict "
+                f"each other: pass one")
 
 
 def _check_logging(c: _Checker) -> None:
     lg, ck = c.cfg.logging, c.cfg.checkpoint
     c.at_least("logging.log_interval", lg.log_interval, 1)
-    c.at_least("checkpoint.save_interval", ck.save_interval, 0)
+    c.at_least("checkpoint.save_interval", ck.save_interval, -1, " (-1: never save)")
     if lg.profile_steps is not None:
         m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", str(lg.profile_steps))
         if not m or int(m.group(1)) >= int(m.group(2)):
@@ -569,7 +602,8 @@ def _check_logging(c: _Checker) -> None:
 
 RULES: tuple[Callable[[_Checker], None], ...] = (
     _check_model, _check_trainable, _check_sampling, _check_geometry, _check_optim,
-    _check_dtypes, _check_launch, _check_reward, _check_data, _check_logging)
+    _check_dtypes, _check_launch, _check_reward, _check_data, _check_logging,
+    _check_reliability)
 
 
 def preflight(cfg: Config, *, world_size: int | None = None, gpus_per_node: int | None = None,

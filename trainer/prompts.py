@@ -1,4 +1,5 @@
-"""Prompt sources for training and eval: unified-schema JSONL / parquet files, or the toy world.
+"""Prompt sources for training and eval: prompt files (JSONL, parquet, plain text, GenEval's
+metadata.jsonl: ``trainer.data.prompt_files``), or the toy world.
 
 Records are ``{"prompt": str, "metadata": {"task": "t2i", "sample_id": str, ...}}``. The
 sampler is an epoch-shuffled cycle seeded by --rollout-seed, so rollout ``r`` always sees the
@@ -6,7 +7,6 @@ same prompts (exact resume needs only the rollout id).
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -22,20 +22,10 @@ def load_records(source: str, *, seed: int = 0, limit: int | None = None) -> lis
         n = TOY_TRAIN_SIZE if split == "train" else TOY_EVAL_SIZE
         records = make_prompt_records(limit or n, seed=seed, split=split)
     else:
-        path = Path(source)
-        if not path.exists():
+        from trainer.data.prompt_files import read_prompt_file
+        if not Path(source).exists():
             raise FileNotFoundError(f"prompt data {source!r} does not exist")
-        if path.suffix == ".parquet":
-            import pyarrow.parquet as pq
-            rows = pq.read_table(path).to_pylist()
-        else:
-            rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        problems = [f"{path}:{i + 1}: no 'prompt' string" for i, r in enumerate(rows)
-                    if not isinstance(r.get("prompt"), str)]
-        if problems:
-            raise ValueError("bad prompt records:\n  - " + "\n  - ".join(problems[:20]))
-        records = [{"prompt": r["prompt"], "metadata": dict(r.get("metadata") or {})}
-                   for r in rows]
+        records = read_prompt_file(source)  # PromptFileError (a ValueError) names file:line
     for i, r in enumerate(records):
         r["metadata"].setdefault("task", "t2i")
         r["metadata"].setdefault("sample_id", f"{Path(source).stem}_{i:07d}")

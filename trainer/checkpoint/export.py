@@ -458,5 +458,6 @@ def main(argv: list[str]) -> int:
     except VerifyError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(f"exported {args.form or 'full'} -> {out}" + (" (verified)" if args.verify else ""))
+    print(f"exported {args.form or 'full'} -> {out} (checkpoint contents matched their COMMITTED "
+          f"checksums" + ("; export verified against the checkpoint)" if args.verify else ")"))
     return 0

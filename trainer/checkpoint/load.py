@@ -11,8 +11,13 @@ Design choices where the spec is silent:
   committed iterations are trusted, and rank 0 picks one and broadcasts it, so all ranks load
   the same iteration even if a save lands on the filesystem meanwhile.
 * The engine already holds the base weights from the trainer's construction, so after the
-  restore the weights are pushed again as the saved policy version (``_resync_engine``);
+  restore the weights are pushed again as the saved policy version (``resync_engine``);
   without this the first resumed rollout would sample from the base model.
+* Only an iteration whose content checksums verify is loaded; newer ones that fail are
+  logged and renamed ``iter_N.rejected-<time>`` (kept for inspection, out of the timeline, so
+  the next save does not mistake them for another run's checkpoints).
+* ``metrics.jsonl`` and TensorBoard are cut back to the resumed iteration
+  (``MetricsLogger.truncate_after``): the steps after it are about to be trained again.
 * The RNG is restored last, after everything else that might draw from it.
 * A missing RNG file for this rank (a different world size) is a warning: the spec calls
   per-rank RNG best-effort. The rest still resumes exactly.
@@ -20,6 +25,8 @@ Design choices where the spec is silent:
 from __future__ import annotations
 
 import logging
+import os
+import time
 from pathlib import Path
 
 from trainer.checkpoint import layout
@@ -31,7 +38,7 @@ from trainer.checkpoint.shards import broadcast_from_rank0, read_shards
 log = logging.getLogger("trainer.checkpoint")
 
 
-def _resync_engine(trainer, version: int) -> None:
+def resync_engine(trainer, version: int) -> None:
     """Push the restored weights to the engine as policy ``version``: the rollout driver
     refuses samples from an engine whose version differs from the trainer's.
 
@@ -50,8 +57,19 @@ def _resync_engine(trainer, version: int) -> None:
         trainer.policy_version = version - 1
         trainer.sync_weights()
     if trainer.policy_version != version:
-        raise layout.CheckpointError(f"re-syncing the engine to policy version {version} after "
-                                     f"the resume left version {trainer.policy_version}")
+        raise layout.CheckpointError(f"re-syncing the engine to policy version {version} left "
+                                     f"version {trainer.policy_version}")
+
+
+def _set_aside_rejected(chosen: Path) -> None:
+    """Rename every committed-looking iteration newer than ``chosen`` (it failed
+    verification, or resolve would have chosen it) out of the ``iter_*`` namespace."""
+    for n, d in layout.iteration_dirs(chosen.parent):
+        if n > layout.parse_iter(chosen.name) and (d / layout.COMMITTED).exists():
+            target = d.with_name(f"{d.name}.rejected-{time.time_ns()}")
+            os.replace(d, target)
+            log.warning("set aside %s as %s: it failed verification, resuming from %s", d,
+                        target.name, chosen)
 
 
 def load_checkpoint(trainer, path: str | Path) -> Path:
@@ -61,8 +79,11 @@ def load_checkpoint(trainer, path: str | Path) -> Path:
     chosen, error = None, None
     if trainer.rank == 0:
         try:
-            chosen = str(layout.resolve_checkpoint(path, cfg.model.task))
-        except layout.CheckpointError as exc:
+            found = layout.resolve_checkpoint(path, cfg.model.task)
+            if layout.parse_iter(Path(path).name) is None:  # newest-of-a-directory resume
+                _set_aside_rejected(found)
+            chosen = str(found)
+        except (layout.CheckpointError, OSError) as exc:
             error = str(exc)
     chosen, error = broadcast_from_rank0((chosen, error))
     if error is not None:
@@ -85,7 +106,7 @@ def load_checkpoint(trainer, path: str | Path) -> Path:
     trainer.lr_steps = int(state["lr_scheduler_steps"])
     trainer.next_rollout = int(state["rollout_id"]) + 1
     trainer.checkpoint_failures = int(state.get("checkpoint_failures", 0))
-    _resync_engine(trainer, int(state["policy_version"]))
+    resync_engine(trainer, int(state["policy_version"]))
 
     rng_path = iter_dir / layout.rng_file(trainer.rank)
     if rng_path.is_file():
@@ -94,6 +115,9 @@ def load_checkpoint(trainer, path: str | Path) -> Path:
         log.warning("%s has no RNG state for rank %d (saved with world size %s, now %d): "
                     "RNG not restored on this rank", iter_dir, trainer.rank,
                     state.get("world_size"), trainer.world)
+    metrics = getattr(trainer, "metrics", None)
+    if trainer.rank == 0 and callable(getattr(metrics, "truncate_after", None)):
+        metrics.truncate_after(int(state["iteration"]))
     log.info("resumed from %s: next rollout %d, policy version %d, lr step %d", iter_dir,
              trainer.next_rollout, trainer.policy_version, trainer.lr_steps)
     return iter_dir

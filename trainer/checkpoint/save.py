@@ -6,9 +6,11 @@ JSON sidecars (rank 0) -> MIN all-reduce of every rank's success -> COMMITTED (r
 
 Failure policy: a rotation failure raises on every rank (rank 0's result is broadcast, so no
 rank is left waiting in a collective). A failed write (DCP, RNG, sidecars, or the commit
-itself) on any rank is logged loudly on every rank, counted in
-``trainer.checkpoint_failures`` (the loop logs it as ``train/checkpoint_failures``) and
-leaves no COMMITTED marker; training goes on and the next save retries.
+itself; disk full included: DCP wraps the OSError in a ``CheckpointException``, which is a
+``BaseException``) on any rank is logged loudly on every rank with the OS error, counted in
+``trainer.checkpoint_failures`` (the loop logs it as ``train/checkpoint_failures``), its
+partial directory is removed by rank 0 and no COMMITTED marker exists; training goes on,
+the previous committed checkpoint stays the resume point and the next save retries.
 
 Design choices where the spec is silent:
 
@@ -22,11 +24,13 @@ Design choices where the spec is silent:
 """
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from trainer.checkpoint import layout
 from trainer.checkpoint.contract import adapter_contract, sampling_fingerprint, \
@@ -86,6 +90,37 @@ def _commit(trainer, root: Path, task: str, step: int, iter_dir: Path) -> None:
     layout.write_latest(root, task, step)
 
 
+def describe_failure(exc: BaseException) -> str:
+    """The root cause of a failed write in one line: the OS error (errno name, strerror,
+    file) when there is one, also inside DCP's per-rank ``CheckpointException``."""
+    causes: list[BaseException] = []
+    if isinstance(exc, CheckpointException):
+        causes += [pair[0] for pair in exc.failures.values()]
+    causes.append(exc)
+    for cause in causes:
+        seen = cause
+        while seen is not None:
+            if isinstance(seen, OSError) and seen.errno is not None:
+                name = errno.errorcode.get(seen.errno, str(seen.errno))
+                where = f" ({seen.filename})" if seen.filename else ""
+                return f"OSError {name}: {seen.strerror}{where}"
+            seen = seen.__cause__ or seen.__context__
+    first = causes[0]
+    return f"{type(first).__name__}: {str(first).splitlines()[0][:300] if str(first) else ''}"
+
+
+def _remove_partial(trainer, iter_dir: Path) -> None:
+    """Rank 0 removes a failed save's directory (it was never committed)."""
+    if trainer.rank != 0 or not iter_dir.exists():
+        return
+    try:
+        layout.remove_tree(iter_dir)
+        log.warning("removed the partial checkpoint directory %s", iter_dir)
+    except OSError as exc:
+        log.error("could not remove the partial checkpoint directory %s: %s", iter_dir,
+                  describe_failure(exc))
+
+
 def _count_failure(trainer, step: int, what: str) -> None:
     n = int(getattr(trainer, "checkpoint_failures", 0)) + 1
     setattr(trainer, "checkpoint_failures", n)
@@ -113,7 +148,8 @@ def save_checkpoint(trainer, step: int) -> Path | None:
     if trainer.rank == 0:
         try:
             task_dir.mkdir(parents=True, exist_ok=True)
-            removed = layout.rotate(task_dir, cfg.checkpoint.max_actor_ckpt_to_keep, step)
+            removed = layout.rotate(task_dir, cfg.checkpoint.max_actor_ckpt_to_keep, step,
+                                    overwrite=bool(getattr(cfg.checkpoint, "overwrite", False)))
             if removed:
                 log.info("checkpoint rotation removed %s", [p.name for p in removed])
         except Exception as exc:  # reported on every rank below
@@ -124,23 +160,26 @@ def save_checkpoint(trainer, step: int) -> Path | None:
                                      f"before saving iteration {step}: {error}")
 
     offloaded = getattr(trainer, "offloaded", None)
-    ok = True
+    ok, cause = True, ""
     try:
         if offloaded is not None:
             from trainer.actor.model import onload_actor
             onload_actor(trainer.model, trainer.optimizer, offloaded)
             trainer.offloaded = None
         _write(trainer, step, iter_dir)
-    except Exception:
-        log.exception("checkpoint write of %s failed on rank %d", iter_dir, trainer.rank)
+    except (Exception, CheckpointException) as exc:
+        cause = describe_failure(exc)
+        log.error("checkpoint write of %s failed on rank %d: %s", iter_dir, trainer.rank, cause,
+                  exc_info=not isinstance(exc, (OSError, CheckpointException)))
         ok = False
     finally:
         if offloaded is not None:
             from trainer.actor.model import offload_actor
             trainer.offloaded = offload_actor(trainer.model, trainer.optimizer)
     if not all_ranks_ok(ok):
+        _remove_partial(trainer, iter_dir)
         _count_failure(trainer, step, f"writing {iter_dir} failed on "
-                       f"{'this rank' if not ok else 'another rank'}")
+                       f"{'this rank (' + cause + ')' if not ok else 'another rank'}")
         return None
 
     error = None
@@ -148,8 +187,10 @@ def save_checkpoint(trainer, step: int) -> Path | None:
         try:
             _commit(trainer, root, task, step, iter_dir)
         except Exception as exc:
-            log.exception("committing %s failed", iter_dir)
-            error = f"{type(exc).__name__}: {exc}"
+            error = describe_failure(exc)
+            log.error("committing %s failed: %s", iter_dir, error)
+            if not (iter_dir / layout.COMMITTED).exists():
+                _remove_partial(trainer, iter_dir)
     error = broadcast_from_rank0(error)
     if error is not None:
         _count_failure(trainer, step, f"committing {iter_dir} failed on rank 0 ({error})")

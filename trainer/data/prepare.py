@@ -6,8 +6,9 @@ Converters (``--source``):
   column. Only that column is read, so shards with embedded image bytes stream cheaply.
 * ``prompts``: a generic prompt list: parquet with a ``prompt`` or ``caption`` column (or
   ``--prompt-column``), JSONL with a ``prompt`` field (its ``metadata``, ``images`` and
-  ``videos`` are kept; a missing task / sample_id is filled in), or plain text, one prompt per
-  line.
+  ``videos`` are kept, every other top-level field goes into the metadata: GenEval's
+  ``metadata.jsonl`` keeps its ``tag`` / ``include`` / ``exclude``; a missing task /
+  sample_id is filled in), or plain text, one prompt per line (Flow-GRPO's ``.txt`` lists).
 
 Sample ids are ``<id-prefix><n:07d>`` with n the 1-based row (or line) number across the
 input files in sorted order, counting skipped rows too, so an id always points back at its
@@ -95,6 +96,9 @@ def _emit(rows: Iterator[tuple[Any, dict[str, Any]]], *, task: str, id_prefix: s
             stats["skipped_empty"] += 1
             continue
         meta = dict(extra.get("metadata") or {})
+        for key, value in extra.items():  # GenEval's tag / include / exclude, and the like
+            if key not in ("prompt", "metadata", *MEDIA_PLACEHOLDERS):
+                meta.setdefault(key, value)
         meta.setdefault("task", task)
         meta.setdefault("sample_id", f"{id_prefix}{number:07d}")
         record: dict[str, Any] = {"prompt": prompt.strip(), "metadata": meta}

@@ -8,9 +8,19 @@ engine's memory; ``generate`` clones them into the trainer's own allocation (a f
 device-to-device) and drops the IPC references at once, so the engine can release its memory
 while the actor trains on the rollout (otherwise the engine's blocks stay pinned until the
 batch dies, and each rebuilt handle costs ~0.94 ms to release: notes/cuda-ipc-facts.md).
+
+Deadlines: a spawned engine's calls may carry a deadline of ``floor_s + per_image_s x
+images requested`` (``launch_embedded_engine``'s ``call_timeout_*``; the trainer sets them
+from ``rollout.engine_timeout_*``). A missed deadline, a dead process or a closed pipe raises
+``EngineUnavailableError`` naming the call, the stage it serves and the process state (a
+stopped process says so); the transport is then unusable (a late answer would be taken for
+the next call's), and ``kill()`` ends the process, SIGKILL included, since a stopped process
+ignores SIGTERM. ``trainer.engine.recovery`` restarts it.
 """
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 import traceback
@@ -18,9 +28,41 @@ from typing import Any
 
 import torch
 
+# What each call serves, for the messages of a missed deadline or a dead engine.
+STAGES = {"generate": "rollout", "checksum": "weight sync (checksum check)",
+          "get_version": "weight sync (version check)", "release": "offload (release)",
+          "resume": "rollout (resume)", "health": "health check", "close": "shutdown",
+          "update_weights_from_disk": "weight update from disk"}
+
+
+_LINE_MAX = 1000
+
 
 class EngineError(RuntimeError):
     """The engine process failed or died; the message carries its traceback."""
+
+
+class EngineUnavailableError(EngineError):
+    """The engine did not answer in time, died, or closed its pipe: a restart can help."""
+
+
+def process_state(pid: int) -> str:
+    """``running``, ``stopped (SIGSTOP?)``, ``zombie`` ... from /proc (Linux), or ``unknown``."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "unknown"
+    return {"R": "running", "S": "sleeping", "D": "in uninterruptible I/O",
+            "T": "stopped (SIGSTOP?)", "t": "stopped by a tracer", "Z": "zombie"}.get(state, state)
+
+
+def request_images(method: str, args: tuple) -> int:
+    """Images a call asks for (the size its deadline scales with): prompts of a generate."""
+    if method == "generate" and args and isinstance(args[0], dict):
+        prompts = args[0].get("prompt")
+        return len(prompts) if isinstance(prompts, list) else 1
+    return 0
 
 
 def localize(obj: Any) -> Any:
@@ -41,6 +83,11 @@ def pack_exception(exc: BaseException) -> tuple[Any, str]:
     import pickle
 
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    # the exception's own message is in the traceback again: cut long lines (a 40k-token
+    # prompt quoted in a message would otherwise reach the log twice, whole)
+    text = "\n".join(line if len(line) <= _LINE_MAX else
+                     f"{line[:_LINE_MAX]}... ({len(line)} characters)"
+                     for line in text.split("\n"))
     try:
         pickle.loads(pickle.dumps(exc))
         return exc, text
@@ -74,38 +121,78 @@ class _LocalTransport:
 class _PipeTransport:
     """Calls an ``EngineCore`` in a spawned process; one request in flight at a time."""
 
-    def __init__(self, conn: Any, process: Any, *, poll_s: float = 0.5) -> None:
+    def __init__(self, conn: Any, process: Any, *, poll_s: float = 0.5,
+                 floor_s: float | None = None, per_image_s: float = 0.0) -> None:
         self.conn = conn
         self.process = process
         self.poll_s = poll_s
+        self.floor_s = floor_s
+        self.per_image_s = per_image_s
         self._lock = threading.Lock()
         self._closed = False
+        self.broken: str | None = None  # why the transport may no longer be used
+
+    def deadline_s(self, method: str, args: tuple) -> float | None:
+        if self.floor_s is None:
+            return None
+        return self.floor_s + self.per_image_s * request_images(method, args)
 
     def _recv(self, what: str, timeout_s: float | None) -> Any:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while not self.conn.poll(self.poll_s):
+        where = f"{what} (stage: {STAGES.get(what, what)})"
+        pid = self.process.pid
+        while not self.conn.poll(min(self.poll_s, timeout_s or self.poll_s)):
             if not self.process.is_alive():
-                raise EngineError(f"engine process {self.process.pid} died during {what} "
-                                  f"(exit code {self.process.exitcode})")
+                raise EngineUnavailableError(f"engine process {pid} died during {where}, exit "
+                                             f"code {self.process.exitcode}")
             if deadline is not None and time.monotonic() > deadline:
-                raise EngineError(f"engine did not answer {what} within {timeout_s:.0f} s")
+                raise EngineUnavailableError(
+                    f"engine process {pid} did not answer {where} within its {timeout_s:.1f} s "
+                    f"deadline; the process is {process_state(pid)}")
         try:
             return self.conn.recv()
-        except EOFError as exc:
-            raise EngineError(f"engine process closed its pipe during {what} "
-                              f"(exit code {self.process.exitcode})") from exc
+        except (EOFError, OSError) as exc:
+            self.process.join(2.0)  # the pipe closes as the process dies: collect its end
+            what = "died" if not self.process.is_alive() else "closed its pipe"
+            raise EngineUnavailableError(f"engine process {pid} {what} during {where}, exit "
+                                         f"code {self.process.exitcode}") from exc
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         with self._lock:
             if self._closed:
                 raise EngineError(f"engine client is closed (called {method})")
-            self.conn.send((method, args, kwargs))
-            status, payload = self._recv(method, None)
+            if self.broken is not None:
+                raise EngineUnavailableError(f"engine unusable since: {self.broken} (called "
+                                             f"{method})")
+            try:
+                self.conn.send((method, args, kwargs))
+                status, payload = self._recv(method, self.deadline_s(method, args))
+            except (EngineUnavailableError, OSError) as exc:
+                self.broken = str(exc)
+                if isinstance(exc, EngineUnavailableError):
+                    raise
+                raise EngineUnavailableError(f"engine pipe failed during {method}: {exc}") \
+                    from exc
         if status == "error":
             raise_remote(payload)
         return localize(payload)
 
+    def kill(self) -> None:
+        """End the engine process now (SIGKILL: a stopped process ignores SIGTERM)."""
+        with self._lock:
+            self._closed = True
+            self.conn.close()
+        if self.process.is_alive():
+            try:
+                os.kill(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.process.join(10.0)
+
     def close(self, timeout_s: float = 30.0) -> None:
+        if self.broken is not None:
+            self.kill()  # a hung engine never answers close
+            return
         with self._lock:
             if self._closed:
                 return
@@ -122,6 +209,8 @@ class _PipeTransport:
         if self.process.is_alive():  # the engine ignored close: end it (our own child only)
             self.process.terminate()
             self.process.join(5.0)
+        if self.process.is_alive():  # stopped processes keep SIGTERM pending
+            self.kill()
 
 
 class EngineClient:
@@ -165,6 +254,13 @@ class EngineClient:
 
     def close(self) -> None:
         self._transport.close()
+
+    def kill(self) -> None:
+        """End a spawned engine at once (in-process engines are closed)."""
+        if hasattr(self._transport, "kill"):
+            self._transport.kill()
+        else:
+            self._transport.close()
 
     def __enter__(self) -> "EngineClient":
         return self

@@ -60,7 +60,9 @@ def launch_embedded_engine(*, adapter_path: str, model_path: str, adapter_option
                            weight_sync_conn: Any = None, http_port: int | None = None,
                            in_process: bool = False,
                            startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
-                           compile: str = "none", warmup: dict | None = None) -> EngineClient:
+                           compile: str = "none", warmup: dict | None = None,
+                           call_timeout_floor_s: float | None = None,
+                           call_timeout_per_image_s: float = 0.0) -> EngineClient:
     """Start one embedded engine and return its client.
 
     ``device``: "cpu" or "cuda:<j>" (the rank's own GPU; the spawned process sees the same
@@ -69,10 +71,11 @@ def launch_embedded_engine(*, adapter_path: str, model_path: str, adapter_option
     mode); None for full and merge modes. ``weight_sync_conn``: the receiver end of
     ``ipc.channel_pair()``. ``http_port``: also serve HTTP on 127.0.0.1 (0 picks a free port;
     the client's ``http_url`` says which). ``in_process``: build the engine in this process (tests,
-    CPU runs) instead of spawning one. Bad arguments raise one ValueError before anything loads;
-    a failed load raises with the engine's traceback. ``compile``: the transformer's
-    ``model.compile`` setting; ``warmup``: {"height", "width", "batch"} to run (and compile)
-    before the first request.
+    CPU runs) instead of spawning one. ``call_timeout_floor_s`` / ``call_timeout_per_image_s``:
+    the deadline of every call of a spawned engine, floor + per image requested (None: none).
+    ``compile``: the transformer's ``model.compile`` setting; ``warmup``: {"height", "width",
+    "batch"} to run (and compile) before the first request. Bad arguments raise one ValueError
+    before anything loads; a failed load raises with the engine's traceback.
     """
     check_launch_args(adapter_path=adapter_path, model_path=model_path, device=device,
                       dtype=dtype, lora=lora)
@@ -115,4 +118,6 @@ def launch_embedded_engine(*, adapter_path: str, model_path: str, adapter_option
     if status != "ready":
         proc.join(30)
         raise_remote(payload)
-    return EngineClient(_PipeTransport(parent, proc), http_url=payload["http_url"], pid=payload["pid"])
+    transport = _PipeTransport(parent, proc, floor_s=call_timeout_floor_s,
+                               per_image_s=call_timeout_per_image_s)
+    return EngineClient(transport, http_url=payload["http_url"], pid=payload["pid"])

@@ -103,7 +103,8 @@ class ToyAdapter(DiffusersAdapter):
         length = self.max_sequence_length
         ids = tokenizer(list(prompts), padding="max_length", max_length=length,
                         truncation=False)["input_ids"]
-        long = [f"{i}: {p!r} ({len(t)} tokens)" for i, (p, t) in enumerate(zip(prompts, ids))
+        from trainer.data.prompt_files import cut  # a 40k-token prompt stays one short line
+        long = [f"{i}: {cut(p)} ({len(t)} tokens)" for i, (p, t) in enumerate(zip(prompts, ids))
                 if len(t) > length]
         if long:
             raise ValueError(f"prompts longer than {length} tokens: " + "; ".join(long))

@@ -1,0 +1,117 @@
+"""Prompt files as users bring them (.txt lists, GenEval's metadata.jsonl, JSONL with bad
+lines), read by ``--prompt-data`` directly, by ``data prepare``, and checked in preflight
+with every problem as ``file:line``; and one error for every problem of a launch."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trainer.config import ConfigError, load_config
+from trainer.data.prepare import prepare
+from trainer.data.prompt_files import PromptFileError, read_prompt_file
+from trainer.preflight import preflight
+from trainer.prompts import load_records
+
+GENEVAL = [
+    {"tag": "single_object", "include": [{"class": "bench", "count": 1}],
+     "prompt": "a photo of a bench"},
+    {"tag": "counting", "include": [{"class": "cat", "count": 2}],
+     "exclude": [{"class": "cat", "count": 3}], "prompt": "a photo of two cats"},
+]
+
+
+def _write(path, lines):
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def test_txt_prompt_file_loads_directly(tmp_path):
+    path = _write(tmp_path / "prompts.txt", ["a red cube", "", "  a blue ball  ", "   "])
+    records = load_records(str(path))
+    assert [r["prompt"] for r in records] == ["a red cube", "a blue ball"]
+    assert [r["metadata"]["sample_id"] for r in records] == ["prompts_0000000",
+                                                             "prompts_0000001"]
+    assert all(r["metadata"]["task"] == "t2i" for r in records)
+
+
+def test_geneval_metadata_fields_are_kept_for_rewards(tmp_path):
+    path = _write(tmp_path / "metadata.jsonl", [json.dumps(r) for r in GENEVAL])
+    direct = load_records(str(path))
+    assert direct[1]["prompt"] == "a photo of two cats"
+    assert direct[1]["metadata"]["tag"] == "counting"
+    assert direct[1]["metadata"]["include"] == [{"class": "cat", "count": 2}]
+    assert direct[1]["metadata"]["exclude"] == [{"class": "cat", "count": 3}]
+    out = tmp_path / "prepared.jsonl"
+    assert prepare(source="prompts", input_path=str(path), output=str(out))["written"] == 2
+    prepared = [json.loads(line) for line in out.read_text().splitlines()]
+    assert prepared[1]["metadata"]["include"] == [{"class": "cat", "count": 2}]
+    assert prepared[0]["metadata"]["tag"] == "single_object"
+    assert load_records(str(out))[1]["metadata"]["exclude"] == [{"class": "cat", "count": 3}]
+    txt = _write(tmp_path / "list.txt", ["one prompt", "two prompt"])
+    assert prepare(source="prompts", input_path=str(txt),
+                   output=str(tmp_path / "from_txt.jsonl"))["written"] == 2
+
+
+def test_bad_lines_are_all_named_file_and_line_and_long_values_are_cut(tmp_path):
+    huge = "word " * 40_000
+    path = _write(tmp_path / "bad.jsonl", [
+        json.dumps({"prompt": "fine"}),
+        '{"prompt": "unterminated',
+        json.dumps({"prompt": 7}),
+        json.dumps({"prompt": huge, "metadata": "not an object " * 1000}),
+        json.dumps(["a list"]),
+    ])
+    with pytest.raises(PromptFileError) as e:
+        load_records(str(path))                         # not a bare JSONDecodeError
+    msg = str(e.value)
+    for line in (2, 3, 4, 5):
+        assert f"{path}:{line}:" in msg
+    assert f"{path}:1:" not in msg
+    assert "invalid JSON" in msg and "characters)" in msg
+    assert len(msg) < 2000, len(msg)
+
+
+def test_empty_file_is_an_error_naming_it(tmp_path):
+    path = _write(tmp_path / "empty.txt", ["", "  "])
+    with pytest.raises(PromptFileError, match="empty.txt: holds no prompt"):
+        read_prompt_file(path)
+
+
+def _cfg(tmp_path, *sets):
+    return load_config("toy", [f"logging.run_dir={tmp_path / 'run'}", *sets])
+
+
+def test_preflight_parses_prompt_files_and_refuses_overlap(tmp_path):
+    train = _write(tmp_path / "train.txt", ["a cat", "a dog", "a  bird"])
+    evals = _write(tmp_path / "eval.jsonl", [json.dumps({"prompt": "a bird"}),
+                                             json.dumps({"prompt": "a fish"})])
+    empty = _write(tmp_path / "empty.jsonl", [])
+    broken = _write(tmp_path / "broken.jsonl", ['{"prompt": "x"', json.dumps({"prompt": "y"})])
+    with pytest.raises(ConfigError) as e:
+        preflight(_cfg(tmp_path, f"data.prompt_data={train}", f"data.eval_prompt_data={evals}"))
+    msg = str(e.value)
+    assert "1 of the 2 eval prompts are also training prompts" in msg
+    assert f"{evals}:1 = {train}:3" in msg
+    with pytest.raises(ConfigError) as e:
+        preflight(_cfg(tmp_path, f"data.prompt_data={empty}", f"data.eval_prompt_data={broken}"))
+    msg = str(e.value)
+    assert "data.prompt_data (--prompt-data)" in msg and "holds no prompt" in msg
+    assert f"{broken}:1: invalid JSON" in msg
+    preflight(_cfg(tmp_path, f"data.prompt_data={train}", "data.eval_prompt_data=none"))
+
+
+def test_launch_reports_type_errors_with_every_later_problem(capsys):
+    """A type error in one --set does not hide the other stages' problems: one error, exit 2,
+    naming all of them."""
+    from trainer.launch import main
+    rc = main(["--config", "toy", "--set", "train.lr=fast", "--set",
+               "rollout.n_samples_per_prompt=-1", "--set", "fsdp.trainable_mode=bogus",
+               "--no-such-flag", "--dry-run"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "train.lr: cannot parse 'fast' as float" in err
+    assert "unknown argument '--no-such-flag'" in err
+    assert "rollout.n_samples_per_prompt (--n-samples-per-prompt)=-1" in err
+    assert "fsdp.trainable_mode (--fsdp-trainable-mode)='bogus'" in err
+    assert err.count("invalid configuration") == 1
