@@ -101,6 +101,10 @@ class RewardConfig:
                                  "{component: weight} combining normalised components.")
     std_mode: str = _f("group", "--generative-advantage-std-mode", "group | batch | none.")
     timeout_s: float = _f(60.0, "--reward-timeout", "Remote scorer timeout per request.")
+    scorers: dict = _f({}, "--reward-scorers",
+                       "Several weighted scorers: [reward.scorers.NAME] tables with weight, "
+                       "model_path, required, path and the scorer's own options "
+                       "(trainer/rewards/spec.py).")
 
 
 @dataclass

@@ -70,7 +70,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         cfg, args = resolve(argv)
-        from trainer.preflight import preflight
+        from trainer.preflight import check_imports, preflight
         nproc = cfg.launch.nproc
         if nproc is None:
             import torch
@@ -79,6 +79,7 @@ def main(argv: list[str]) -> int:
         # preflight logs its own warnings
         preflight(cfg, world_size=nproc * nnodes, gpus_per_node=nproc,
                   device=_device_kind(cfg))
+        check_imports(cfg)  # second stage: every dotpath imported, every scorer option checked
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

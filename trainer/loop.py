@@ -150,14 +150,11 @@ class Trainer:
             sample_id_mode=cfg.rollout.sampling.get("sample_id_mode", "metadata"))
 
     def _build_reward(self) -> None:
-        from trainer.rewards import build_reward_manager
+        from trainer.rewards import build_reward_manager_from_config
         r = self.cfg.reward
         device = self.device if r.runtime == "colocate" else torch.device("cpu")
         self.reward_device = device
-        self.reward = build_reward_manager(
-            scorer_path=r.scorer_path, model_path=r.model_path, runtime=r.runtime,
-            endpoint=r.endpoint, device=device, custom_reward_path=r.custom_reward_path,
-            timeout_s=r.timeout_s)
+        self.reward = build_reward_manager_from_config(r, device=device)
 
     # ---- one step ---------------------------------------------------------------------
     def rollout(self, rollout_id: int):
@@ -179,10 +176,10 @@ class Trainer:
             with self.meter.region("reward_model", self.reward_device):
                 components, metrics = self.reward.score(batch.images, batch.prompts,
                                                         batch.metadata)
-            weights = r.component_weights or {c: 1.0 for c in components}
+            weights = self.reward.weights or {c: 1.0 for c in components}
             adv, adv_metrics, failed = compute_advantages(
                 components, batch.group_index, weights=weights,
-                required=list(r.required_components), std_mode=r.std_mode)
+                required=list(self.reward.required), std_mode=r.std_mode)
         metrics.update(adv_metrics)
         total = sum(weights.get(c, 0.0) * v.float() for c, v in components.items())
         wsum = sum(weights.get(c, 0.0) for c in components) or 1.0
@@ -462,7 +459,7 @@ class Trainer:
                                          rollout_id=None, policy_version=self.policy_version,
                                          write_artifacts=False)
             components, _ = self.reward.score(batch.images, batch.prompts, batch.metadata)
-        weights = cfg.reward.component_weights or {c: 1.0 for c in components}
+        weights = self.reward.weights or {c: 1.0 for c in components}
         total = sum(weights.get(c, 0.0) * v.float() for c, v in components.items())
         wsum = sum(weights.get(c, 0.0) for c in components) or 1.0
         out = {"eval/reward_mean": float(total.mean()) / wsum}
