@@ -217,3 +217,124 @@ def test_geneval_rules_with_a_fake_detector():
     assert partial.score(images[3:4], ["p"], meta[3:4])["geneval"].tolist() == [0.0]
     with pytest.raises(RewardError, match="position"):
         scorer.score(images[:1], ["p"], [{"include": [{"class": "a", "position": ["near", 0]}]}])
+
+
+# ---- ImageReward --------------------------------------------------------------------------
+TINY_ARCH = dict(image_size=32, patch_size=8, vision_hidden=32, vision_layers=2,
+                 vision_heads=2, vision_mlp=64, text_hidden=24, text_layers=2, text_heads=2,
+                 text_mlp=48, vocab_size=40, max_positions=64, max_length=12)
+WORDS = ["a", "red", "cat", "dog", "on", "the", "table", "photo", "of", "blue"]
+
+
+def original_names(model_state):
+    """ImageRewardModel names -> the released checkpoint's (BLIP's own), by the inverse of
+    the loader's table, written out independently here."""
+    inverse = [(r"^embeddings\.class_embedding$", "cls_token"),
+               (r"^embeddings\.position_embedding$", "pos_embed"),
+               (r"^embeddings\.patch_embedding\.", "patch_embed.proj."),
+               (r"^encoder\.layers\.(\d+)\.layer_norm1\.", r"blocks.\1.norm1."),
+               (r"^encoder\.layers\.(\d+)\.layer_norm2\.", r"blocks.\1.norm2."),
+               (r"^encoder\.layers\.(\d+)\.self_attn\.qkv\.", r"blocks.\1.attn.qkv."),
+               (r"^encoder\.layers\.(\d+)\.self_attn\.projection\.", r"blocks.\1.attn.proj."),
+               (r"^encoder\.layers\.(\d+)\.mlp\.", r"blocks.\1.mlp."),
+               (r"^post_layernorm\.", "norm.")]
+    import re
+    out = {"blip.vision_proj.weight": torch.zeros(3, 3)}  # an unused BLIP head: ignored
+    for key, value in model_state.items():
+        if key.startswith("vision."):
+            name = key[len("vision."):]
+            for pattern, repl in inverse:
+                name, n = re.subn(pattern, repl, name)
+                if n:
+                    break
+            out["blip.visual_encoder." + name] = value
+        elif key.startswith("text."):
+            out["blip.text_encoder." + key[len("text."):]] = value
+        else:
+            out[key] = value
+    return out
+
+
+def manual_vit(state, pixels, heads, eps=1e-6):
+    """BLIP's ViT forward from the checkpoint's own tensors (an independent oracle)."""
+    import torch.nn.functional as F
+    p = {k[len("blip.visual_encoder."):]: v.double() for k, v in state.items()
+         if k.startswith("blip.visual_encoder.")}
+    x = F.conv2d(pixels.double(), p["patch_embed.proj.weight"], p["patch_embed.proj.bias"],
+                 stride=p["patch_embed.proj.weight"].shape[-1]).flatten(2).transpose(1, 2)
+    x = torch.cat([p["cls_token"].expand(x.shape[0], -1, -1), x], 1) + p["pos_embed"]
+    d = x.shape[-1]
+    for i in range(len({k.split(".")[1] for k in p if k.startswith("blocks.")})):
+        b = lambda n: p[f"blocks.{i}.{n}"]  # noqa: E731
+        h = F.layer_norm(x, (d,), b("norm1.weight"), b("norm1.bias"), eps)
+        q, k, v = F.linear(h, b("attn.qkv.weight"), b("attn.qkv.bias")).view(
+            x.shape[0], -1, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
+        a = torch.softmax(q @ k.transpose(-1, -2) / (d // heads) ** 0.5, -1) @ v
+        x = x + F.linear(a.transpose(1, 2).reshape(x.shape), b("attn.proj.weight"),
+                         b("attn.proj.bias"))
+        h = F.layer_norm(x, (d,), b("norm2.weight"), b("norm2.bias"), eps)
+        x = x + F.linear(F.gelu(F.linear(h, b("mlp.fc1.weight"), b("mlp.fc1.bias"))),
+                         b("mlp.fc2.weight"), b("mlp.fc2.bias"))
+    return F.layer_norm(x, (d,), p["norm.weight"], p["norm.bias"], eps)
+
+
+@pytest.fixture(scope="module")
+def tiny_imagereward(tmp_path_factory):
+    from transformers import BertTokenizer
+    from trainer.rewards.imagereward import ImageRewardModel
+    root = tmp_path_factory.mktemp("imagereward")
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS
+    (root / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    BertTokenizer(str(root / "vocab.txt")).save_pretrained(root)
+    torch.manual_seed(0)
+    model = ImageRewardModel(TINY_ARCH)
+    with torch.no_grad():
+        for p in model.parameters():  # BLIP's vision init is ~0: draw visible weights
+            p.normal_(0.0, 0.2)
+    state = original_names(model.state_dict())
+    torch.save(state, root / "ImageReward.pt")
+    return root, state
+
+
+def test_imagereward_loads_the_released_layout_and_scores(tiny_imagereward):
+    from trainer.rewards.imagereward import SCORE_MEAN, SCORE_STD, ImageRewardScorer
+    root, state = tiny_imagereward
+    scorer = ImageRewardScorer(model_path=str(root), architecture=TINY_ARCH, batch_size=3)
+    g = torch.Generator().manual_seed(1)
+    images = torch.randint(0, 256, (4, 48, 40, 3), dtype=torch.uint8, generator=g)
+    images[3] = images[0]
+    prompts = ["a red cat", "a photo of a dog on the table", "blue", "a red dog"]
+    out = scorer.score(images, prompts, [{}] * 4)["imagereward"]
+    pixels = scorer.transform(images)
+    with torch.no_grad():
+        vision = scorer.model.vision(pixel_values=pixels).last_hidden_state
+    torch.testing.assert_close(vision.double(), manual_vit(state, pixels, heads=2),
+                               rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        text = scorer.tokenizer(prompts, padding="max_length", truncation=True,
+                                max_length=12, return_tensors="pt")
+        assert text.input_ids.shape == (4, 12) and text.input_ids[0, 0] == 2  # [CLS]
+        cls = scorer.model.text(input_ids=text.input_ids, attention_mask=text.attention_mask,
+                                encoder_hidden_states=vision, is_decoder=False
+                                ).last_hidden_state[:, 0]
+        head = [state[f"mlp.layers.{i}.weight"] for i in (0, 2, 4, 6, 7)]
+        bias = [state[f"mlp.layers.{i}.bias"] for i in (0, 2, 4, 6, 7)]
+        y = cls.double()
+        for w, b in zip(head, bias):
+            y = y @ w.double().T + b.double()
+    torch.testing.assert_close(out.double(), (y.squeeze(-1) - SCORE_MEAN) / SCORE_STD,
+                               rtol=1e-4, atol=1e-4)
+    assert len(set(out.tolist())) == 4  # the prompt alone changes the score (0 vs 3)
+
+
+def test_imagereward_refuses_a_truncated_checkpoint(tiny_imagereward, tmp_path):
+    from transformers import BertTokenizer
+    from trainer.rewards.imagereward import ImageRewardScorer
+    root, state = tiny_imagereward
+    BertTokenizer(str(root / "vocab.txt")).save_pretrained(tmp_path)
+    torch.save({k: v for k, v in state.items() if "blocks.1." not in k},
+               tmp_path / "ImageReward.pt")
+    with pytest.raises(ValueError, match="missing"):
+        ImageRewardScorer(model_path=str(tmp_path), architecture=TINY_ARCH)
+    assert ImageRewardScorer.check_options(architecture={"depth": 3}) == [
+        f"architecture keys ['depth'] unknown (known: {sorted(TINY_ARCH)})"]
