@@ -210,6 +210,10 @@ class LoggingConfig:
     tensorboard: bool = _f(True, "--tensorboard", "Write TensorBoard events.")
     wandb: bool = _f(False, "--use-wandb", "Also log to Weights & Biases.")
     wandb_project: str = _f("flowgrpo", "--wandb-project", "W&B project.")
+    wandb_name: str | None = _f(None, "--wandb-name",
+                                "W&B run name; default <run_dir name>-<family>-<mode>-<rewards>.")
+    train_samples: int = _f(8, "--log-train-samples",
+                            "Training samples (captioned grid) logged per logged step; 0: none.")
     log_interval: int = _f(1, "--log-interval", "Console/metrics line every N rollouts.")
     progress: bool = _f(True, "--progress", "tqdm bars on rollout, train and eval.")
     profile_steps: str | None = _f(None, "--profile-steps",
