@@ -69,11 +69,20 @@ def test_run_progress_shows_done_total_phase_and_reward(capsys):
     from trainer.profiling import StageTimer
     from trainer.progress import RunProgress
     progress = RunProgress(10, initial=3)
-    timer = progress.watch(StageTimer(sync=False))
+    timer = progress.watch(StageTimer(sync=False), updates_per_rollout=2)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    opt.register_step_post_hook(progress.optimizer_stepped)
+    with timer.stage("train"):
+        opt.step()
+        assert progress._train.bar.n == 1 and progress._train.bar.total == 2
+        opt.step()
+        assert progress._train.bar.n == 2
+    assert progress._train is None
+    opt.step()  # outside the train stage: nothing to advance
     with timer.stage("reward"):
         pass
     progress.step_done({"reward/mean": 0.4321, "eval/reward_mean": 0.25})
-    assert set(timer.pop()) == {"reward"}
+    assert set(timer.pop()) == {"train", "reward"}
     with progress.train_bar(2) as bar:
         bar.tick()
         bar.tick()

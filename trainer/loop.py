@@ -498,7 +498,8 @@ class Trainer:
         history = {}
         progress = RunProgress(cfg.train.num_rollouts, self.next_rollout,
                                enabled=cfg.logging.progress and self.rank == 0)
-        self.timer = progress.watch(self.timer)
+        self.timer = progress.watch(self.timer, cfg.train.num_updates_per_batch)
+        hook = self.optimizer.register_step_post_hook(progress.optimizer_stepped)
         if self.next_rollout == 0 and self.eval_records:
             history["eval_start"] = self.evaluate(0, "eval")
             self.metrics.log(0, history["eval_start"])
@@ -521,6 +522,7 @@ class Trainer:
             self.maybe_save(step, is_last)
             last = metrics
         progress.close()
+        hook.remove()
         history["last"] = last
         if self.rank == 0:
             (self.run_dir / "summary.json").write_text(json.dumps(history, indent=2))

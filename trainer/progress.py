@@ -3,9 +3,11 @@ and the latest train and eval reward) above the per-rollout bars the driver draw
 eval groups) and a train bar over optimizer updates.
 
 The phase comes from the loop's own ``StageTimer`` stages (rollout, reward, train,
-weight_sync, eval...): ``RunProgress.watch(timer)`` returns a timer that also names the stage
-on the bar, so no call is added inside the step. A resumed run starts the bar at its resume
-point; tqdm's rate and ETA then count this session's rollouts only.
+weight_sync, eval...): ``RunProgress.watch(timer, updates)`` returns a timer that also names
+the stage on the bar and, for the "train" stage, opens the train bar; the optimizer's own
+step hook (``optimizer.register_step_post_hook(progress.optimizer_stepped)``) advances it. So
+no call is added inside the step. A resumed run starts the bar at its resume point; tqdm's
+rate and ETA then count this session's rollouts only.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ class RunProgress:
         self.enabled = enabled
         self.bar = None
         self.postfix: dict[str, str] = {}
+        self._train: _Ticker | None = None
         if enabled:
             from tqdm.auto import tqdm
             self.bar = tqdm(total=total, initial=initial, desc="run", unit="rollout",
@@ -48,8 +51,13 @@ class RunProgress:
             from tqdm.auto import tqdm
             tqdm.write(line)
 
-    def watch(self, timer):
-        return _PhaseTimer(timer, self)
+    def watch(self, timer, updates_per_rollout: int = 0):
+        return _PhaseTimer(timer, self, updates_per_rollout)
+
+    def optimizer_stepped(self, *_args) -> None:
+        """An ``Optimizer.register_step_post_hook`` hook: one update of the train bar."""
+        if self._train is not None:
+            self._train.tick()
 
     @contextlib.contextmanager
     def train_bar(self, total: int) -> Iterator["_Ticker"]:
@@ -65,8 +73,10 @@ class RunProgress:
                 bar.close()
 
     def close(self) -> None:
+        """Close the run bar; later calls (a timer still wrapped) are then no-ops."""
         if self.bar is not None:
             self.bar.close()
+        self.bar, self.enabled = None, False
 
 
 class _Ticker:
@@ -81,13 +91,18 @@ class _Ticker:
 class _PhaseTimer:
     """A StageTimer whose stages also set the run bar's phase (everything else delegated)."""
 
-    def __init__(self, timer, progress: RunProgress) -> None:
-        self._timer, self._progress = timer, progress
+    def __init__(self, timer, progress: RunProgress, updates: int) -> None:
+        self._timer, self._progress, self._updates = timer, progress, updates
 
     @contextlib.contextmanager
     def stage(self, name: str):
         self._progress.phase(name)
-        with self._timer.stage(name):
+        with contextlib.ExitStack() as stack:
+            if name == "train" and self._updates > 0:
+                self._progress._train = stack.enter_context(
+                    self._progress.train_bar(self._updates))
+                stack.callback(setattr, self._progress, "_train", None)
+            stack.enter_context(self._timer.stage(name))
             yield
 
     def __getattr__(self, name):
