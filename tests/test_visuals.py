@@ -178,3 +178,21 @@ def test_tiny_run_writes_grids_curve_bars_and_wandb(fake_wandb, tmp_path, capsys
     assert {"eval/samples", "train/samples", "reward_curve", "reward/mean"} <= tags
     err = capsys.readouterr().err
     assert "2/2" in err and "run" in err and "eval" in err
+
+
+def test_real_wandb_offline_resumes_the_same_run(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from trainer.config import load_config
+    from trainer.metrics import MetricsLogger
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = load_config("tiny", [f"logging.run_dir={tmp_path}"])
+    ids = []
+    for step in (1, 2):
+        logger = MetricsLogger(tmp_path, tensorboard=False, wandb=True, config=cfg.to_dict())
+        ids.append(logger._wandb.id)
+        assert logger._wandb.name == "tiny-toy-full-toycomposition"
+        logger.log(step, {"reward/mean": 0.5}, console=False)
+        logger.image("eval/samples", step, np.zeros((8, 8, 3), dtype=np.uint8))
+        logger.close()
+    assert ids[0] == ids[1] == (tmp_path / "wandb_run_id").read_text().strip()
