@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from trainer.config import Config, ConfigError, _default_text, _field_types, _type_name, \
-    cli_flag, load_config
+from trainer.config import Config, ConfigError, _field_types, _type_name, cli_flag, load_config
+from trainer.config_cli import default_text
 from trainer.launch import parse_args, resolve
 from trainer.preflight import preflight
 
@@ -41,6 +41,10 @@ def test_global_batch_size_follows_changed_factors():
     with pytest.raises(ConfigError, match="global_batch_size"):
         preflight(stated, world_size=1)  # given on the command line: checked, not overridden
     assert load_config("tiny").rollout.global_batch_size == 8
+    either_order = load_config("tiny", ["rollout.global_batch_size=8",
+                                        "rollout.n_samples_per_prompt=2"])
+    assert either_order.rollout.global_batch_size == 8
+    assert load_config() == load_config(None, ["rollout.rollout_batch_size=4"])  # None stays
 
 
 def test_each_key_has_its_own_flag_and_old_names_still_work():
@@ -64,7 +68,7 @@ def test_help_shows_type_default_and_flags_of_every_field(capsys):
         cls = section.default_factory
         hints = _field_types(cls)
         for f in dataclasses.fields(cls):
-            default = _default_text(f)
+            default = default_text(f)
             head = f"{section.name}.{f.name}: {_type_name(hints[f.name])} = "
             assert head + (default if len(default) <= 60 else default[:57]) in out, head
             assert cli_flag(section.name, f.name) in out and f.metadata["flag"] in out

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from trainer.config import ConfigError, load_config
-from trainer.preflight import check_imports, preflight
+from trainer.preflight import preflight
+from trainer.preflight_imports import check_imports
 from trainer.rewards import build_reward_manager_from_config, clear_reward_manager_cache
 from trainer.rewards.advantages import compute_advantages
 from trainer.rewards.base import RewardScorer

@@ -1,9 +1,9 @@
 """Run configuration: one dataclass per section, loaded from a TOML recipe.
 
 Precedence: ``--set section.key=value`` (nested for tables: ``rollout.sampling.height=512``)
-and flags (``--train-num-rollouts 3``, each key's own; older spec-style names such as
-``--num-rollout`` stay as aliases) > the TOML file > the defaults below. ``global_batch_size``
-is derived from its two factors unless stated on the command line. The resolved config is written to ``<run_dir>/config.toml``
+and flags (``--train-num-rollouts 3``: each key's own, ``cli_flag``; the older spec-style names
+such as ``--num-rollout`` stay as aliases) > the TOML file > the defaults below. Command-line
+details (nesting, the derived global batch size, ``--help``): ``trainer.config_cli``. The resolved config is written to ``<run_dir>/config.toml``
 (and ``config.json``) so a run can be reproduced from its directory alone.
 
 Every field carries its spec flag name and a docstring in ``metadata`` (``field_help()``
@@ -283,16 +283,15 @@ def _field_types(cls: type) -> dict[str, Any]:
 
 
 def cli_flag(section: str, name: str) -> str:
-    """The flag of a config key: the dotted key spelled with hyphens, the section dropped when
-    the key already starts with it (``train.num_rollouts`` -> ``--train-num-rollouts``,
-    ``rollout.rollout_batch_size`` -> ``--rollout-batch-size``)."""
+    """A key's own flag: the dotted key with hyphens, the section dropped when the key starts
+    with it (``train.num_rollouts`` -> ``--train-num-rollouts``, ``rollout.rollout_batch_size``
+    -> ``--rollout-batch-size``)."""
     key = name if name.startswith(section + "_") else f"{section}_{name}"
     return "--" + key.replace("_", "-")
 
 
 def flag_table() -> dict[str, tuple[str, str]]:
-    """Flag -> (section, field): each key's own flag (``cli_flag``) and its older spec-style
-    name (``metadata["flag"]``), kept as an alias."""
+    """Flag -> (section, field): each key's own flag and its spec-style alias."""
     table = {}
     for sec, cls in _sections().items():
         for f in dataclasses.fields(cls):
@@ -301,32 +300,9 @@ def flag_table() -> dict[str, tuple[str, str]]:
     return table
 
 
-def _default_text(f: dataclasses.Field) -> str:
-    if f.default is not dataclasses.MISSING:
-        value = f.default
-    else:
-        value = f.default_factory()  # type: ignore[misc]
-    if value is None or isinstance(value, str):
-        return repr(value)
-    return json.dumps(value)
-
-
 def field_help() -> str:
-    """Every key with its type, default, flag (and older alias) and meaning."""
-    lines = ["Any key also takes --set section.key=value; dict keys take nested paths "
-             "(--set rollout.sampling.height=512, --set reward.scorers.ocr.weight=0.5)."]
-    for sec, cls in _sections().items():
-        lines.append(f"[{sec}]")
-        hints = _field_types(cls)
-        for f in dataclasses.fields(cls):
-            flag, alias = cli_flag(sec, f.name), f.metadata["flag"]
-            flags = flag if alias == flag else f"{flag} (alias {alias})"
-            default = _default_text(f)
-            if len(default) > 60:
-                default = default[:57] + "..."
-            lines.append(f"  {sec}.{f.name}: {_type_name(hints[f.name])} = {default}")
-            lines.append(f"      {flags}  {f.metadata['doc']}")
-    return "\n".join(lines)
+    from trainer.config_cli import field_help_text
+    return field_help_text()
 
 
 def _type_name(typ: Any) -> str:
@@ -381,6 +357,9 @@ def _coerce(value: Any, typ: Any, where: str, problems: list[str]) -> Any:
 def _apply(cfg: Config, section: str, key: str, value: Any, where: str,
            problems: list[str]) -> None:
     secs = _sections()
+    if "." in key:  # --set section.table.a.b=value
+        from trainer.config_cli import apply_nested
+        return apply_nested(cfg, section, key, value, where, problems)
     if section not in secs:
         problems.append(f"{where}: unknown section [{section}] (known: {', '.join(secs)})")
         return
@@ -395,6 +374,9 @@ def _apply(cfg: Config, section: str, key: str, value: Any, where: str,
         merged.update(value)  # a partial sampling table overrides keys, not the whole dict
         value = merged
     setattr(getattr(cfg, section), key, value)
+    if where.startswith("--") and section == "rollout":  # flags and --set, not the TOML
+        from trainer.config_cli import follow_batch_factors
+        follow_batch_factors(cfg, key)
 
 
 def resolve_recipe(name_or_path: str) -> Path:
@@ -437,62 +419,16 @@ def load_config(recipe: str | None = None, overrides: list[str] | None = None,
             continue
         sec, key = table[flag]
         _apply(cfg, sec, key, value, flag, problems)
-    given = {table[flag] for flag in (flags or {}) if flag in table}
     for item in overrides or []:
         if "=" not in item or "." not in item.split("=", 1)[0]:
             problems.append(f"--set {item!r}: expected section.key=value")
             continue
         lhs, rhs = item.split("=", 1)
         section, key = lhs.strip().split(".", 1)
-        key, _, path = key.partition(".")
-        given.add((section, key))
-        if path:
-            _apply_nested(cfg, section, key, path.split("."), rhs, f"--set {lhs}", problems)
-        else:
-            _apply(cfg, section, key, rhs, f"--set {lhs}", problems)
+        _apply(cfg, section, key, rhs, f"--set {lhs}", problems)
     if problems:
         raise ConfigError(problems)
-    _derive_global_batch_size(cfg, given)
     return cfg
-
-
-def _apply_nested(cfg: Config, section: str, key: str, path: list[str], text: str, where: str,
-                  problems: list[str]) -> None:
-    """``--set section.dict_key.a.b=value``: one entry inside a dict field (value read as JSON,
-    else as a string); the rest of the dict is kept."""
-    secs = _sections()
-    if section not in secs or key not in {f.name for f in dataclasses.fields(secs[section])}:
-        _apply(cfg, section, key, None, where, problems)  # reports the unknown section/key
-        return
-    if not _type_name(_field_types(secs[section])[key]).startswith("dict"):
-        problems.append(f"{where}: {section}.{key} is not a table; nested keys need one")
-        return
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        value = text
-    root = json.loads(json.dumps(getattr(getattr(cfg, section), key) or {}))
-    node = root
-    for part in path[:-1]:
-        if not isinstance(node.get(part, {}), dict):
-            problems.append(f"{where}: {part!r} holds {node[part]!r}, not a table")
-            return
-        node = node.setdefault(part, {})
-    node[path[-1]] = value
-    setattr(getattr(cfg, section), key, root)
-
-
-def _derive_global_batch_size(cfg: Config, given: set[tuple[str, str]]) -> None:
-    """When the command line changes a factor of global_batch_size but not the product, the
-    recipe's product (stated for the recipe's own factors) is re-derived instead of failing
-    the check. Unset (None) it is derived everywhere it is used; stated on the command line,
-    it stays as given and preflight checks it."""
-    r = cfg.rollout
-    factors = {("rollout", "rollout_batch_size"), ("rollout", "n_samples_per_prompt")}
-    if ("rollout", "global_batch_size") not in given and factors & given and \
-            r.global_batch_size is not None and isinstance(r.rollout_batch_size, int) and \
-            isinstance(r.n_samples_per_prompt, int):
-        r.global_batch_size = r.rollout_batch_size * r.n_samples_per_prompt
 
 
 def _toml_value(v: Any) -> str:

@@ -70,7 +70,8 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         cfg, args = resolve(argv)
-        from trainer.preflight import check_imports, preflight
+        from trainer.preflight import preflight
+        from trainer.preflight_imports import check_imports
         nproc = cfg.launch.nproc
         if nproc is None:
             import torch

@@ -38,7 +38,8 @@ Design choices where the spec is silent or where we deliberately differ:
 - fp16 is not an accepted dtype: the actor has no gradient scaler, and the spec lists bf16|fp32.
 - Dotpaths (adapter, scorer, custom reward) are only checked for their shape here: importing
   them would import torch. ``check_imports`` (the launcher's second stage) imports them and
-  checks every reward scorer's options against its constructor.
+  checks every reward scorer's options against its constructor
+  (``trainer.preflight_imports``).
 """
 from __future__ import annotations
 
@@ -557,22 +558,6 @@ def _check_logging(c: _Checker) -> None:
         if not m or int(m.group(1)) >= int(m.group(2)):
             c.error(f"{_key('logging.profile_steps')}={lg.profile_steps!r} must be 'A:B' with "
                     f"0 <= A < B")
-
-
-def check_imports(cfg: Config) -> None:
-    """The import stage, after ``preflight``: import every dotpath (model adapter, reward
-    scorers, custom reward, scorers' own dotpath options) and check every scorer option against
-    its constructor, loading no weights. Raises ONE ConfigError naming every problem."""
-    from trainer.models import adapter_class
-    from trainer.rewards.spec import import_problems
-    problems = []
-    try:
-        adapter_class(cfg.model.adapter_path)
-    except ValueError as exc:
-        problems.append(f"{_key('model.adapter_path')}: {exc}")
-    problems += import_problems(cfg.reward)
-    if problems:
-        raise ConfigError(problems)
 
 
 RULES: tuple[Callable[[_Checker], None], ...] = (
