@@ -169,15 +169,15 @@ def build_reward_manager_from_config(reward, device: str | torch.device | None =
     specs, problems = scorer_specs(reward)
     if problems:
         raise ValueError("reward configuration: " + "; ".join(problems))
-    manager = _cached(specs, runtime=reward.runtime, endpoint=reward.endpoint, device=device,
-                      custom_reward_path=reward.custom_reward_path, timeout_s=reward.timeout_s,
-                      max_retries=max_retries, remote_kwargs={})
     by_spec = {spec.name: scorer_class(spec.path).components for spec in specs}
     weights, required, problems = resolve_weights(reward, by_spec, specs)
     if problems:
         raise ValueError("reward configuration: " + "; ".join(problems))
-    manager.weights, manager.required = weights, required
-    return manager
+    # weights are part of the cache key: two configs never share (and rewrite) one manager's
+    return _cached(specs, runtime=reward.runtime, endpoint=reward.endpoint, device=device,
+                   custom_reward_path=reward.custom_reward_path, timeout_s=reward.timeout_s,
+                   max_retries=max_retries, remote_kwargs={}, weights=weights,
+                   required=tuple(required))
 
 
 def _cached(specs: list[ScorerSpec], **kwargs: Any) -> RewardManager:
@@ -213,7 +213,7 @@ def _resolve_device(runtime: str, device, problems: list[str]) -> torch.device |
 
 
 def _build(specs: list[ScorerSpec], *, runtime, endpoint, device, custom_reward_path, timeout_s,
-           max_retries, remote_kwargs, problems=()) -> RewardManager:
+           max_retries, remote_kwargs, problems=(), weights=None, required=()) -> RewardManager:
     problems = list(problems)
     if runtime not in RUNTIMES:
         problems.append(f"runtime {runtime!r} is not one of {list(RUNTIMES)}")
@@ -249,4 +249,6 @@ def _build(specs: list[ScorerSpec], *, runtime, endpoint, device, custom_reward_
         scorers.append(scorer)
     if custom_reward_path is not None:
         scorers.append(FunctionScorer.from_dotpath(custom_reward_path))
-    return RewardManager(scorers, runtime=runtime, device=resolved)
+    manager = RewardManager(scorers, runtime=runtime, device=resolved)
+    manager.weights, manager.required = dict(weights or {}), list(required)
+    return manager
