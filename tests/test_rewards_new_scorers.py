@@ -153,6 +153,20 @@ def test_vlm_judge_retries_5xx_marks_unparseable_and_fails_loudly(chat_server):
         scorer.score(image, ["x"], [{}])
     assert "must be above" in VLMJudgeScorer.check_options(
         endpoint="http://h/v1", score_min=5, score_max=5)[0]
+    assert "not a regular expression" in VLMJudgeScorer.check_options(
+        endpoint="http://h/v1", score_pattern="(")[0]
+
+
+def test_vlm_judge_score_pattern_picks_the_final_score(chat_server):
+    from trainer.rewards.vlm_judge import VLMJudgeScorer, parse_score
+    scorer = VLMJudgeScorer(endpoint=chat_server.url, concurrency=1,
+                            score_pattern=r"Final Score:\s*(-?\d+(?:\.\d+)?)")
+    chat_server.script[:] = ["1. The cat is red. 2. Sharp. Final Score: 4.0",
+                             "3 cats, no final verdict"]
+    image = torch.zeros((2, 4, 4, 3), dtype=torch.uint8)
+    out = scorer.score(image, ["x", "y"], [{}, {}])["vlm_judge"]
+    assert out[0] == pytest.approx(0.75) and math.isnan(out[1])
+    assert parse_score("score 9", 1, 5) == 1.0 and parse_score("-3", 1, 5) == 0.0
 
 
 # ---- GenEval ------------------------------------------------------------------------------
@@ -336,5 +350,10 @@ def test_imagereward_refuses_a_truncated_checkpoint(tiny_imagereward, tmp_path):
                tmp_path / "ImageReward.pt")
     with pytest.raises(ValueError, match="missing"):
         ImageRewardScorer(model_path=str(tmp_path), architecture=TINY_ARCH)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "ImageReward.pt").write_bytes((tmp_path / "ImageReward.pt").read_bytes())
+    with pytest.raises(ValueError, match="no tokenizer .* pass tokenizer_path"):
+        ImageRewardScorer(model_path=str(bare / "ImageReward.pt"), architecture=TINY_ARCH)
     assert ImageRewardScorer.check_options(architecture={"depth": 3}) == [
         f"architecture keys ['depth'] unknown (known: {sorted(TINY_ARCH)})"]

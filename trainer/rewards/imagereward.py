@@ -130,10 +130,14 @@ class ImageRewardScorer(RewardScorer):
         ckpt = _checkpoint_file(model_path)
         if not ckpt.is_file():
             problems.append(f"no ImageReward checkpoint at {ckpt}")
+        tokenizer_dir = Path(tokenizer_path or ckpt.parent)
+        if not any((tokenizer_dir / f).is_file() for f in ("vocab.txt", "tokenizer.json")):
+            problems.append(f"no tokenizer (vocab.txt / tokenizer.json) in {tokenizer_dir}: "
+                            "ImageReward uses bert-base-uncased's; pass tokenizer_path")
         if problems:
             raise ValueError("; ".join(problems))
         self.arch = {**ARCHITECTURE, **(architecture or {})}
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or str(ckpt.parent))
+        self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
         self.model = ImageRewardModel(self.arch).eval()
         state = convert_original(torch.load(ckpt, map_location="cpu", weights_only=True))
         missing, unexpected = self.model.load_state_dict(state, strict=False)
