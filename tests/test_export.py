@@ -106,9 +106,9 @@ def test_refusals_name_every_problem(lora_run, tmp_path, capsys):
     busy.mkdir()
     (busy / "keep.txt").write_text("x")
     assert export("--save-dir", tmp / "ckpt", "--output-dir", busy, "--form", "merged",
-                  "--dtype", "bf16") == 2
+                  "--dtype", "bf16", "--base-model-path", tmp_path / "nowhere") == 2
     err = capsys.readouterr().err
-    assert "--form merged needs --base-model-path" in err and "is not empty" in err
+    assert "holds no diffusers transformer" in err and "is not empty" in err
     assert (busy / "keep.txt").exists() and len(list(busy.iterdir())) == 1
     assert export("--save-dir", tmp / "ckpt", "--output-dir", tmp_path / "o", "--form",
                   "full") == 2

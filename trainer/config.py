@@ -1,7 +1,9 @@
 """Run configuration: one dataclass per section, loaded from a TOML recipe.
 
-Precedence: ``--set section.key=value`` and spec-style flags (``--rollout-batch-size 32``) >
-the TOML file > the defaults below. The resolved config is written to ``<run_dir>/config.toml``
+Precedence: ``--set section.key=value`` (nested for tables: ``rollout.sampling.height=512``)
+and flags (``--train-num-rollouts 3``: each key's own, ``cli_flag``; the older spec-style names
+such as ``--num-rollout`` stay as aliases) > the TOML file > the defaults below. Command-line
+details (nesting, the derived global batch size, ``--help``): ``trainer.config_cli``. The resolved config is written to ``<run_dir>/config.toml``
 (and ``config.json``) so a run can be reproduced from its directory alone.
 
 Every field carries its spec flag name and a docstring in ``metadata`` (``field_help()``
@@ -68,7 +70,9 @@ class RolloutConfig:
     n_samples_per_prompt: int = _f(8, "--n-samples-per-prompt",
                                    "Candidates per prompt: the GRPO group size.")
     global_batch_size: int | None = _f(None, "--global-batch-size",
-                                       "rollout_batch_size * n_samples_per_prompt; checked if set.")
+                                       "rollout_batch_size * n_samples_per_prompt; None derives it, a "
+                                       "value is checked (re-derived when the command line "
+                                       "changes a factor but not it).")
     sampling: dict = _f(DEFAULT_SAMPLING, "--sampling-config",
                         "Sampling geometry (JSON dict), read by adapter, driver and replay.")
     generation_seed: int = _f(1234, "--generation-seed",
@@ -114,6 +118,10 @@ class RewardConfig:
                                  "{component: weight} combining normalised components.")
     std_mode: str = _f("group", "--generative-advantage-std-mode", "group | batch | none.")
     timeout_s: float = _f(60.0, "--reward-timeout", "Remote scorer timeout per request.")
+    scorers: dict = _f({}, "--reward-scorers",
+                       "Several weighted scorers: [reward.scorers.NAME] tables with weight, "
+                       "model_path, required, path and the scorer's own options "
+                       "(trainer/rewards/spec.py).")
 
 
 @dataclass
@@ -248,6 +256,10 @@ class LoggingConfig:
     tensorboard: bool = _f(True, "--tensorboard", "Write TensorBoard events.")
     wandb: bool = _f(False, "--use-wandb", "Also log to Weights & Biases.")
     wandb_project: str = _f("flowgrpo", "--wandb-project", "W&B project.")
+    wandb_name: str | None = _f(None, "--wandb-name",
+                                "W&B run name; default <run_dir name>-<family>-<mode>-<rewards>.")
+    train_samples: int = _f(8, "--log-train-samples",
+                            "Training samples (captioned grid) logged per logged step; 0: none.")
     log_interval: int = _f(1, "--log-interval", "Console/metrics line every N rollouts.")
     progress: bool = _f(True, "--progress", "tqdm bars on rollout, train and eval.")
     profile_steps: str | None = _f(None, "--profile-steps",
@@ -312,22 +324,27 @@ def _field_types(cls: type) -> dict[str, Any]:
     return get_type_hints(cls)
 
 
+def cli_flag(section: str, name: str) -> str:
+    """A key's own flag: the dotted key with hyphens, the section dropped when the key starts
+    with it (``train.num_rollouts`` -> ``--train-num-rollouts``, ``rollout.rollout_batch_size``
+    -> ``--rollout-batch-size``)."""
+    key = name if name.startswith(section + "_") else f"{section}_{name}"
+    return "--" + key.replace("_", "-")
+
+
 def flag_table() -> dict[str, tuple[str, str]]:
-    """Spec flag -> (section, field)."""
+    """Flag -> (section, field): each key's own flag and its spec-style alias."""
     table = {}
     for sec, cls in _sections().items():
         for f in dataclasses.fields(cls):
             table[f.metadata["flag"]] = (sec, f.name)
+            table[cli_flag(sec, f.name)] = (sec, f.name)
     return table
 
 
 def field_help() -> str:
-    lines = []
-    for sec, cls in _sections().items():
-        lines.append(f"[{sec}]")
-        for f in dataclasses.fields(cls):
-            lines.append(f"  {f.name:<28} {f.metadata['flag']:<34} {f.metadata['doc']}")
-    return "\n".join(lines)
+    from trainer.config_cli import field_help_text
+    return field_help_text()
 
 
 def _type_name(typ: Any) -> str:
@@ -389,6 +406,9 @@ def _coerce(value: Any, typ: Any, where: str, problems: list[str]) -> Any:
 def _apply(cfg: Config, section: str, key: str, value: Any, where: str,
            problems: list[str]) -> None:
     secs = _sections()
+    if "." in key:  # --set section.table.a.b=value
+        from trainer.config_cli import apply_nested
+        return apply_nested(cfg, section, key, value, where, problems)
     if section not in secs:
         problems.append(f"{where}: unknown section [{section}] (known: {', '.join(secs)})")
         return
@@ -406,6 +426,9 @@ def _apply(cfg: Config, section: str, key: str, value: Any, where: str,
         merged.update(value)  # a partial sampling table overrides keys, not the whole dict
         value = merged
     setattr(getattr(cfg, section), key, value)
+    if where.startswith("--") and section == "rollout":  # flags and --set, not the TOML
+        from trainer.config_cli import follow_batch_factors
+        follow_batch_factors(cfg, key)
 
 
 def resolve_recipe(name_or_path: str) -> Path:

@@ -84,6 +84,7 @@ def main(argv: list[str]) -> int:
         problems: list[str] = []
         cfg, args = resolve(argv, problems)  # a missing recipe still raises at once
         from trainer.preflight import preflight
+        from trainer.preflight_imports import check_imports
         nproc = cfg.launch.nproc
         if nproc is None:
             import torch
@@ -96,6 +97,7 @@ def main(argv: list[str]) -> int:
             problems += exc.problems
         if problems:
             raise ConfigError(problems)
+        check_imports(cfg)  # second stage: every dotpath imported, every scorer option checked
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

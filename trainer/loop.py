@@ -167,14 +167,11 @@ class Trainer:
                 "batch": (r.wave_size or 1) * r.n_samples_per_prompt}
 
     def _build_reward(self) -> None:
-        from trainer.rewards import build_reward_manager
+        from trainer.rewards import build_reward_manager_from_config
         r = self.cfg.reward
         device = self.device if r.runtime == "colocate" else torch.device("cpu")
         self.reward_device = device
-        self.reward = build_reward_manager(
-            scorer_path=r.scorer_path, model_path=r.model_path, runtime=r.runtime,
-            endpoint=r.endpoint, device=device, custom_reward_path=r.custom_reward_path,
-            timeout_s=r.timeout_s)
+        self.reward = build_reward_manager_from_config(r, device=device)
 
     # ---- one step ---------------------------------------------------------------------
     def rollout(self, rollout_id: int):
@@ -199,14 +196,17 @@ class Trainer:
             with self.meter.region("reward_model", self.reward_device):
                 components, metrics = self.reward.score(batch.images, batch.prompts,
                                                         batch.metadata)
-            weights = r.component_weights or {c: 1.0 for c in components}
+            weights = self.reward.weights or {c: 1.0 for c in components}
             adv, adv_metrics, failed = compute_advantages(
                 components, batch.group_index, weights=weights,
-                required=list(r.required_components), std_mode=r.std_mode)
+                required=list(self.reward.required), std_mode=r.std_mode)
         metrics.update(adv_metrics)
         total = sum(weights.get(c, 0.0) * v.float() for c, v in components.items())
         wsum = sum(weights.get(c, 0.0) for c in components) or 1.0
         metrics["reward/mean"] = float(total.mean()) / wsum  # weighted mean, same scale as eval
+        k = self.cfg.logging.train_samples if self.rank == 0 else 0
+        self.last_samples = (batch.images[:k].cpu(), batch.prompts[:k],
+                             (total[:k] / wsum).cpu()) if k > 0 else None
         metrics["reward/failed_groups"] = float(len(failed))
         return adv, metrics
 
@@ -395,9 +395,10 @@ class Trainer:
         with self.timer.stage("eval"), torch.no_grad():
             batch = call_with_recovery(self, "eval", lambda: self.driver.generate(
                 self.eval_records, cfg.data.n_samples_per_eval_prompt, rollout_id=None,
-                policy_version=self.policy_version, write_artifacts=False))
+                policy_version=self.policy_version, write_artifacts=False,
+                progress=cfg.logging.progress and self.rank == 0))
             components, _ = self.reward.score(batch.images, batch.prompts, batch.metadata)
-        weights = cfg.reward.component_weights or {c: 1.0 for c in components}
+        weights = self.reward.weights or {c: 1.0 for c in components}
         total = sum(weights.get(c, 0.0) * v.float() for c, v in components.items())
         wsum = sum(weights.get(c, 0.0) for c in components) or 1.0
         out = {"eval/reward_mean": float(total.mean()) / wsum}
@@ -405,9 +406,11 @@ class Trainer:
         self.timer.pop()
         out = self._reduce_metrics(out)
         if self.rank == 0 and batch.images is not None:
-            imgs = batch.images[:32].cpu().numpy()
-            self.metrics.image_grid(f"{tag}/samples", step, imgs,
-                                    path=self.run_dir / "eval" / f"{tag}_step{step:05d}.png")
+            from trainer.visuals import captioned_grid, captions
+            rewards = (total[:32] / wsum).tolist()
+            grid = captioned_grid(batch.images[:32], captions(batch.prompts[:32], rewards))
+            self.metrics.image(f"{tag}/samples", step, grid,
+                               path=self.run_dir / "eval" / f"{tag}_step{step:05d}.png")
         return out
 
     def eval_over_seeds(self, seeds) -> list[float]:
@@ -424,11 +427,18 @@ class Trainer:
 
     # ---- the run ----------------------------------------------------------------------
     def train(self) -> dict[str, float]:
+        from trainer.progress import RunProgress
+        from trainer.visuals import log_pictures
         cfg = self.cfg
         history = {}
+        progress = RunProgress(cfg.train.num_rollouts, self.next_rollout,
+                               enabled=cfg.logging.progress and self.rank == 0)
+        self.timer = progress.watch(self.timer, cfg.train.num_updates_per_batch)
+        hook = self.optimizer.register_step_post_hook(progress.optimizer_stepped)
         if self.next_rollout == 0 and self.eval_records:
             history["eval_start"] = self.evaluate(0, "eval")
             self.metrics.log(0, history["eval_start"])
+            log_pictures(self, 0, evaluated=True)
         last = {}
         for rollout_id in range(self.next_rollout, cfg.train.num_rollouts):
             metrics = self.train_step(rollout_id)
@@ -436,12 +446,19 @@ class Trainer:
             self.next_rollout = rollout_id + 1
             step = rollout_id + 1
             is_last = step == cfg.train.num_rollouts
-            if self.eval_records and (is_last or step % max(1, cfg.data.eval_interval) == 0):
+            evaluated = bool(self.eval_records) and (
+                is_last or step % max(1, cfg.data.eval_interval) == 0)
+            if evaluated:
                 metrics.update(self.evaluate(step))
+            progress.step_done(metrics)
             if step % max(1, cfg.logging.log_interval) == 0 or is_last:
-                self.metrics.log(step, metrics)
+                self.metrics.log(step, metrics, console=not progress.enabled)
+                progress.write(self.metrics.console_line(step, metrics))
+                log_pictures(self, step, evaluated=evaluated)
             self.maybe_save(step, is_last)
             last = metrics
+        progress.close()
+        hook.remove()
         history["last"] = last
         if self.rank == 0:
             (self.run_dir / "summary.json").write_text(json.dumps(history, indent=2))

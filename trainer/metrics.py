@@ -37,10 +37,9 @@ class MetricsLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
-        if wandb:
-            import wandb as _wandb
-            self._wandb = _wandb.init(project=wandb_project, config=config or {},
-                                      dir=str(self.run_dir))
+        if wandb:  # readable name, resumable id: trainer/wandb_run.py
+            from trainer.wandb_run import init_wandb
+            self._wandb = init_wandb(self.run_dir, wandb_project, config or {})
 
     def log(self, step: int, metrics: dict[str, float], *, console: bool = True) -> None:
         if not self.enabled:
@@ -115,6 +114,20 @@ class MetricsLogger:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 Image.fromarray(grid).save(path)
         return grid
+
+    def image(self, tag: str, step: int, image: np.ndarray, path: Path | None = None) -> None:
+        """One ready-made picture (HWC uint8) to TensorBoard, W&B and optionally a PNG."""
+        if not self.enabled:
+            return
+        if self._tb is not None:
+            self._tb.add_image(tag, image, step, dataformats="HWC")
+        if self._wandb is not None:
+            from trainer.wandb_run import log_image
+            log_image(self._wandb, tag, step, image)
+        if path is not None:
+            from PIL import Image
+            path.parent.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(image).save(path)
 
     def close(self) -> None:
         if self._jsonl is not None:

@@ -36,8 +36,10 @@ Design choices where the spec is silent or where we deliberately differ:
 - ``linear`` / ``cosine`` without ``lr_decay_iters`` is an error: the schedule would silently
   stay constant.
 - fp16 is not an accepted dtype: the actor has no gradient scaler, and the spec lists bf16|fp32.
-- Dotpaths (adapter, scorer, custom reward) are only checked for their shape: importing them
-  would import torch.
+- Dotpaths (adapter, scorer, custom reward) are only checked for their shape here: importing
+  them would import torch. ``check_imports`` (the launcher's second stage) imports them and
+  checks every reward scorer's options against its constructor
+  (``trainer.preflight_imports``).
 """
 from __future__ import annotations
 
@@ -504,15 +506,19 @@ def _check_reward(c: _Checker) -> None:
             c.error(f"{_key('reward.endpoint')} is required with reward.runtime='remote'")
         elif not rw.endpoint.startswith(("http://", "https://")):
             c.error(f"{_key('reward.endpoint')}={rw.endpoint!r} is not an http(s) URL")
-    if not rw.scorer_path and not rw.custom_reward_path and rw.runtime != "remote":
+    if not rw.scorer_path and not rw.custom_reward_path and rw.runtime != "remote" \
+            and not rw.scorers:
         c.error(f"{_key('reward.scorer_path')} is required unless "
                 f"{_key('reward.custom_reward_path')} is set or reward.runtime='remote'")
+    from trainer.rewards.spec import static_problems  # torch-free
+    for problem in static_problems(rw, check_paths=c.check_paths):
+        c.error(problem)
     for name in ("scorer_path", "custom_reward_path"):
         v = getattr(rw, name)
         if v and not _DOTPATH.match(v):
             c.error(f"{_key('reward.' + name)}={v!r} is not a dotpath")
     missing = [comp for comp in rw.required_components if comp not in rw.component_weights]
-    if missing:
+    if missing and not rw.scorers:  # with scorer tables, check_imports knows the weights
         c.error(f"{_key('reward.required_components')} {missing} have no weight in "
                 f"{_key('reward.component_weights')}")
     bad = {k: v for k, v in rw.component_weights.items()

@@ -8,9 +8,11 @@ Forms:
   W + (alpha / r) * B @ A in fp32, cast back to the base's dtype. Streams the base's
   safetensors shard by shard (memory: one shard) and keeps its file layout and config, so
   OUT loads with ``<_class_name>.from_pretrained(OUT)`` like the base transformer does.
-  Needs --base-model-path: without a base there is nothing to fold into.
+  The base is --base-model-path, else the model path recorded in the checkpoint.
 * ``adapter`` (LoRA checkpoints): a PEFT adapter directory (adapter_config.json +
-  adapter_model.safetensors) for ``PeftModel.from_pretrained(base, OUT)``.
+  adapter_model.safetensors) for ``PeftModel.from_pretrained(base, OUT)``, and beside it
+  diffusers' ``pytorch_lora_weights.safetensors`` for ``pipe.load_lora_weights(OUT)``
+  (trainer/checkpoint/diffusers_lora.py).
 * ``full`` (full checkpoints, the default for them): the trained transformer through
   diffusers' ``save_pretrained`` (safetensors), configured from the base model's config.json
   (--base-model-path, else the model path recorded in the checkpoint).
@@ -46,6 +48,7 @@ import torch
 
 from trainer.checkpoint import layout
 from trainer.checkpoint.contract import base_model_hash, lora_scaling
+from trainer.checkpoint.diffusers_lora import verify_diffusers_lora, write_diffusers_lora
 
 FORMS = ("merged", "adapter", "full")
 DTYPES = {"keep": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -176,20 +179,21 @@ def plan_export(save_dir: str | Path, output_dir: str | Path, *, form: str | Non
         problems.append(f"--dtype {dtype!r}: choose one of {list(DTYPES)}")
 
     base = None
-    if form == "merged" and base_model_path is None:
+    candidate = base_model_path if base_model_path is not None else state.get("model_path")
+    if form == "merged" and candidate is None:
         problems.append("--form merged needs --base-model-path: the adapter is folded into the "
                         "base weights, and without them the export would be made of "
                         "lora_A/lora_B tensors only")
-    candidate = base_model_path
-    if candidate is None and (form == "full" or (form == "adapter" and verify)):
-        candidate = state.get("model_path")
+    # an adapter export only names its base (and picks the diffusers key prefix from it)
+    base_optional = base_model_path is None and form == "adapter" and not verify
     if candidate is not None and form in FORMS:
         try:
             base = transformer_dir(candidate)
         except (ValueError, OSError) as exc:
             why = "" if base_model_path else " (the model path recorded in the checkpoint; " \
                                              "pass --base-model-path)"
-            problems.append(f"base model: {exc}{why}")
+            if not base_optional:
+                problems.append(f"base model: {exc}{why}")
     if base is not None and form == "merged":
         if not _weight_files(base):
             problems.append(f"base model {base} has no *.safetensors weights to merge into")
@@ -272,8 +276,10 @@ def write_adapter(plan: ExportPlan, tensors: dict[str, torch.Tensor], dest: Path
     from safetensors.torch import save_file
     state = _adapter_state(tensors, plan.dtype)
     base_name = str(plan.base) if plan.base is not None else plan.contract.get("base_model_path")
-    _lora_config(plan.contract, base_name).save_pretrained(str(dest))
+    config = _lora_config(plan.contract, base_name)
+    config.save_pretrained(str(dest))
     save_file(state, str(dest / "adapter_model.safetensors"), metadata={"format": "pt"})
+    write_diffusers_lora(dest, lora_pairs(tensors)[0], config, plan.base, plan.dtype)
 
 
 def write_full(plan: ExportPlan, tensors: dict[str, torch.Tensor], dest: Path) -> None:
@@ -354,7 +360,8 @@ def verify_export(plan: ExportPlan, tensors: dict[str, torch.Tensor], out: Path)
                             f"{len(want)}: e.g. {sorted(set(got) ^ set(want))[:3]}")
         for k in sorted(set(got) & set(want)):
             _compare(k, got[k], want[k], problems, exact=True)
-        return problems
+        return problems + verify_diffusers_lora(out, plan.base, transformer_class(plan.base),
+                                                plan.contract, lora_pairs(tensors)[0], plan.dtype)
 
     written = _read_weights(out)
     problems += _diffusers_reload_problems(out, written)
@@ -433,7 +440,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task", default="t2i", help="task subdirectory (default t2i)")
     p.add_argument("--iteration", type=int, help="iteration to export (default: newest "
                    "committed)")
-    p.add_argument("--base-model-path", help="base model directory (pipeline or transformer)")
+    p.add_argument("--base-model-path", help="base model directory (pipeline or transformer; "
+                   "default: the model path recorded in the checkpoint)")
     p.add_argument("--dtype", default="keep", choices=list(DTYPES),
                    help="cast floating tensors (default: keep the stored dtypes)")
     p.add_argument("--verify", action="store_true", help="reload the export and compare it "

@@ -1,19 +1,28 @@
 """Rewards: scorers (built-in, custom functions, remote), the cached manager that runs them,
 and GRPO advantages from their components.
 
-Built-in scorers by dotpath (their heavy imports happen only when one is built):
-``trainer.rewards.pickscore.PickScoreScorer``, ``trainer.rewards.hps.HPSv2Scorer``,
-``trainer.rewards.aesthetic.AestheticScorer``, ``trainer.rewards.clipscore.CLIPScoreScorer``,
-``trainer.rewards.jpeg.JpegCompressibilityScorer`` / ``JpegIncompressibilityScorer``.
-"""
-from trainer.rewards.advantages import STD_MODES, compute_advantages
-from trainer.rewards.base import RewardError, RewardScorer
-from trainer.rewards.manager import (RUNTIMES, RewardManager, build_reward_manager,
-                                     clear_reward_manager_cache)
-from trainer.rewards.remote import RemoteRewardError, RemoteScorer, RewardServer
+Built-in scorers, by short name in ``[reward.scorers.NAME]`` or by dotpath (their heavy
+imports happen only when one is built): see ``trainer.rewards.spec.BUILTIN_SCORERS``.
 
-__all__ = [
-    "RUNTIMES", "STD_MODES", "RemoteRewardError", "RemoteScorer", "RewardError", "RewardManager",
-    "RewardScorer", "RewardServer", "build_reward_manager", "clear_reward_manager_cache",
-    "compute_advantages",
-]
+Names resolve lazily (PEP 562): ``trainer.rewards.spec``, which preflight imports, must not
+pull torch in through this package.
+"""
+import importlib
+
+_EXPORTS = {
+    "STD_MODES": "trainer.rewards.advantages", "compute_advantages": "trainer.rewards.advantages",
+    "RewardError": "trainer.rewards.base", "RewardScorer": "trainer.rewards.base",
+    "RUNTIMES": "trainer.rewards.manager", "RewardManager": "trainer.rewards.manager",
+    "build_reward_manager": "trainer.rewards.manager",
+    "build_reward_manager_from_config": "trainer.rewards.manager",
+    "clear_reward_manager_cache": "trainer.rewards.manager",
+    "RemoteRewardError": "trainer.rewards.remote", "RemoteScorer": "trainer.rewards.remote",
+    "RewardServer": "trainer.rewards.remote",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'trainer.rewards' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

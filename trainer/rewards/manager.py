@@ -17,6 +17,7 @@ same object, so a model is loaded once per process, not once per rollout.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import threading
 import time
@@ -28,6 +29,8 @@ from trainer.rewards.base import (SUPPORTED_TRACKS, RewardError, RewardScorer, c
                                   load_object, to_component_tensor)
 from trainer.rewards.function import FunctionScorer
 from trainer.rewards.remote import RemoteScorer
+from trainer.rewards.spec import ScorerSpec, option_problems, resolve_weights, scorer_class, \
+    scorer_specs
 
 RUNTIMES: tuple[str, ...] = ("colocate", "cpu", "remote")
 
@@ -64,6 +67,9 @@ class RewardManager:
         if problems:
             raise ValueError("reward manager: " + "; ".join(problems))
         self.components: tuple[str, ...] = tuple(owner)
+        # set by build_reward_manager_from_config; empty weights: every component weighs 1
+        self.weights: dict[str, float] = {}
+        self.required: list[str] = []
 
     def to(self, device: str | torch.device) -> "RewardManager":
         """Move local scorers' weights (e.g. to "cpu" while the actor trains, and back)."""
@@ -104,35 +110,19 @@ class RewardManager:
 
 
 def _instantiate(cls: type, *, model_path: str | None, device: torch.device | None,
-                 kwargs: dict[str, Any], dotpath: str) -> RewardScorer:
+                 kwargs: dict[str, Any], dotpath: str,
+                 model_key: str = "--reward-model-path") -> RewardScorer:
+    problems = option_problems(cls, kwargs, model_path, dotpath, model_key)
+    if problems:
+        raise ValueError("reward scorer: " + "; ".join(problems))
     params = inspect.signature(cls).parameters
     accepts_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
     call = dict(kwargs)
-    problems = []
     if model_path is not None:
-        if "model_path" in params or accepts_any:
-            call["model_path"] = model_path
-        else:
-            problems.append(f"{dotpath} takes no model_path but --reward-model-path={model_path!r}")
-    elif "model_path" in params and params["model_path"].default is inspect.Parameter.empty:
-        problems.append(f"{dotpath} needs a model path (--reward-model-path)")
+        call["model_path"] = model_path
     if "device" in params or accepts_any:
         call["device"] = device
-    unknown = sorted(k for k in kwargs if k not in params) if not accepts_any else []
-    if unknown:
-        problems.append(f"{dotpath} has no option(s) {unknown}")
-    if problems:
-        raise ValueError("reward scorer: " + "; ".join(problems))
     return cls(**call)
-
-
-def _scorer_class(dotpath: str) -> type:
-    cls = load_object(dotpath, "reward scorer path")
-    if not isinstance(cls, type) or not callable(getattr(cls, "score", None)) or \
-            not isinstance(getattr(cls, "components", None), tuple):
-        raise ValueError(f"reward scorer path {dotpath!r} is not a scorer class (needs a "
-                         "`components` tuple and a `score` method; see RewardScorer)")
-    return cls
 
 
 def _cache_key(args: dict[str, Any]) -> tuple:
@@ -151,20 +141,50 @@ def build_reward_manager(*, scorer_path: str | None, model_path: str | None, run
                          endpoint: str | None = None, device: str | torch.device | None = None,
                          custom_reward_path: str | None = None, timeout_s: float = 60.0,
                          max_retries: int = 3, **scorer_kwargs: Any) -> RewardManager:
-    """Build (or return the cached) manager for this configuration.
+    """Build (or return the cached) single-scorer manager for this configuration.
 
     ``scorer_kwargs`` go to the scorer's constructor (e.g. ``dtype``, ``batch_size``); for the
     remote runtime they go to RemoteScorer (``backoff_s``, ``components``).
     """
-    key = _cache_key(dict(scorer_path=scorer_path, model_path=model_path, runtime=runtime,
-                          endpoint=endpoint, device=device, custom_reward_path=custom_reward_path,
-                          timeout_s=timeout_s, max_retries=max_retries, **scorer_kwargs))
+    specs = [ScorerSpec("scorer", scorer_path, None, model_path,
+                        options={} if runtime == "remote" else dict(scorer_kwargs))] \
+        if scorer_path else []
+    remote_kwargs = dict(scorer_kwargs) if runtime == "remote" else {}
+    problems = []
+    if scorer_path is None and scorer_kwargs and runtime != "remote":
+        problems.append(f"scorer options {sorted(scorer_kwargs)} but no scorer path")
+    if runtime == "remote" and model_path is not None:
+        problems.append("runtime 'remote' loads no local model; drop --reward-model-path")
+    return _cached(specs, runtime=runtime, endpoint=endpoint, device=device,
+                   custom_reward_path=custom_reward_path, timeout_s=timeout_s,
+                   max_retries=max_retries, remote_kwargs=remote_kwargs,
+                   problems=tuple(problems))
+
+
+def build_reward_manager_from_config(reward, device: str | torch.device | None = None,
+                                     max_retries: int = 3) -> RewardManager:
+    """The manager of a ``[reward]`` config section: every scorer of ``reward.scorers`` (or
+    the single ``scorer_path``), the custom function, and the resolved component weights and
+    required components on ``manager.weights`` / ``manager.required``."""
+    specs, problems = scorer_specs(reward)
+    if problems:
+        raise ValueError("reward configuration: " + "; ".join(problems))
+    by_spec = {spec.name: scorer_class(spec.path).components for spec in specs}
+    weights, required, problems = resolve_weights(reward, by_spec, specs)
+    if problems:
+        raise ValueError("reward configuration: " + "; ".join(problems))
+    # weights are part of the cache key: two configs never share (and rewrite) one manager's
+    return _cached(specs, runtime=reward.runtime, endpoint=reward.endpoint, device=device,
+                   custom_reward_path=reward.custom_reward_path, timeout_s=reward.timeout_s,
+                   max_retries=max_retries, remote_kwargs={}, weights=weights,
+                   required=tuple(required))
+
+
+def _cached(specs: list[ScorerSpec], **kwargs: Any) -> RewardManager:
+    key = _cache_key(dict(specs=[dataclasses.asdict(s) for s in specs], **kwargs))
     with _CACHE_LOCK:
         if key not in _CACHE:
-            _CACHE[key] = _build(scorer_path=scorer_path, model_path=model_path, runtime=runtime,
-                                 endpoint=endpoint, device=device,
-                                 custom_reward_path=custom_reward_path, timeout_s=timeout_s,
-                                 max_retries=max_retries, scorer_kwargs=scorer_kwargs)
+            _CACHE[key] = _build(specs, **kwargs)
         return _CACHE[key]
 
 
@@ -174,53 +194,61 @@ def clear_reward_manager_cache() -> None:
         _CACHE.clear()
 
 
-def _build(*, scorer_path, model_path, runtime, endpoint, device, custom_reward_path, timeout_s,
-           max_retries, scorer_kwargs) -> RewardManager:
-    problems = []
+def _resolve_device(runtime: str, device, problems: list[str]) -> torch.device | None:
+    if runtime == "cpu":
+        if device is not None and torch.device(device).type != "cpu":
+            problems.append(f"runtime 'cpu' with device={device!r}")
+        return torch.device("cpu")
+    if runtime == "colocate":
+        if not torch.cuda.is_available():
+            problems.append("runtime 'colocate' scores on the rollout GPU but CUDA is not "
+                            "available; use runtime 'cpu'")
+            return None
+        resolved = torch.device(device) if device is not None else \
+            torch.device("cuda", torch.cuda.current_device())
+        if resolved.type != "cuda":
+            problems.append(f"runtime 'colocate' with non-CUDA device={device!r}")
+        return resolved
+    return None
+
+
+def _build(specs: list[ScorerSpec], *, runtime, endpoint, device, custom_reward_path, timeout_s,
+           max_retries, remote_kwargs, problems=(), weights=None, required=()) -> RewardManager:
+    problems = list(problems)
     if runtime not in RUNTIMES:
         problems.append(f"runtime {runtime!r} is not one of {list(RUNTIMES)}")
     if runtime == "remote":
         if not endpoint:
             problems.append("runtime 'remote' needs an endpoint (--reward-endpoint)")
-        if model_path is not None:
-            problems.append("runtime 'remote' loads no local model; drop --reward-model-path")
     else:
         if endpoint:
             problems.append(f"an endpoint is set but runtime is {runtime!r}, not 'remote'")
-        if scorer_path is None and custom_reward_path is None:
-            problems.append(f"runtime {runtime!r} needs --reward-scorer-path or "
-                            "--custom-reward-path")
-        if scorer_path is None and scorer_kwargs:
-            problems.append(f"scorer options {sorted(scorer_kwargs)} but no scorer path")
-    resolved = None
-    if runtime == "cpu":
-        if device is not None and torch.device(device).type != "cpu":
-            problems.append(f"runtime 'cpu' with device={device!r}")
-        resolved = torch.device("cpu")
-    elif runtime == "colocate":
-        if not torch.cuda.is_available():
-            problems.append("runtime 'colocate' scores on the rollout GPU but CUDA is not "
-                            "available; use runtime 'cpu'")
-        else:
-            resolved = torch.device(device) if device is not None else \
-                torch.device("cuda", torch.cuda.current_device())
-            if resolved.type != "cuda":
-                problems.append(f"runtime 'colocate' with non-CUDA device={device!r}")
+        if not specs and custom_reward_path is None:
+            problems.append(f"runtime {runtime!r} needs --reward-scorer-path, [reward.scorers] "
+                            "or --custom-reward-path")
+    resolved = _resolve_device(runtime, device, problems)
     if problems:
         raise ValueError("reward configuration: " + "; ".join(problems))
 
     scorers: list[RewardScorer] = []
     if runtime == "remote":
-        components = scorer_kwargs.pop("components", None)
-        if scorer_path is not None:
-            components = _scorer_class(scorer_path).components
+        remote_kwargs = dict(remote_kwargs)
+        components = remote_kwargs.pop("components", None)
+        if specs:
+            components = tuple(c for s in specs for c in scorer_class(s.path).components)
         scorers.append(RemoteScorer(endpoint, components=components, timeout_s=timeout_s,
-                                    max_retries=max_retries, **scorer_kwargs))
-    elif scorer_path is not None:
-        cls = _scorer_class(scorer_path)
-        scorer = _instantiate(cls, model_path=model_path, device=resolved, kwargs=scorer_kwargs,
-                              dotpath=scorer_path)
+                                    max_retries=max_retries, **remote_kwargs))
+    for spec in specs if runtime != "remote" else ():
+        model_key = f"{spec.where}.model_path" if spec.weight is not None else \
+            "--reward-model-path"
+        scorer = _instantiate(scorer_class(spec.path), model_path=spec.model_path,
+                              device=resolved, kwargs=spec.options, dotpath=spec.path,
+                              model_key=model_key)
+        if spec.weight is not None:
+            scorer.name = spec.where
         scorers.append(scorer)
     if custom_reward_path is not None:
         scorers.append(FunctionScorer.from_dotpath(custom_reward_path))
-    return RewardManager(scorers, runtime=runtime, device=resolved)
+    manager = RewardManager(scorers, runtime=runtime, device=resolved)
+    manager.weights, manager.required = dict(weights or {}), list(required)
+    return manager

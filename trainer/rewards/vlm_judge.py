@@ -1,0 +1,153 @@
+"""A VLM judge over an OpenAI-compatible chat endpoint: how UnifiedReward and Qwen-VL models
+are served (vLLM, SGLang and most inference servers speak ``POST <endpoint>/chat/completions``).
+
+One request per image: the image as a ``data:image/png;base64`` URL and the question (the
+``question`` option, ``{prompt}`` replaced by the sample's prompt). The score is the first
+match of ``score_pattern`` in the answer (its first group when it has one; default: the first
+number; UnifiedReward-style answers want ``"Final Score:\\s*(-?\\d+(?:\\.\\d+)?)"``), mapped to
+[0, 1] by ``(s - score_min) / (score_max - score_min)`` and clipped there; an answer without a
+match scores NaN (that sample only). Transport failures (connection, timeout, HTTP 5xx) are
+retried ``max_retries`` times with a short backoff, then the whole batch fails with every cause
+listed: a judge that cannot answer must not train the policy on zeros.
+
+An API key, when the server wants one, is read from the environment variable named by
+``api_key_env`` (never written in a config file).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import string
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, ClassVar
+
+import torch
+
+from trainer.rewards.base import RewardScorer
+from trainer.rewards.remote import RemoteRewardError, encode_png_base64
+
+DEFAULT_QUESTION = ('Rate how well this image matches the description "{prompt}" and how good '
+                    'it looks, from {score_min} (poor) to {score_max} (excellent). Answer with '
+                    'the number only.')
+NUMBER = r"-?\d+(?:\.\d+)?"
+
+
+def parse_score(answer: str, score_min: float, score_max: float,
+                pattern: str = NUMBER) -> float:
+    m = re.search(pattern, answer or "")
+    if m is None:
+        return math.nan
+    try:
+        raw = float(m.group(1) if m.re.groups else m.group())
+    except ValueError:
+        return math.nan
+    return min(1.0, max(0.0, (raw - score_min) / (score_max - score_min)))
+
+
+class VLMJudgeScorer(RewardScorer):
+    """Options: ``endpoint`` (e.g. ``http://host:8000/v1``), ``model``, ``question``,
+    ``score_min``/``score_max``, ``score_pattern``, ``max_tokens``, ``timeout_s``, ``max_retries``,
+    ``concurrency`` (requests in flight), ``api_key_env``."""
+
+    components: ClassVar[tuple[str, ...]] = ("vlm_judge",)
+
+    def __init__(self, *, endpoint: str, model: str = "default",
+                 question: str = DEFAULT_QUESTION, score_min: float = 1.0,
+                 score_max: float = 5.0, score_pattern: str = NUMBER, max_tokens: int = 16,
+                 timeout_s: float = 60.0,
+                 max_retries: int = 2, concurrency: int = 4, api_key_env: str | None = None,
+                 device: str | torch.device | None = None) -> None:
+        problems = self.check_options(endpoint=endpoint, question=question, score_min=score_min,
+                                      score_max=score_max, score_pattern=score_pattern,
+                                      concurrency=concurrency, api_key_env=api_key_env)
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.url = endpoint.rstrip("/") + "/chat/completions"
+        self.model, self.question = model, question
+        self.score_min, self.score_max = float(score_min), float(score_max)
+        self.score_pattern = score_pattern
+        self.max_tokens, self.timeout_s = int(max_tokens), float(timeout_s)
+        self.max_retries, self.concurrency = int(max_retries), int(concurrency)
+        self.api_key = os.environ.get(api_key_env) if api_key_env else None
+        self.device = device
+
+    @classmethod
+    def check_options(cls, endpoint: str = "", question: str = DEFAULT_QUESTION,
+                      score_min: float = 1.0, score_max: float = 5.0,
+                      score_pattern: str = NUMBER, concurrency: int = 4,
+                      api_key_env: str | None = None, **_: Any) -> list[str]:
+        problems = []
+        try:
+            re.compile(score_pattern)
+        except (re.error, TypeError) as exc:
+            problems.append(f"score_pattern={score_pattern!r} is not a regular expression: {exc}")
+        if not isinstance(endpoint, str) or not endpoint.startswith(("http://", "https://")):
+            problems.append(f"endpoint={endpoint!r} is not an http(s) URL")
+        try:
+            fields = {f for _, f, _, _ in string.Formatter().parse(question) if f is not None}
+        except ValueError as exc:
+            fields = set()
+            problems.append(f"question is not a format string: {exc}")
+        unknown = sorted(fields - {"prompt", "score_min", "score_max"})
+        if unknown:
+            problems.append(f"question uses unknown fields {unknown} (known: prompt, score_min, "
+                            "score_max)")
+        if not float(score_max) > float(score_min):
+            problems.append(f"score_max={score_max} must be above score_min={score_min}")
+        if int(concurrency) < 1:
+            problems.append(f"concurrency={concurrency} must be >= 1")
+        if api_key_env and api_key_env not in os.environ:
+            problems.append(f"api_key_env={api_key_env!r}: no such environment variable")
+        return problems
+
+    def _body(self, png_b64: str, prompt: str) -> bytes:
+        text = self.question.format(prompt=prompt, score_min=_fmt(self.score_min),
+                                    score_max=_fmt(self.score_max))
+        return json.dumps({
+            "model": self.model, "temperature": 0.0, "max_tokens": self.max_tokens,
+            "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png_b64}"}},
+                {"type": "text", "text": text}]}],
+        }).encode()
+
+    def _ask(self, body: bytes) -> str:
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        errors = []
+        for attempt in range(self.max_retries + 1):
+            request = urllib.request.Request(self.url, data=body, headers=headers)
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                    reply = json.loads(response.read())
+                return str(reply["choices"][0]["message"]["content"])
+            except urllib.error.HTTPError as exc:
+                errors.append(f"HTTP {exc.code}")
+                if exc.code < 500:  # the request itself is wrong: retrying cannot help
+                    break
+            except (urllib.error.URLError, TimeoutError, OSError) as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+            except (ValueError, KeyError, IndexError, TypeError) as exc:
+                errors.append(f"malformed reply ({type(exc).__name__}: {exc})")
+                break
+            time.sleep(min(2.0, 0.2 * 2 ** attempt))
+        raise RemoteRewardError(f"VLM judge {self.url} failed after {len(errors)} attempt(s): "
+                                + "; ".join(errors))
+
+    def score(self, images: torch.Tensor, prompts: list[str],
+              metadata: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        bodies = [self._body(png, p) for png, p in zip(encode_png_base64(images), prompts)]
+        with ThreadPoolExecutor(max_workers=min(self.concurrency, max(1, len(bodies)))) as pool:
+            answers = list(pool.map(self._ask, bodies))
+        values = [parse_score(a, self.score_min, self.score_max, self.score_pattern)
+                  for a in answers]
+        return {"vlm_judge": torch.tensor(values, dtype=torch.float32)}
+
+
+def _fmt(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)

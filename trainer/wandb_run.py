@@ -1,0 +1,62 @@
+"""Weights & Biases for a run: a readable name from the recipe and a resumable id.
+
+* name: ``logging.wandb_name`` when set, else ``<run_dir name>-<model family>-<trainable
+  mode>-<reward components>``, e.g. ``sd3-t2i-lora-sd3-lora-pickscore`` (shipped recipes put
+  each run in ``runs/<recipe name>``, so the name starts with the recipe's).
+* id: drawn once and kept in ``<run_dir>/wandb_run_id``; a resumed run (same run_dir) passes
+  it back with ``resume="allow"``, so W&B continues the same run instead of starting another.
+  Delete the file to start a fresh W&B run in the same directory.
+
+Offline use is W&B's own: ``WANDB_MODE=offline`` (then ``wandb sync`` later).
+"""
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+from typing import Any
+
+ID_FILE = "wandb_run_id"
+
+
+def run_name(config: dict[str, Any]) -> str:
+    logging = config.get("logging", {})
+    if logging.get("wandb_name"):
+        return str(logging["wandb_name"])
+    parts = [Path(str(logging.get("run_dir", "run"))).name]
+    from trainer.models import ADAPTERS  # torch-free
+    adapter = str(config.get("model", {}).get("adapter_path", ""))
+    family = {path: name for name, path in ADAPTERS.items()}.get(
+        adapter, adapter.rsplit(".", 1)[-1].removesuffix("Adapter").lower())
+    if family and family not in parts[0]:
+        parts.append(family)
+    mode = config.get("fsdp", {}).get("trainable_mode")
+    if mode and mode not in parts[0]:
+        parts.append(mode)
+    reward = config.get("reward", {})
+    names = list(reward.get("scorers") or {})
+    if not names and reward.get("scorer_path"):
+        names = [str(reward["scorer_path"]).rsplit(".", 1)[-1].removesuffix("Scorer").lower()]
+    if names:
+        parts.append("+".join(names))
+    return "-".join(parts)
+
+
+def resumable_id(run_dir: str | Path) -> str:
+    path = Path(run_dir) / ID_FILE
+    if path.is_file() and path.read_text().strip():
+        return path.read_text().strip()
+    run_id = secrets.token_hex(4)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(run_id + "\n")
+    return run_id
+
+
+def init_wandb(run_dir: str | Path, project: str, config: dict[str, Any]):
+    import wandb
+    return wandb.init(project=project, config=config, dir=str(run_dir), name=run_name(config),
+                      id=resumable_id(run_dir), resume="allow")
+
+
+def log_image(run, tag: str, step: int, image, caption: str | None = None) -> None:
+    import wandb
+    run.log({tag: wandb.Image(image, caption=caption)}, step=step)
