@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from trainer.sampling import RELAX_SAMPLING
+
 
 def _f(default: Any, flag: str, doc: str) -> Any:
     """A config field with its spec flag and docstring."""
@@ -27,20 +29,8 @@ def _f(default: Any, flag: str, doc: str) -> Any:
     return field(default=default, metadata=meta)
 
 
-DEFAULT_SAMPLING: dict[str, Any] = {
-    "height": 384,
-    "width": 384,
-    "num_inference_steps": 12,
-    "guidance_scale": 1.0,
-    "eta": 0.7,
-    "sde_type": "sde",
-    "sde_indices": [3, 4, 5],
-    "sde_resample_per_rollout": True,
-    "num_sde_steps": 3,
-    "sde_pool": [1, 2, 3, 4, 5],
-    "driver_xt": True,
-    "sample_id_mode": "metadata",
-}
+# The keys, their defaults and their rules live in trainer.sampling.SamplingConfig.
+DEFAULT_SAMPLING: dict[str, Any] = RELAX_SAMPLING
 
 
 @dataclass

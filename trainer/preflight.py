@@ -49,11 +49,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trainer.config import Config, ConfigError
+from trainer.sampling import SamplingConfig, fraction_window  # noqa: F401 (re-exported)
 from trainer.tasks import GENERATION_TASKS
 
 log = logging.getLogger("trainer.preflight")
 
-SDE_TYPES: tuple[str, ...] = ("sde", "dance", "cps")  # kernels/: the types with a log-prob
 DTYPES: tuple[str, ...] = ("bf16", "fp32")
 TRAINABLE_MODES: tuple[str, ...] = ("full", "lora")
 SYNC_MODES: tuple[str, ...] = ("full", "adapter", "merge")
@@ -63,69 +63,22 @@ LR_SCHEDULERS: tuple[str, ...] = ("constant", "linear", "cosine")
 ENGINES: tuple[str, ...] = ("embedded", "sglang")
 SYNC_BACKENDS: tuple[str, ...] = ("auto", "cuda", "shm")
 DEVICES: tuple[str, ...] = ("auto", "cuda", "cpu")
-SAMPLE_ID_MODES: tuple[str, ...] = ("metadata", "positional", "group_index")
-SAMPLING_KEYS: frozenset[str] = frozenset({
-    "height", "width", "num_inference_steps", "guidance_scale", "eta", "sde_type",
-    "sde_indices", "sde_pool", "num_sde_steps", "sde_timestep_fraction",
-    "sde_resample_per_rollout", "driver_xt", "driver_sigmas", "sample_id_mode", "sigma_max",
-    "init_noise_latent_shape", "init_same_noise"})
 _DOTPATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
-_FLOOR_EPS = 1e-9  # keeps lo = 1/12 from flooring to step 0 through float rounding
 
 
-# ---- SDE step resolution (torch-free twin of trainer.rollout.resolve_sde_indices) ---------
+# ---- SDE steps (trainer.sampling owns the rules; these names are kept for callers) -------
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def fraction_window(fraction: Any, num_steps: int) -> list[int]:
-    """Steps in the half-open window ``[floor(lo*T), floor(hi*T))`` of a T-step schedule.
-
-    ``[0.0, 1.0]`` is every step; ``[0.0, 0.5]`` over 12 steps is steps 0..5.
-    """
-    lo, hi = float(fraction[0]), float(fraction[1])
-    start = int(math.floor(lo * num_steps + _FLOOR_EPS))
-    stop = int(math.floor(hi * num_steps + _FLOOR_EPS))
-    return list(range(max(start, 0), min(stop, num_steps)))
-
-
 def static_sde_indices(sampling: dict[str, Any]) -> list[int]:
-    """The SDE steps resolved without a rollout id (evaluation, or resampling off).
-
-    ``sde_indices`` sorted and de-duplicated if given, else ``num_sde_steps`` points at stride
-    ``floor(k * len(window) / num_sde_steps)`` in the fraction window, else nothing.
-    Assumes the sampling keys are well-typed (``preflight`` reports them when not).
-    """
-    explicit = sampling.get("sde_indices")
-    if explicit is not None:
-        return sorted(set(explicit))
-    num_sde = sampling.get("num_sde_steps") or 0
-    if num_sde <= 0:
-        return []
-    window = fraction_window(sampling.get("sde_timestep_fraction") or (0.0, 1.0),
-                             sampling.get("num_inference_steps", 12))
-    if not window:
-        return []
-    return [window[(k * len(window)) // num_sde] for k in range(min(num_sde, len(window)))]
+    """The SDE steps resolved without a rollout id (evaluation, or resampling off)."""
+    return SamplingConfig.from_dict({**sampling, "sde_type": "dance"}).static_indices()
 
 
 def trainable_indices_upper_bound(sampling: dict[str, Any]) -> list[int]:
-    """Every step at which some rollout (any rollout id) or evaluation could inject SDE noise.
-
-    The union of the per-rollout resampling pool (``sde_pool``, or the fraction window when no
-    pool is given) and the static path (``static_sde_indices``). This is what the spec's step-0
-    rule must cover: a config that trains step 0 at *some* rollout is invalid, whichever path
-    the first rollout happens to take.
-    """
-    steps = set(static_sde_indices(sampling))
-    num_sde = sampling.get("num_sde_steps") or 0
-    if sampling.get("sde_resample_per_rollout") and num_sde > 0:
-        pool = sampling.get("sde_pool")
-        if pool is None:
-            pool = fraction_window(sampling.get("sde_timestep_fraction") or (0.0, 1.0),
-                                   sampling.get("num_inference_steps", 12))
-        steps |= set(pool)
-    return sorted(steps)
+    """Every step at which some rollout (any rollout id) or evaluation could inject SDE noise."""
+    return SamplingConfig.from_dict({**sampling, "sde_type": "dance"}).reachable_noise_steps()
 
 
 def local_sample_count(cfg: Config, world_size: int) -> int:
@@ -244,110 +197,15 @@ def _check_trainable(c: _Checker) -> None:
 
 
 def _check_sampling(c: _Checker) -> None:
-    s = c.cfg.rollout.sampling
-    unknown = sorted(set(s) - SAMPLING_KEYS)
-    if unknown:
-        c.warn(f"unknown rollout.sampling keys {unknown} (--sampling-config) are ignored by "
-               f"the adapters and the driver (typo?)")
-    for name in ("height", "width", "num_inference_steps"):
-        v = s.get(name)
-        if not _is_int(v) or v < 1:
-            c.error(f"{_key('sampling.' + name)}={v!r} must be a positive integer")
-    steps = s.get("num_inference_steps")
-    steps = steps if _is_int(steps) and steps >= 1 else None
-    g = s.get("guidance_scale", 1.0)
-    if g != 1.0:
-        c.error(f"{_key('sampling.guidance_scale')}={g!r} must be 1.0: the actor replays a "
-                f"single conditional forward, a CFG rollout would train a policy it never "
-                f"sampled")
-    sde_type = s.get("sde_type")
-    if c.one_of("sampling.sde_type", sde_type, SDE_TYPES):
-        eta = s.get("eta")
-        if not isinstance(eta, (int, float)) or isinstance(eta, bool) or not eta > 0:
-            c.error(f"{_key('sampling.eta')}={eta!r} must be > 0 with sde_type={sde_type!r} "
-                    f"(eta 0 is the ODE: no noise, no log-prob to train)")
-    if "sample_id_mode" in s:
-        c.one_of("sampling.sample_id_mode", s["sample_id_mode"], SAMPLE_ID_MODES)
-    for name in ("sde_resample_per_rollout", "driver_xt", "driver_sigmas", "init_same_noise"):
-        if name in s and not isinstance(s[name], bool):
-            c.error(f"{_key('sampling.' + name)}={s[name]!r} must be true or false")
-    if s.get("init_same_noise") is True and s.get("driver_xt") is False:
-        c.error(f"{_key('sampling.init_same_noise')}=true needs driver_xt: without the driver's "
-                f"x_T recipe the engine draws x_T itself and cannot share it within a group")
-    if steps is not None and _check_sde_keys(c, s, steps):
-        upper = trainable_indices_upper_bound(s)
-        if not upper:
-            c.error(f"{_key('sampling.sde_indices')}: the sampling config resolves to no SDE "
-                    f"step (set sde_indices, or num_sde_steps with sde_pool / "
-                    f"sde_timestep_fraction)")
-        if sde_type == "sde" and 0 in upper:
-            c.error(_step0_message(s, steps))
-
-
-def _check_sde_keys(c: _Checker, s: dict, steps: int) -> bool:
-    """Types and ranges of the SDE-step keys; True when their types allow resolving them."""
-    typed = True
-    for name in ("sde_indices", "sde_pool"):
-        v = s.get(name)
-        if v is None:
-            continue
-        if not isinstance(v, list) or not all(_is_int(i) for i in v):
-            c.error(f"{_key('sampling.' + name)}={v!r} must be a list of integers")
-            typed = False
-            continue
-        bad = sorted({i for i in v if not 0 <= i < steps})
-        if bad:
-            c.error(f"{_key('sampling.' + name)} {bad} outside the schedule's steps 0..{steps - 1}")
-        if name == "sde_pool" and not v:
-            c.error(f"{_key('sampling.sde_pool')} is empty")
-    num_sde = s.get("num_sde_steps", 0)
-    if num_sde is not None and (not _is_int(num_sde) or num_sde < 0):
-        c.error(f"{_key('sampling.num_sde_steps')}={num_sde!r} must be a non-negative integer")
-        return False
-    num_sde = num_sde or 0
-    frac = s.get("sde_timestep_fraction")
-    window = list(range(steps))
-    if frac is not None:
-        try:
-            lo, hi = (float(x) for x in frac)
-        except (TypeError, ValueError):
-            c.error(f"{_key('sampling.sde_timestep_fraction')}={frac!r} must be a pair [lo, hi]")
-            return False
-        if not 0.0 <= lo < hi <= 1.0:
-            c.error(f"{_key('sampling.sde_timestep_fraction')}={frac!r} must satisfy "
-                    f"0 <= lo < hi <= 1")
-            return False
-        window = fraction_window((lo, hi), steps)
-    if num_sde > 0 and s.get("sde_indices") is None and num_sde > len(window):
-        c.error(f"{_key('sampling.num_sde_steps')}={num_sde} exceeds the {len(window)} steps "
-                f"of the sde_timestep_fraction window {window}")
-    if s.get("sde_resample_per_rollout"):
-        pool = s.get("sde_pool")
-        pool = window if pool is None else pool
-        if num_sde <= 0:
-            c.error(f"{_key('sampling.sde_resample_per_rollout')} is set but num_sde_steps is 0")
-        elif typed and num_sde > len(set(pool)):
-            c.error(f"{_key('sampling.num_sde_steps')}={num_sde} exceeds the {len(set(pool))} "
-                    f"distinct steps of the resampling pool {sorted(set(pool))}")
-    return typed
-
-
-def _step0_message(s: dict, steps: int) -> str:
-    paths = []
-    if 0 in (s.get("sde_indices") or []):
-        paths.append("sde_indices contains 0")
-    if s.get("sde_resample_per_rollout") and (s.get("num_sde_steps") or 0) > 0:
-        if s.get("sde_pool") is not None and 0 in s["sde_pool"]:
-            paths.append("sde_pool contains 0")
-        elif s.get("sde_pool") is None:
-            paths.append("the resampling pool (no sde_pool: the fraction window) contains 0")
-    if s.get("sde_indices") is None and 0 in static_sde_indices(s):
-        paths.append(f"sde_timestep_fraction {s.get('sde_timestep_fraction', [0.0, 1.0])} "
-                     f"resolves to {static_sde_indices(s)}")
-    return (f"{_key('sampling.sde_indices')}: SDE step 0 could be trained with sde_type='sde' "
-            f"({'; '.join(paths)}); at sigma == 1 the coefficient sqrt(sigma / (1 - sigma)) is "
-            f"singular. Use steps >= 1 (e.g. sde_pool [1, 2, 3, 4, 5]) or a fraction window "
-            f"starting at or above 1/{steps}")
+    """Every rule of trainer.sampling.SamplingConfig; unknown keys are an error there too (the
+    request builder refuses them, so a warning here would only defer the failure)."""
+    config, problems = SamplingConfig.check(c.cfg.rollout.sampling)
+    for problem in problems:
+        c.error(f"rollout.sampling.{problem} (--sampling-config)")
+    if config is not None and not problems and not config.reachable_trained_steps():
+        c.error("rollout.sampling (--sampling-config): the sampling config resolves to no SDE "
+                "step (set sde_indices, or num_sde_steps with sde_pool / sde_timestep_fraction, "
+                "or sde_step_mode='every_step')")
 
 
 def _check_geometry(c: _Checker) -> None:

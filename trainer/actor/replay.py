@@ -13,6 +13,7 @@ from torch import nn
 
 import kernels
 from trainer.models.base import GenerativeModelAdapter, RolloutBatch
+from trainer.models.guidance import guided_velocity
 from trainer.profiling import ComputeMeter
 
 
@@ -33,12 +34,11 @@ def replay_log_probs(adapter: GenerativeModelAdapter, model: nn.Module, batch: R
         sigma = batch.sigmas[:, s].to(device)
         sigma_next = batch.sigmas_next[:, s].to(device)
         with meter.region("transformer", device) if meter else contextlib.nullcontext():
-            v = adapter.velocity(model, x, sigma, conditions, batch.height, batch.width)
+            v = guided_velocity(adapter, model, x, sigma, conditions, batch.height, batch.width, batch.guidance_scale)
         # validate=False: the engine's sde_step already validated these sigmas when it sampled
         # the transition (and validation with tensor sigmas costs a host sync per step).
-        cols.append(kernels.sde_log_prob(x, v, x_next, sigma, sigma_next, eta=batch.eta,
-                                         sde_type=batch.sde_type, backend=backend,
-                                         validate=False))
+        cols.append(kernels.sde_log_prob(x, v, x_next, sigma, sigma_next, **batch.kernel_options(),
+                                         backend=backend, validate=False))
     return torch.stack(cols, dim=1)
 
 
