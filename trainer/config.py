@@ -89,7 +89,16 @@ class RewardConfig:
                                    "Components that must be present and finite (JSON list).")
     component_weights: dict = _f({}, "--reward-component-weights",
                                  "{component: weight} combining normalised components.")
-    std_mode: str = _f("group", "--generative-advantage-std-mode", "group | batch | none.")
+    std_mode: str = _f("group", "--generative-advantage-std-mode",
+                       "group | batch (one std over every rank's batch: Flow-GRPO's global_std) "
+                       "| none.")
+    adv_eps: float | None = _f(None, "--advantage-eps",
+                               "Divisor std + eps; None: 1e-6 (Flow-GRPO reference: 1e-4).")
+    adv_clip_max: float | None = _f(None, "--advantage-clip-max",
+                                    "Clamp advantages to [-x, x]; None: no clamp (reference: 5).")
+    zero_degenerate_groups: bool = _f(True, "--zero-degenerate-groups",
+                                      "Zero groups with reward variance < 1e-6 (the reference "
+                                      "does not: false).")
     timeout_s: float = _f(60.0, "--reward-timeout", "Remote scorer timeout per request.")
 
 
@@ -103,6 +112,12 @@ class TrainConfig:
     eps_clip_high: float | None = _f(None, "--eps-clip-high", "Optional asymmetric upper clip.")
     kl_coef: float = _f(0.0, "--kl-coef",
                         "KL to the frozen reference (LoRA only: adapter disabled). Our extension.")
+    kl_form: str = _f("gaussian", "--kl-form",
+                      "gaussian (closed-form KL of the two transitions) | reference (Flow-GRPO's "
+                      "mean((mean - mean_ref)^2) / (2 std_dev_t^2): its beta is kl_coef).")
+    drop_zero_advantage: bool = _f(False, "--drop-zero-advantage",
+                                   "Average the update over the non-zero-advantage rows only "
+                                   "(the Flow-GRPO reference filters zero rows out).")
     advantage_estimator: str = _f("grpo", "--advantage-estimator", "Only 'grpo'.")
     lr: float = _f(3e-4, "--lr", "Peak learning rate.")
     min_lr: float = _f(0.0, "--min-lr", "Floor of linear/cosine decay.")

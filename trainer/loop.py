@@ -26,8 +26,10 @@ from trainer.actor.replay import plan_updates, replay_log_probs
 from trainer.actor.sync import sync_payload
 from trainer.config import Config, write_resolved
 from trainer.metrics import MetricsLogger
+from trainer.models.guidance import guided_velocity
 from trainer.profiling import ComputeMeter, ProfileWindow, StageTimer, add_times, nvtx_range
 from trainer.prompts import PromptSampler, load_records
+from trainer.rewards.advantages import micro_batch_scale
 
 log = logging.getLogger("trainer")
 
@@ -182,7 +184,8 @@ class Trainer:
             weights = r.component_weights or {c: 1.0 for c in components}
             adv, adv_metrics, failed = compute_advantages(
                 components, batch.group_index, weights=weights,
-                required=list(r.required_components), std_mode=r.std_mode)
+                required=list(r.required_components), std_mode=r.std_mode, eps=r.adv_eps,
+                clip_max=r.adv_clip_max, zero_degenerate_groups=r.zero_degenerate_groups)
         metrics.update(adv_metrics)
         total = sum(weights.get(c, 0.0) * v.float() for c, v in components.items())
         wsum = sum(weights.get(c, 0.0) for c in components) or 1.0
@@ -222,10 +225,10 @@ class Trainer:
             x = mb.latents[:, s].to(device)
             sig, sig_n = mb.sigmas[:, s].to(device), mb.sigmas_next[:, s].to(device)
             with self.meter.region("transformer", device):
-                v = self.adapter.velocity(self.model, x, sig, cond, mb.height, mb.width)
+                v = guided_velocity(self.adapter, self.model, x, sig, cond, mb.height, mb.width, mb.guidance_scale)
                 with torch.no_grad(), self.model.disable_adapter():
-                    v_ref = self.adapter.velocity(self.model, x, sig, cond, mb.height, mb.width)
-            cols.append(kernels.sde_kl(v, v_ref, sig, sig_n, eta=mb.eta, sde_type=mb.sde_type))
+                    v_ref = guided_velocity(self.adapter, self.model, x, sig, cond, mb.height, mb.width, mb.guidance_scale)
+            cols.append(kernels.sde_kl(v, v_ref, sig, sig_n, **mb.kernel_options(), kl_form=self.cfg.train.kl_form))
         return torch.stack(cols, 1)
 
     def train_on(self, batch, advantages: torch.Tensor, rollout_id: int) -> dict[str, float]:
@@ -247,10 +250,9 @@ class Trainer:
         grad_norms, skips, first_ratio, lr = [], 0, None, lr_at_step(self.lr_steps, cfg)
         params = [p for p in self.model.parameters() if p.requires_grad]
         for u, micro_batches in enumerate(plan.updates):
-            update_size = sum(len(m) for m in micro_batches)
             for rows in micro_batches:
                 stats = self.forward_backward_step(batch.select(rows), advantages[rows],
-                                                   len(rows) / update_size,
+                                                   micro_batch_scale(advantages, rows, micro_batches, drop_zero_advantage=cfg.train.drop_zero_advantage),
                                                    None if u == 0 and self.cfg.train.anchor
                                                    == "replay" else anchors[rows])
                 if u == 0 and first_ratio is None:

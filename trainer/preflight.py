@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trainer.config import Config, ConfigError
-from trainer.sampling import SamplingConfig, fraction_window  # noqa: F401 (re-exported)
+from trainer.sampling import KL_FORMS, SamplingConfig, fraction_window  # noqa: F401 (re-exported)
 from trainer.tasks import GENERATION_TASKS
 
 log = logging.getLogger("trainer.preflight")
@@ -273,6 +273,7 @@ def _check_optim(c: _Checker) -> None:
         if t.lr_scheduler != "constant" and t.lr_decay_iters is None:
             c.error(f"{_key('train.lr_scheduler')}={t.lr_scheduler!r} needs "
                     f"{_key('train.lr_decay_iters')} (the decay length in optimizer steps)")
+    c.one_of("train.kl_form", t.kl_form, KL_FORMS)
     if t.kl_coef < 0:
         c.error(f"{_key('train.kl_coef')}={t.kl_coef} must be >= 0")
     elif t.kl_coef > 0 and c.cfg.lora.rank <= 0:
@@ -344,6 +345,10 @@ def _check_launch(c: _Checker) -> None:
 def _check_reward(c: _Checker) -> None:
     rw = c.cfg.reward
     c.one_of("reward.std_mode", rw.std_mode, STD_MODES)
+    for name in ("adv_eps", "adv_clip_max"):
+        value = getattr(rw, name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            c.error(f"{_key('reward.' + name)}={value!r} must be > 0 (or unset)")
     if c.one_of("reward.runtime", rw.runtime, REWARD_RUNTIMES) and rw.runtime == "remote":
         if not rw.endpoint:
             c.error(f"{_key('reward.endpoint')} is required with reward.runtime='remote'")

@@ -40,6 +40,7 @@ SDE_STEP_MODES: tuple[str, ...] = ("indices", "every_step")
 SIGMA_ONE_TREATMENTS: tuple[str, ...] = ("refuse", "clamp_to_next")
 CPS_LOG_PROB_FORMS: tuple[str, ...] = ("gaussian", "reference")
 SAMPLE_ID_MODES: tuple[str, ...] = ("metadata", "positional", "group_index")
+KL_FORMS: tuple[str, ...] = ("gaussian", "reference")  # kernels.sde_kl's kl_form (train.kl_form)
 _STEP_KEYS = frozenset({"num_inference_steps", "sde_type", "sde_step_mode", "sde_indices",
                         "sde_pool", "num_sde_steps", "sde_timestep_fraction",
                         "sde_resample_per_rollout", "timestep_fraction", "sigma_one",
