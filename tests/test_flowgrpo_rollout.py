@@ -58,3 +58,17 @@ def test_guidance_changes_the_samples(setup):
                                seed=5, task="t2i")
         latents.append(driver.generate(RECORDS, 2, rollout_id=3, policy_version=0).next_latents)
     assert (latents[0] - latents[1]).abs().max() > 1e-3
+
+
+def test_ode_evaluation_samples_without_noise(setup):
+    """The reference's eval: sde_step_mode 'none' (its own step count), deterministic images."""
+    adapter, engine, _ = setup
+    table = {**REFERENCE, "sde_step_mode": "none", "num_inference_steps": 8, "guidance_scale": 3.0,
+             "timestep_fraction": None, "sigma_one": None}
+    images = []
+    for seed in (5, 5):
+        driver = RolloutDriver(adapter, [engine], sampling=table, seed=seed, task="t2i")
+        batch = driver.generate(RECORDS, 2, rollout_id=None, policy_version=0)
+        assert batch.sde_indices == [] and batch.log_probs.shape == (4, 0)
+        images.append(batch.images)
+    assert torch.equal(images[0], images[1])

@@ -194,7 +194,26 @@ class DataConfig:
     n_samples_per_eval_prompt: int = _f(2, "--n-samples-per-eval-prompt", "Eval candidates.")
     eval_max_prompts: int | None = _f(None, "--eval-max-prompts", "Cap on eval prompts.")
     eval_sde_indices: list | None = _f(None, "--eval-sde-indices",
-                                       "Fixed SDE indices for eval; None = sampling.sde_indices.")
+                                       "eval_mode sde: fixed SDE steps of the eval; None = the "
+                                       "training sampling's deterministic steps.")
+    eval_mode: str = _f("sde", "--eval-mode",
+                        "sde (the training's stochastic steps at fixed indices) | ode "
+                        "(deterministic, as the Flow-GRPO reference evaluates).")
+    eval_num_inference_steps: int | None = _f(None, "--eval-num-inference-steps",
+                                              "Steps of an eval rollout; None = the training's "
+                                              "(reference: 40).")
+    eval_guidance_scale: float | None = _f(None, "--eval-guidance-scale",
+                                           "CFG scale of the eval; None = the training's.")
+    eval_use_ema: bool = _f(True, "--eval-use-ema",
+                            "Evaluate with the EMA weights when ema.enabled (the reference).")
+
+
+@dataclass
+class EMAConfig:
+    enabled: bool = _f(False, "--ema", "EMA of the trainable parameters (trainer.ema).")
+    decay: float = _f(0.9, "--ema-decay", "EMA decay (the reference's train_sd3.py: 0.9).")
+    update_interval: int = _f(8, "--ema-update-interval",
+                              "Optimizer steps between EMA updates (reference: 8).")
 
 
 @dataclass
@@ -237,6 +256,7 @@ class Config:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    ema: EMAConfig = field(default_factory=EMAConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)

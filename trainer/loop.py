@@ -25,6 +25,8 @@ from trainer.actor.model import (build_actor, build_optimizer, lora_spec, lr_at_
 from trainer.actor.replay import plan_updates, replay_log_probs
 from trainer.actor.sync import sync_payload
 from trainer.config import Config, write_resolved
+from trainer.ema import build_ema
+from trainer.evaluation import eval_sampling, eval_weights
 from trainer.metrics import MetricsLogger
 from trainer.models.guidance import guided_velocity
 from trainer.profiling import ComputeMeter, ProfileWindow, StageTimer, add_times, nvtx_range
@@ -75,6 +77,7 @@ class Trainer:
                                                               **cfg.model.adapter_options)
         self.model = self._load_in_waves()
         self.optimizer = build_optimizer(self.model, cfg)
+        self.ema = build_ema(self.model, cfg)
         self.policy_version = 0
         self.lr_steps = 0
         self.next_rollout = 0
@@ -149,6 +152,10 @@ class Trainer:
             artifact_root=artifact_root if cfg.rollout.write_artifacts and self.rank == 0
             else None, retention=cfg.rollout.artifact_retention_rollouts,
             wave_size=cfg.rollout.wave_size,
+            sample_id_mode=cfg.rollout.sampling.get("sample_id_mode", "metadata"))
+        self.eval_driver = RolloutDriver(
+            self.adapter, [self.engine], sampling=eval_sampling(cfg),
+            seed=cfg.rollout.generation_seed, task=cfg.model.task, wave_size=cfg.rollout.wave_size,
             sample_id_mode=cfg.rollout.sampling.get("sample_id_mode", "metadata"))
 
     def _build_reward(self) -> None:
@@ -273,6 +280,8 @@ class Trainer:
                         group["lr"] = lr
                     self.optimizer.step()
                     self.lr_steps += 1
+                    if self.ema is not None:
+                        self.ema.step(self.lr_steps - 1)
                 self.optimizer.zero_grad(set_to_none=True)
         out = {f"train/{k}": torch.stack(v).mean() for k, v in sums.items()}
         out["train/ratio_max"] = torch.stack(sums["ratio_max"]).max()
@@ -459,10 +468,10 @@ class Trainer:
         if not self.eval_records:
             return {}
         cfg = self.cfg
-        with self.timer.stage("eval"), torch.no_grad():
-            batch = self.driver.generate(self.eval_records, cfg.data.n_samples_per_eval_prompt,
-                                         rollout_id=None, policy_version=self.policy_version,
-                                         write_artifacts=False)
+        with self.timer.stage("eval"), torch.no_grad(), eval_weights(self):
+            batch = self.eval_driver.generate(self.eval_records, cfg.data.n_samples_per_eval_prompt,
+                                              rollout_id=None, policy_version=self.policy_version,
+                                              write_artifacts=False)
             components, _ = self.reward.score(batch.images, batch.prompts, batch.metadata)
         weights = cfg.reward.component_weights or {c: 1.0 for c in components}
         total = sum(weights.get(c, 0.0) * v.float() for c, v in components.items())
@@ -480,13 +489,13 @@ class Trainer:
     def eval_over_seeds(self, seeds) -> list[float]:
         """The eval reward at the current weights under each generation seed: the spread is
         the eval's own noise (what a change of the policy must beat). Restores the seed."""
-        base, out = self.driver.seed, []
+        base, out = self.eval_driver.seed, []
         try:
             for seed in seeds:
-                self.driver.seed = int(seed)
+                self.eval_driver.seed = int(seed)
                 out.append(self.evaluate(0, tag="noise")["eval/reward_mean"])
         finally:
-            self.driver.seed = base
+            self.eval_driver.seed = base
         return out
 
     # ---- the run ----------------------------------------------------------------------

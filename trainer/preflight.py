@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trainer.config import Config, ConfigError
+from trainer.evaluation import eval_sampling
 from trainer.sampling import KL_FORMS, SamplingConfig, fraction_window  # noqa: F401 (re-exported)
 from trainer.tasks import GENERATION_TASKS
 
@@ -63,6 +64,7 @@ LR_SCHEDULERS: tuple[str, ...] = ("constant", "linear", "cosine")
 ENGINES: tuple[str, ...] = ("embedded", "sglang")
 SYNC_BACKENDS: tuple[str, ...] = ("auto", "cuda", "shm")
 DEVICES: tuple[str, ...] = ("auto", "cuda", "cpu")
+EVAL_MODES: tuple[str, ...] = ("sde", "ode")
 _DOTPATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
 
 
@@ -384,19 +386,17 @@ def _check_data(c: _Checker) -> None:
         c.at_least("data.eval_interval", d.eval_interval, 1)
         if d.eval_max_prompts is not None:
             c.at_least("data.eval_max_prompts", d.eval_max_prompts, 1)
-        steps = s.get("num_inference_steps")
-        ev = d.eval_sde_indices
-        if ev is not None:
-            if not isinstance(ev, list) or not all(_is_int(i) for i in ev):
-                c.error(f"{_key('data.eval_sde_indices')}={ev!r} must be a list of integers")
-            elif _is_int(steps):
-                bad = sorted({i for i in ev if not 0 <= i < steps})
-                if bad:
-                    c.error(f"{_key('data.eval_sde_indices')} {bad} outside the schedule's "
-                            f"steps 0..{steps - 1}")
-                if 0 in ev and s.get("sde_type") == "sde":
-                    c.error(f"{_key('data.eval_sde_indices')} contains step 0, singular under "
-                            f"sde_type='sde'")
+        if c.one_of("data.eval_mode", d.eval_mode, EVAL_MODES):
+            _, problems = SamplingConfig.check(eval_sampling(c.cfg))
+            for problem in problems:
+                c.error(f"eval sampling (data.eval_mode={d.eval_mode!r}, data.eval_sde_indices, "
+                        f"data.eval_num_inference_steps, data.eval_guidance_scale over "
+                        f"rollout.sampling): {problem}")
+    e = c.cfg.ema
+    if e.enabled:
+        if not 0.0 <= e.decay < 1.0:
+            c.error(f"{_key('ema.decay')}={e.decay} must be in [0, 1)")
+        c.at_least("ema.update_interval", e.update_interval, 1)
     if c.check_paths:
         for name in ("prompt_data", "eval_prompt_data"):
             v = getattr(d, name)

@@ -17,6 +17,8 @@ Step selection (``sde_step_mode``):
   ``sde_timestep_fraction`` window ``range(floor(lo * T), floor(hi * T))``; else nothing.
 - ``"every_step"`` (the Flow-GRPO reference): noise at every step, and the first
   ``int(T * timestep_fraction)`` steps are trained (0.99 of 10 steps: steps 0..8).
+- ``"none"``: deterministic (ODE) sampling, nothing trained: the reference's evaluation
+  (``trainer.evaluation``); preflight rejects it for training.
 
 Where the SDE is undefined:
 
@@ -36,7 +38,7 @@ from typing import Any, Mapping
 
 #: SDE types that have a log-prob (kernels also know "ode", the deterministic step).
 SDE_TYPES: tuple[str, ...] = ("sde", "dance", "cps")
-SDE_STEP_MODES: tuple[str, ...] = ("indices", "every_step")
+SDE_STEP_MODES: tuple[str, ...] = ("indices", "every_step", "none")  # none: ODE (eval only)
 SIGMA_ONE_TREATMENTS: tuple[str, ...] = ("refuse", "clamp_to_next")
 CPS_LOG_PROB_FORMS: tuple[str, ...] = ("gaussian", "reference")
 SAMPLE_ID_MODES: tuple[str, ...] = ("metadata", "positional", "group_index")
@@ -147,6 +149,8 @@ class SamplingConfig:
 
     def static_indices(self) -> list[int]:
         """Noise steps without a rollout id (evaluation, or resampling off)."""
+        if self.sde_step_mode == "none":
+            return []
         if self.sde_step_mode == "every_step":
             return list(range(self.num_inference_steps))
         if self.sde_indices is not None:
@@ -204,6 +208,8 @@ class SamplingConfig:
 
     def _step_problems(self) -> list[str]:
         problems: list[str] = []
+        if self.sde_step_mode == "none":
+            return problems
         steps = self.num_inference_steps
         window = self.window()
         if self.sde_pool is not None and not self.sde_pool:
@@ -220,7 +226,7 @@ class SamplingConfig:
                 problems.append(f"num_sde_steps={self.num_sde_steps} exceeds the "
                                 f"{len(set(self.sde_pool))} distinct steps of the resampling "
                                 f"pool {sorted(set(self.sde_pool))}")
-        if not indices_mode and self.num_trained_every_step() < 1:
+        if self.sde_step_mode == "every_step" and self.num_trained_every_step() < 1:
             problems.append(f"timestep_fraction={self.timestep_fraction} trains no step of "
                             f"{steps} (int({steps} * fraction) must be >= 1)")
         if problems:

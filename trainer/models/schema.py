@@ -217,7 +217,12 @@ def build_request(adapter: "GenerativeModelAdapter", prompts: Sequence[str],
 
     indices = sde_indices if sde_indices is not None else cfg.noise_steps(rollout_id)
     resolved: list[int] = []
-    if indices is None or (isinstance(indices, (list, tuple)) and len(indices) == 0):
+    deterministic = cfg.sde_step_mode == "none"  # ODE sampling (evaluation): no SDE step
+    if deterministic and indices:
+        problems.append(f"sde_step_mode='none' samples without noise, got SDE steps {list(indices)}")
+    elif deterministic:
+        pass
+    elif indices is None or (isinstance(indices, (list, tuple)) and len(indices) == 0):
         problems.append("no SDE steps: pass the driver's resolved indices (sde_indices=...) or "
                         "set the sampling config's steps; an empty set leaves nothing to train")
     elif not isinstance(indices, (list, tuple)) or not all(_is_int(i) for i in indices):
@@ -296,7 +301,7 @@ def build_request(adapter: "GenerativeModelAdapter", prompts: Sequence[str],
         "height": height,
         "num_inference_steps": steps,
         "guidance_scale": float(cfg.guidance_scale),
-        "rollout": True,
+        "rollout": not deterministic,
         "rollout_sde_type": cfg.sde_type,
         "rollout_noise_level": float(cfg.eta),
         "rollout_sde_step_indices": resolved,
