@@ -169,6 +169,9 @@ class LoRAConfig:
                             "Sync adapter tensors only (base synced once) instead of merging.")
     target_modules: list | None = _f(None, "--lora-target-modules",
                                      "Override the adapter's default target modules.")
+    init_path: str | None = _f(None, "--lora-init-path",
+                               "Start from this LoRA (PEFT directory or diffusers "
+                               "safetensors; trainer/lora_init.py) instead of zeros.")
 
 
 @dataclass

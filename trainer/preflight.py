@@ -185,6 +185,11 @@ def _check_trainable(c: _Checker) -> None:
                    f"away ~1e-4 relative RL updates and the policy stops moving")
     elif lora.adapter_mode:
         c.error(f"{_key('lora.adapter_mode')} needs LoRA ({_key('lora.rank')} > 0)")
+    if lora.init_path:
+        if lora.rank <= 0:
+            c.error(f"{_key('lora.init_path')} needs LoRA ({_key('lora.rank')} > 0)")
+        if c.check_paths and not Path(lora.init_path).exists():
+            c.error(f"{_key('lora.init_path')}={lora.init_path!r} does not exist")
     if f.cpu_offload and lora.rank <= 0:
         c.warn(f"{_key('fsdp.cpu_offload')}: FSDP collectives on CPU-offloaded DTensors "
                f"(clip_grad_norm_) fail with 'No backend type associated with device type "

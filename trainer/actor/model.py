@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from trainer.config import Config
+from trainer.lora_init import load_lora_init
 from trainer.models.base import GenerativeModelAdapter
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -116,6 +117,9 @@ def build_actor(adapter: GenerativeModelAdapter, cfg: Config, device: torch.devi
     if lora:
         model.requires_grad_(False)
         model = apply_lora(model, cfg, adapter)
+        if cfg.lora.init_path:  # trainer/lora_init.py: PEFT or diffusers-format weights
+            load_lora_init(model, cfg.lora.init_path, rank=cfg.lora.rank,
+                           alpha=cfg.lora.alpha or cfg.lora.rank)
     else:
         model.requires_grad_(True)
     master = DTYPES[cfg.fsdp.master_dtype] if cfg.fsdp.master_dtype else None
