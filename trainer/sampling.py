@@ -130,7 +130,10 @@ class SamplingConfig:
         unknown = sorted(set(raw) - cls.keys())
         if unknown:
             problems.append(f"unknown sampling keys {unknown} (known: {sorted(cls.keys())})")
-        values = {k: v for k, v in raw.items() if k in cls.keys() and v is not None}
+        # None, or "none" (TOML has no null: how a recipe unsets a key of the default table),
+        # takes the field's default
+        values = {k: v for k, v in raw.items() if k in cls.keys() and v is not None
+                  and not (isinstance(v, str) and v.strip().lower() in ("none", "null"))}
         _check_types(values, problems)
         bad_keys = {p.split()[0].split("=")[0] for p in problems}
         if bad_keys & _STEP_KEYS:  # the step rules would judge a default, not the user's value
