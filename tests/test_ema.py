@@ -104,7 +104,7 @@ def test_eval_tables():
     ode = load_config("tiny", ["data.eval_mode=ode", "data.eval_num_inference_steps=40",
                                "data.eval_guidance_scale=4.5"])
     table = SamplingConfig.from_dict(eval_sampling(ode))
-    assert table.sde_step_mode == "none" and table.num_inference_steps == 40
+    assert table.sde_step_mode == "ode" and table.num_inference_steps == 40
     assert table.guidance_scale == 4.5 and table.noise_steps(None) == []
     sde = load_config("tiny", ["data.eval_sde_indices=[2, 3]"])
     table = SamplingConfig.from_dict(eval_sampling(sde))

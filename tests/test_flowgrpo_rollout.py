@@ -61,9 +61,9 @@ def test_guidance_changes_the_samples(setup):
 
 
 def test_ode_evaluation_samples_without_noise(setup):
-    """The reference's eval: sde_step_mode 'none' (its own step count), deterministic images."""
+    """The reference's eval: sde_step_mode 'ode' (its own step count), deterministic images."""
     adapter, engine, _ = setup
-    table = {**REFERENCE, "sde_step_mode": "none", "num_inference_steps": 8, "guidance_scale": 3.0,
+    table = {**REFERENCE, "sde_step_mode": "ode", "num_inference_steps": 8, "guidance_scale": 3.0,
              "timestep_fraction": None, "sigma_one": None}
     images = []
     for seed in (5, 5):

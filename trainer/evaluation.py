@@ -5,7 +5,7 @@
 - ``"sde"`` (the project's default): the training's sampling at fixed SDE steps
   (``data.eval_sde_indices``, else the training table's deterministic steps), so eval numbers
   stay comparable across steps and with the training rollouts.
-- ``"ode"`` (the Flow-GRPO reference): deterministic sampling (``sde_step_mode="none"``) with
+- ``"ode"`` (the Flow-GRPO reference): deterministic sampling (``sde_step_mode="ode"``) with
   its own step count (``data.eval_num_inference_steps``, the reference's 40) and guidance
   (``data.eval_guidance_scale``).
 
@@ -33,7 +33,7 @@ def eval_sampling(cfg: Any) -> dict[str, Any]:
     if data.eval_guidance_scale is not None:
         table["guidance_scale"] = data.eval_guidance_scale
     if data.eval_mode == "ode":
-        table.update(_STEP_KEYS_OFF_FOR_ODE, sde_step_mode="none")
+        table.update(_STEP_KEYS_OFF_FOR_ODE, sde_step_mode="ode")
         return table
     table["sde_resample_per_rollout"] = False  # evaluation never resamples
     if data.eval_sde_indices is not None:

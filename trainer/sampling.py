@@ -17,7 +17,7 @@ Step selection (``sde_step_mode``):
   ``sde_timestep_fraction`` window ``range(floor(lo * T), floor(hi * T))``; else nothing.
 - ``"every_step"`` (the Flow-GRPO reference): noise at every step, and the first
   ``int(T * timestep_fraction)`` steps are trained (0.99 of 10 steps: steps 0..8).
-- ``"none"``: deterministic (ODE) sampling, nothing trained: the reference's evaluation
+- ``"ode"``: deterministic sampling, nothing trained: the reference's evaluation
   (``trainer.evaluation``); preflight rejects it for training.
 
 Where the SDE is undefined:
@@ -38,7 +38,7 @@ from typing import Any, Mapping
 
 #: SDE types that have a log-prob (kernels also know "ode", the deterministic step).
 SDE_TYPES: tuple[str, ...] = ("sde", "dance", "cps")
-SDE_STEP_MODES: tuple[str, ...] = ("indices", "every_step", "none")  # none: ODE (eval only)
+SDE_STEP_MODES: tuple[str, ...] = ("indices", "every_step", "ode")  # ode: evaluation only
 SIGMA_ONE_TREATMENTS: tuple[str, ...] = ("refuse", "clamp_to_next")
 CPS_LOG_PROB_FORMS: tuple[str, ...] = ("gaussian", "reference")
 SAMPLE_ID_MODES: tuple[str, ...] = ("metadata", "positional", "group_index")
@@ -152,7 +152,7 @@ class SamplingConfig:
 
     def static_indices(self) -> list[int]:
         """Noise steps without a rollout id (evaluation, or resampling off)."""
-        if self.sde_step_mode == "none":
+        if self.sde_step_mode == "ode":
             return []
         if self.sde_step_mode == "every_step":
             return list(range(self.num_inference_steps))
@@ -211,7 +211,7 @@ class SamplingConfig:
 
     def _step_problems(self) -> list[str]:
         problems: list[str] = []
-        if self.sde_step_mode == "none":
+        if self.sde_step_mode == "ode":
             return problems
         steps = self.num_inference_steps
         window = self.window()

@@ -217,9 +217,9 @@ def build_request(adapter: "GenerativeModelAdapter", prompts: Sequence[str],
 
     indices = sde_indices if sde_indices is not None else cfg.noise_steps(rollout_id)
     resolved: list[int] = []
-    deterministic = cfg.sde_step_mode == "none"  # ODE sampling (evaluation): no SDE step
+    deterministic = cfg.sde_step_mode == "ode"  # ODE sampling (evaluation): no SDE step
     if deterministic and indices:
-        problems.append(f"sde_step_mode='none' samples without noise, got SDE steps {list(indices)}")
+        problems.append(f"sde_step_mode='ode' samples without noise, got SDE steps {list(indices)}")
     elif deterministic:
         pass
     elif indices is None or (isinstance(indices, (list, tuple)) and len(indices) == 0):
