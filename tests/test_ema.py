@@ -89,7 +89,7 @@ def test_eval_weights_syncs_the_average_then_the_live_weights():
     ema.step(30)
     seen = []
     trainer = types.SimpleNamespace(ema=ema, cfg=load_config("tiny", ["ema.enabled=true"]))
-    trainer.sync_weights = lambda: seen.append(model[0].weight.detach().clone())
+    trainer.sync_weights = lambda: seen.append(model[0].weight.detach().clone()) or {"ok": 1.0}
     with eval_weights(trainer):
         pass
     assert len(seen) == 2
@@ -98,6 +98,13 @@ def test_eval_weights_syncs_the_average_then_the_live_weights():
     with eval_weights(trainer):
         pass
     assert len(seen) == 2  # no swap, no sync
+    trainer.cfg.data.eval_use_ema = True
+    trainer.sync_weights = lambda: {}  # an engine without weight sync: refuse, restore the live
+    live = model[0].weight.detach().clone()
+    with pytest.raises(RuntimeError, match="eval_use_ema"):
+        with eval_weights(trainer):
+            pass
+    assert torch.equal(model[0].weight, live)
 
 
 def test_eval_tables():

@@ -81,6 +81,10 @@ def test_one_list_of_sde_types():
 
     assert request.SDE_TYPES is sampling_mod.SDE_TYPES
     assert set(ref.SDE_TYPES) == set(sampling_mod.SDE_TYPES) | {"ode"}
+    assert ref.KL_FORMS == sampling_mod.KL_FORMS and ref.SIGMA_ONE == sampling_mod.SIGMA_ONE_TREATMENTS
+    assert set(ref.LOG_PROB_FORMS) == {SamplingConfig.from_dict(
+        {"sde_type": "cps", "sde_indices": [2], "cps_log_prob": f}).log_prob_form
+        for f in sampling_mod.CPS_LOG_PROB_FORMS} == set(request.LOG_PROB_FORMS)
     for module in (schema, __import__("trainer.preflight", fromlist=["x"]),
                    __import__("trainer.rollout.sde_indices", fromlist=["x"])):
         assert getattr(module, "SDE_TYPES", sampling_mod.SDE_TYPES) is sampling_mod.SDE_TYPES

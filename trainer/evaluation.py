@@ -50,7 +50,10 @@ def eval_weights(trainer: Any) -> Iterator[None]:
         return
     try:
         with ema.swapped_in():
-            trainer.sync_weights()
+            if not trainer.sync_weights():  # {}: this engine has no weight sync from the actor
+                raise RuntimeError("data.eval_use_ema needs an engine the actor syncs weights "
+                                   "into; this one was not updated, the eval would score the "
+                                   "live weights under the EMA's name")
             yield
     finally:
         trainer.sync_weights()  # the live weights are back in the actor: the engine follows

@@ -232,10 +232,13 @@ class Trainer:
             x = mb.latents[:, s].to(device)
             sig, sig_n = mb.sigmas[:, s].to(device), mb.sigmas_next[:, s].to(device)
             with self.meter.region("transformer", device):
-                v = guided_velocity(self.adapter, self.model, x, sig, cond, mb.height, mb.width, mb.guidance_scale)
+                v = guided_velocity(self.adapter, self.model, x, sig, cond, mb.height, mb.width,
+                                    mb.guidance_scale)
                 with torch.no_grad(), self.model.disable_adapter():
-                    v_ref = guided_velocity(self.adapter, self.model, x, sig, cond, mb.height, mb.width, mb.guidance_scale)
-            cols.append(kernels.sde_kl(v, v_ref, sig, sig_n, **mb.kernel_options(), kl_form=self.cfg.train.kl_form))
+                    v_ref = guided_velocity(self.adapter, self.model, x, sig, cond, mb.height,
+                                            mb.width, mb.guidance_scale)
+            cols.append(kernels.sde_kl(v, v_ref, sig, sig_n, **mb.kernel_options(),
+                                       kl_form=self.cfg.train.kl_form))
         return torch.stack(cols, 1)
 
     def train_on(self, batch, advantages: torch.Tensor, rollout_id: int) -> dict[str, float]:
@@ -259,7 +262,10 @@ class Trainer:
         for u, micro_batches in enumerate(plan.updates):
             for rows in micro_batches:
                 stats = self.forward_backward_step(batch.select(rows), advantages[rows],
-                                                   micro_batch_scale(advantages, rows, micro_batches, drop_zero_advantage=cfg.train.drop_zero_advantage),
+                                                   micro_batch_scale(
+                                                       advantages, rows, micro_batches,
+                                                       drop_zero_advantage=cfg.train
+                                                       .drop_zero_advantage),
                                                    None if u == 0 and self.cfg.train.anchor
                                                    == "replay" else anchors[rows])
                 if u == 0 and first_ratio is None:

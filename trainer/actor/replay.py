@@ -34,7 +34,8 @@ def replay_log_probs(adapter: GenerativeModelAdapter, model: nn.Module, batch: R
         sigma = batch.sigmas[:, s].to(device)
         sigma_next = batch.sigmas_next[:, s].to(device)
         with meter.region("transformer", device) if meter else contextlib.nullcontext():
-            v = guided_velocity(adapter, model, x, sigma, conditions, batch.height, batch.width, batch.guidance_scale)
+            v = guided_velocity(adapter, model, x, sigma, conditions, batch.height, batch.width,
+                                batch.guidance_scale)
         # validate=False: the engine's sde_step already validated these sigmas when it sampled
         # the transition (and validation with tensor sigmas costs a host sync per step).
         cols.append(kernels.sde_log_prob(x, v, x_next, sigma, sigma_next, **batch.kernel_options(),

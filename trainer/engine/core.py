@@ -223,8 +223,10 @@ class EngineCore:
             t0 = time.perf_counter()
             h, w = spec.height, spec.width
             with torch.no_grad(), nvtx_range("rollout/generate"):
-                negative = self._conditions([""] * len(spec.prompts)) if spec.guidance_scale != 1.0 else {}
-                conditions = with_negative(self._conditions(spec.prompts), negative, spec.guidance_scale)
+                negative = (self._conditions([""] * len(spec.prompts))
+                            if spec.guidance_scale != 1.0 else {})  # CFG: the empty prompt
+                conditions = with_negative(self._conditions(spec.prompts), negative,
+                                           spec.guidance_scale)
                 x_t, noise_fn = self._noise(spec)
 
                 def velocity(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:

@@ -27,11 +27,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from kernels.sde_reference import LOG_PROB_FORMS
 from trainer.models import noise
 from trainer.models.base import GenerativeModelAdapter
 from trainer.sampling import SDE_TYPES, SIGMA_ONE_TREATMENTS
-
-LOG_PROB_FORMS = ("gaussian", "squared_residual")  # kernels.sde: the log-prob forms
 
 DEFAULT_ETA = 0.7
 
@@ -42,6 +41,11 @@ class RequestError(ValueError):
     def __init__(self, problems: list[str]) -> None:
         self.problems = list(problems)
         super().__init__("invalid rollout request:\n  - " + "\n  - ".join(self.problems))
+
+    def __reduce__(self):
+        # pickled across the engine process boundary: rebuild from the list, not the message
+        # (the default would pass the message string, split into characters by list())
+        return (RequestError, (self.problems,))
 
 
 @dataclass
