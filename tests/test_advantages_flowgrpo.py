@@ -12,7 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 import kernels
-from trainer.rewards.advantages import compute_advantages, micro_batch_scale
+from trainer.rewards.advantages import compute_advantages, kl_term, micro_batch_scale
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = dict(std_mode="batch", eps=1e-4, clip_max=5.0, zero_degenerate_groups=False)
@@ -64,24 +64,27 @@ def test_a_rare_success_is_clamped_to_five():
 
 def test_dropping_zero_advantage_rows_averages_over_the_rest():
     """48 rows, 16 with advantage 0, two updates of three micro-batches: the sum of the scaled
-    micro-batch losses is the mean over the update's non-zero rows (float64 oracle)."""
+    micro-batch losses (clipped surrogate + KL) is the mean over the update's non-zero rows
+    (float64 oracle)."""
     g = torch.Generator().manual_seed(3)
     adv = torch.randn(48, generator=g, dtype=torch.float64)
     adv[torch.randperm(48, generator=g)[:16]] = 0.0
     logp = torch.randn(48, 2, generator=g, dtype=torch.float64)
     old = logp + 1e-5 * torch.randn(48, 2, generator=g, dtype=torch.float64)
+    kl = torch.rand(48, 2, generator=g, dtype=torch.float64)
     order = torch.randperm(48, generator=g)
     updates = [list(order[:24].split(8)), list(order[24:].split(8))]
     for update in updates:
         rows_all = torch.cat(update)
         for drop in (False, True):
             total = 0.0
-            for rows in update:
+            for rows in update:  # what the loop's forward_backward_step adds up
                 loss, _ = kernels.grpo_clip_loss(logp[rows], old[rows], adv[rows], eps=1e-4)
+                loss = loss + 0.01 * kl_term(kl[rows], adv[rows], drop_zero_advantage=drop)
                 total = total + loss * micro_batch_scale(adv, rows, update, drop_zero_advantage=drop)
             per_row, _ = zip(*[kernels.grpo_clip_loss(logp[r:r + 1], old[r:r + 1], adv[r:r + 1],
                                                       eps=1e-4) for r in rows_all.tolist()])
-            per_row = torch.stack(per_row)
+            per_row = torch.stack(per_row) + 0.01 * kl[rows_all].mean(1)
             kept = adv[rows_all] != 0
             want = per_row[kept].mean() if drop else per_row.mean()
             torch.testing.assert_close(total, want, rtol=1e-12, atol=1e-15)

@@ -31,7 +31,7 @@ from trainer.metrics import MetricsLogger
 from trainer.models.guidance import guided_velocity
 from trainer.profiling import ComputeMeter, ProfileWindow, StageTimer, add_times, nvtx_range
 from trainer.prompts import PromptSampler, load_records
-from trainer.rewards.advantages import micro_batch_scale
+from trainer.rewards.advantages import kl_term, micro_batch_scale
 
 log = logging.getLogger("trainer")
 
@@ -214,7 +214,7 @@ class Trainer:
                                              eps_high=t.eps_clip_high)
         if t.kl_coef > 0:
             kl = self._kl_to_reference(mb)
-            loss = loss + t.kl_coef * kl.mean()
+            loss = loss + t.kl_coef * kl_term(kl, adv, drop_zero_advantage=t.drop_zero_advantage)
             stats["kl"] = kl.mean().detach()
         with nvtx_range("train/backward"), self.meter.region("transformer_backward", self.device):
             (loss * scale).backward()

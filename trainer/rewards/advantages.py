@@ -210,12 +210,24 @@ def micro_batch_scale(advantages: torch.Tensor, rows: torch.Tensor, update: list
     Keeping every row: ``len(rows) / rows in the update`` (the update's loss is the mean over
     its rows). Dropping zero-advantage rows (the Flow-GRPO reference filters them out): the
     mean is over the update's non-zero rows only, ``len(rows) / non-zero rows in the update``;
-    a zero-advantage row contributes no policy gradient, so only the denominator changes
-    (their KL term, if any, is still added: see docs/flowgrpo_parity.md). An update with no
-    non-zero row gets weight 0.
+    a zero-advantage row contributes no policy gradient, so only the denominator changes (its
+    KL term is left out by ``kl_term``). An update with no non-zero row gets weight 0.
     """
     if not drop_zero_advantage:
         return len(rows) / sum(len(r) for r in update)
     # NOTE: one host sync per micro-batch (a count); negligible next to its forward
     kept = sum(int((advantages[r] != 0).sum()) for r in update)
     return len(rows) / kept if kept else 0.0
+
+
+def kl_term(kl: torch.Tensor, advantages: torch.Tensor, *, drop_zero_advantage: bool) -> torch.Tensor:
+    """The micro-batch's KL term, ``kl`` [b, S] per (row, step), to add to its mean policy loss.
+
+    With ``drop_zero_advantage`` the dropped rows' KL is left out too (mean over the
+    micro-batch's rows with a zero for them), so that, scaled by ``micro_batch_scale``, the
+    update's KL is the mean over its non-zero-advantage rows, as the reference's filter gives.
+    """
+    if not drop_zero_advantage:
+        return kl.mean()
+    kept = (advantages.to(kl.device) != 0).to(kl.dtype)
+    return (kl * kept[:, None]).mean()
