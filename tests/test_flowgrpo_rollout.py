@@ -72,3 +72,20 @@ def test_ode_evaluation_samples_without_noise(setup):
         assert batch.sde_indices == [] and batch.log_probs.shape == (4, 0)
         images.append(batch.images)
     assert torch.equal(images[0], images[1])
+
+
+def test_sidecar_keeps_what_replay_needs(setup, tmp_path):
+    """A CFG + clamp_to_next group read back from its audit sidecar replays to its log-probs."""
+    from trainer.rollout import load_group_sidecar
+
+    adapter, engine, model = setup
+    driver = RolloutDriver(adapter, [engine], sampling={**REFERENCE, "guidance_scale": 3.0},
+                           seed=5, task="t2i", artifact_root=str(tmp_path))
+    batch = driver.generate(RECORDS, 2, rollout_id=4, policy_version=0)
+    sidecar = next(tmp_path.rglob("group_00000000.safetensors"))
+    rows = load_group_sidecar(sidecar)
+    assert rows.guidance_scale == 3.0 and rows.sde_options == batch.sde_options
+    assert set(rows.conditions) == set(batch.conditions)
+    with torch.no_grad():
+        replayed = replay_log_probs(adapter, model, rows, backend="torch")
+    torch.testing.assert_close(replayed, batch.log_probs[:2], rtol=0, atol=2e-5)
