@@ -70,3 +70,11 @@ def test_sd3_flowgrpo_recipe_two_steps_with_cfg_and_ema(tiny_model_dir, tmp_path
     reloaded.load(iters[-1])
     assert reloaded.updates == 4
     assert all(torch.equal(reloaded.shadow[n], t) for n, t in trainer.ema.shadow.items())
+    # export --ema: a PEFT adapter holding the EMA weights, readable by --lora-init-path
+    from trainer.checkpoint.export import export_checkpoint
+    from trainer.lora_init import _canonical, read_lora_file
+    out = export_checkpoint(tmp_path / "ckpt", tmp_path / "export", form="adapter", ema=True)
+    exported = read_lora_file(out, rank=4, alpha=8)
+    want = {_canonical(n): t for n, t in trainer.ema.shadow.items()}
+    assert exported.keys() == want.keys()
+    assert all(torch.equal(exported[k], want[k]) for k in want)
