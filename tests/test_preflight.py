@@ -126,6 +126,9 @@ ERROR_RULES = [
     ("ema_decay", ["ema.enabled=true", "ema.decay=1.0"], {}, ["ema.decay (--ema-decay)", "[0, 1)"]),
     ("ema_interval", ["ema.enabled=true", "ema.update_interval=0"], {},
      ["ema.update_interval (--ema-update-interval)", ">= 1"]),
+    ("sglang_clamp_to_next", ["rollout.engine=sglang", 'rollout.sglang_urls=["http://a:1"]',
+                              sampling(sigma_one="clamp_to_next")], {"world_size": 1},
+     ["rollout.sampling.sigma_one", "embedded engine only"]),
     ("unknown_sampling_key", [sampling(sde_indice=[1])], {},
      ["rollout.sampling", "unknown sampling keys ['sde_indice']"]),
     ("every_step_refuses_step0", [sampling(sde_step_mode="every_step", timestep_fraction=0.9)], {},
@@ -261,6 +264,9 @@ def test_all_violations_reported_together():
 
 
 WARNING_RULES = [
+    ("sglang_cfg", ["rollout.engine=sglang", 'rollout.sglang_urls=["http://a:1"]',
+                    sampling(guidance_scale=4.5)],
+     ["rollout.sampling.guidance_scale", "sglang", "logp_parity"]),
     ("lora_master_not_fp32", ["fsdp.trainable_mode=lora", "lora.rank=4", "fsdp.master_dtype=bf16"],
      ["fsdp.master_dtype (--fsdp-master-dtype)='fp32'", "policy stops moving"]),
     ("decay_iters_with_constant", ["train.lr_decay_iters=100"],
