@@ -89,3 +89,16 @@ def test_sidecar_keeps_what_replay_needs(setup, tmp_path):
     with torch.no_grad():
         replayed = replay_log_probs(adapter, model, rows, backend="torch")
     torch.testing.assert_close(replayed, batch.log_probs[:2], rtol=0, atol=2e-5)
+
+
+def test_cps_reference_form_trains_every_step_including_the_last(setup):
+    adapter, engine, model = setup
+    table = {**REFERENCE, "sde_type": "cps", "cps_log_prob": "reference", "timestep_fraction": 1.0}
+    driver = RolloutDriver(adapter, [engine], sampling=table, seed=5, task="t2i")
+    batch = driver.generate(RECORDS, 2, rollout_id=3, policy_version=0)
+    assert batch.sde_indices == list(range(6)) and batch.sigmas_next[0, -1].item() == 0.0
+    assert batch.sde_options["log_prob_form"] == "squared_residual"
+    assert (batch.log_probs[:, -1] == 0).all() and (batch.log_probs[:, :-1] < 0).all()
+    with torch.no_grad():
+        replayed = replay_log_probs(adapter, model, batch, backend="torch")
+    torch.testing.assert_close(replayed, batch.log_probs, rtol=0, atol=1e-6)

@@ -38,8 +38,10 @@ def test_indices_mode_trains_exactly_its_noise_steps():
     ({"sde_step_mode": "every_step"}, "sde_step_mode='every_step' puts noise on step 0"),
     ({"sde_step_mode": "every_step", "sigma_one": "clamp_to_next", "timestep_fraction": 0.05},
      "trains no step"),
-    ({"sde_type": "cps", "sde_indices": [10, 11]}, "cannot train the last step 11"),
-    ({"sde_type": "cps", "sde_step_mode": "every_step"}, "cannot train the last step 11"),
+    ({"sde_type": "cps", "sde_indices": [10, 11]}, "cannot put noise on the last step 11"),
+    # the last step is noisy (and records a log-prob) even when it is not trained
+    ({"sde_type": "cps", "sde_step_mode": "every_step", "timestep_fraction": 0.9},
+     "cannot put noise on the last step 11"),
     ({"sigma_one": "clamp"}, "sigma_one must be one of refuse, clamp_to_next"),
     ({"cps_log_prob": "l2"}, "cps_log_prob must be one of gaussian, reference"),
     ({"timestep_fraction": 1.5}, "timestep_fraction must be in (0, 1]"),
@@ -57,7 +59,8 @@ def test_bad_tables_are_named(table, fragment):
     {"sde_step_mode": "every_step", "sigma_one": "clamp_to_next"},  # step 0 sampled as the reference
     {"sde_indices": [0, 1], "sigma_one": "clamp_to_next"},
     {"sde_type": "cps", "sde_indices": [10, 11], "cps_log_prob": "reference"},  # 0 at the last step
-    {"sde_type": "cps", "sde_step_mode": "every_step", "timestep_fraction": 0.9},  # 0..9 of 12
+    {"sde_type": "cps", "sde_step_mode": "every_step", "timestep_fraction": 0.9,
+     "cps_log_prob": "reference"},  # steps 0..9 of 12 trained
     {"guidance_scale": 4.5, "sde_indices": [2, 3]},
 ])
 def test_reference_options_are_accepted(table):

@@ -244,11 +244,12 @@ class SamplingConfig:
                     f"[1, 2, 3, 4, 5]), a fraction window starting at or above 1/{steps}, or "
                     "sigma_one='clamp_to_next' (the Flow-GRPO reference's treatment)")
         last = steps - 1
+        # every noisy step records a log-prob (trained or not), and the response must be finite
         if self.sde_type == "cps" and self.cps_log_prob == "gaussian" and \
-                last in self.reachable_trained_steps():
-            problems.append(f"sde_type: 'cps' cannot train the last step {last} with "
+                last in self.reachable_noise_steps():
+            problems.append(f"sde_type: 'cps' cannot put noise on the last step {last} with "
                             "cps_log_prob='gaussian' (sigma_next == 0: no variance, no density); "
-                            "train earlier steps, a timestep_fraction below 1, or "
+                            "use earlier steps (not sde_step_mode='every_step') or "
                             "cps_log_prob='reference'")
         return problems
 
