@@ -18,7 +18,8 @@ def _describe(t) -> str:
 
 
 def normalize_grouped(values: torch.Tensor, group_index: torch.Tensor, *, std_mode: str = "group",
-                      eps: float = 1e-6) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                      eps: float = 1e-6, batch_std: torch.Tensor | None = None,
+                      zero_degenerate: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Centre each value on its group's mean, then divide by a std chosen by ``std_mode``.
 
     - ``"group"``: the group's own std (Relax/text GRPO),
@@ -30,6 +31,11 @@ def normalize_grouped(values: torch.Tensor, group_index: torch.Tensor, *, std_mo
     1e-6 is *degenerate* (its candidates are indistinguishable to the scorer) and gets advantage 0
     in every mode, so that rounding noise divided by a tiny std is never turned into a signal.
     Group ids may be any int64 values; groups are reported in ascending id order.
+
+    ``batch_std`` replaces the std of ``values`` in ``"batch"`` mode (the caller's std over
+    every rank: Flow-GRPO's ``global_std``). ``zero_degenerate=False`` keeps the advantages of
+    degenerate groups (the reference: a near-constant group divided by the global std is ~0,
+    not forced to 0); they are still reported in ``info["degenerate"]``.
 
     Returns ``(normalized [N] (fp32, float64 for float64 input), info)`` where ``info`` holds
     ``group_ids``, ``group_mean``, ``group_std``, ``group_size`` and ``degenerate`` (all
@@ -71,7 +77,7 @@ def normalize_grouped(values: torch.Tensor, group_index: torch.Tensor, *, std_mo
     centered = vals - group_mean[inverse]
     group_var = zeros.index_add(0, inverse, centered * centered) / sizes
     group_std = group_var.sqrt()
-    batch_std = vals.std(correction=0)
+    batch_std = vals.std(correction=0) if batch_std is None else batch_std.to(vals)
     if std_mode == "group":
         normalized = centered / (group_std[inverse] + eps)
     elif std_mode == "batch":
@@ -79,7 +85,8 @@ def normalize_grouped(values: torch.Tensor, group_index: torch.Tensor, *, std_mo
     else:
         normalized = centered
     degenerate = group_var < DEGENERATE_VARIANCE
-    normalized = torch.where(degenerate[inverse], torch.zeros_like(normalized), normalized)
+    if zero_degenerate:
+        normalized = torch.where(degenerate[inverse], torch.zeros_like(normalized), normalized)
     info = {"group_ids": group_ids, "group_mean": group_mean, "group_std": group_std,
             "group_size": counts, "degenerate": degenerate, "inverse": inverse, "batch_std": batch_std}
     return normalized, info

@@ -30,8 +30,8 @@ from typing import NamedTuple
 
 import torch
 
-from .sde_reference import (SDE_TYPES, is_deterministic, per_sample, sde_kl_ref, sde_log_prob_ref,
-                            sde_step_ref)
+from .sde_reference import (KL_FORMS, LOG_PROB_FORMS, SDE_TYPES, SIGMA_ONE, is_deterministic,
+                            per_sample, sde_kl_ref, sde_log_prob_ref, sde_step_ref)
 
 BACKENDS = ("auto", "triton", "torch")
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -85,7 +85,8 @@ def _sample_list(mask: torch.Tensor, values: torch.Tensor) -> str:
 
 
 def _sigma_value_problems(sigma, sigma_next, batch: int, device, *, sde_type: str, eta: float,
-                          replay: bool) -> list[str]:
+                          replay: bool, sigma_one: str = "refuse",
+                          log_prob_form: str = "gaussian") -> list[str]:
     """Value checks of the sigmas. One host-device sync when either is a device tensor."""
     on = device if any(isinstance(s, torch.Tensor) for s in (sigma, sigma_next)) else "cpu"
     s = per_sample(sigma, batch, torch.float64, on)
@@ -94,8 +95,8 @@ def _sigma_value_problems(sigma, sigma_next, batch: int, device, *, sde_type: st
     masks = torch.stack([
         ~torch.isfinite(s) | (s <= 0.0) | (s > 1.0),
         ~torch.isfinite(sn) | (sn < 0.0) | (sn >= s),
-        (s >= 1.0) & (replay and stochastic and sde_type == "sde"),
-        (sn == 0.0) & (replay and stochastic and sde_type == "cps"),
+        (s >= 1.0) & (replay and stochastic and sde_type == "sde" and sigma_one == "refuse"),
+        (sn == 0.0) & (replay and stochastic and sde_type == "cps" and log_prob_form == "gaussian"),
     ])
     # NOTE: the one host sync of validation (one copy holds the flags and the values to report)
     on_host = torch.cat([masks.to(torch.float64), s[None], sn[None]]).cpu()
@@ -111,19 +112,26 @@ def _sigma_value_problems(sigma, sigma_next, batch: int, device, *, sde_type: st
     if masks[2].any():
         problems.append("sde_type='sde' is singular at sigma == 1 (std_dev_t = eta*sqrt(sigma/(1-sigma)) "
                         "is infinite): the log-prob is undefined and this step cannot be trained "
-                        f"(train SDE steps after the first); at {_sample_list(masks[2], s)}")
+                        "(train SDE steps after the first, or sigma_one='clamp_to_next'); at "
+                        f"{_sample_list(masks[2], s)}")
     if masks[3].any():
-        problems.append("sde_type='cps' has zero variance at sigma_next == 0: the log-prob is "
-                        f"undefined and this step cannot be trained; at {_sample_list(masks[3], sn)}")
+        problems.append("sde_type='cps' has zero variance at sigma_next == 0: the Gaussian log-prob "
+                        "is undefined and this step cannot be trained (log_prob_form="
+                        f"'squared_residual' can); at {_sample_list(masks[3], sn)}")
     return problems
 
 
 def check_step_inputs(op: str, named: list[tuple[str, object]], sigma, sigma_next, *, eta,
-                      sde_type, backend: str, replay: bool, validate: bool) -> str:
+                      sde_type, backend: str, replay: bool, validate: bool,
+                      sigma_one: str = "refuse", log_prob_form: str = "gaussian") -> str:
     """Raise one ValueError listing every problem; return the resolved backend."""
     problems: list[str] = []
     if sde_type not in SDE_TYPES:
         problems.append(f"sde_type must be one of {SDE_TYPES}, got {sde_type!r}")
+    if sigma_one not in SIGMA_ONE:
+        problems.append(f"sigma_one must be one of {SIGMA_ONE}, got {sigma_one!r}")
+    if log_prob_form not in LOG_PROB_FORMS:
+        problems.append(f"log_prob_form must be one of {LOG_PROB_FORMS}, got {log_prob_form!r}")
     if backend not in BACKENDS:
         problems.append(f"backend must be one of {BACKENDS}, got {backend!r}")
     eta_ok = isinstance(eta, (int, float)) and not isinstance(eta, bool) and math.isfinite(eta)
@@ -183,7 +191,8 @@ def check_step_inputs(op: str, named: list[tuple[str, object]], sigma, sigma_nex
 
     if not problems and sigmas_ok and validate and eta_ok:
         problems += _sigma_value_problems(sigma, sigma_next, batch, device, sde_type=sde_type,
-                                          eta=eta, replay=replay)
+                                          eta=eta, replay=replay, sigma_one=sigma_one,
+                                          log_prob_form=log_prob_form)
     if problems:
         raise ValueError(f"{op}: invalid input:\n  - " + "\n  - ".join(problems))
     return resolved
@@ -192,7 +201,8 @@ def check_step_inputs(op: str, named: list[tuple[str, object]], sigma, sigma_nex
 _SIGMA_SHAPES = ((), (1,))
 
 
-def _sigmas_ok(sigma, sigma_next, *, sde_type: str, eta: float, replay: bool) -> bool:
+def _sigmas_ok(sigma, sigma_next, *, sde_type: str, eta: float, replay: bool,
+               sigma_one: str, log_prob_form: str) -> bool:
     """True when the sigma values pass every check of ``_sigma_value_problems``.
 
     Python floats: plain Python, no tensor op. Tensors: a handful of elementwise ops and ONE
@@ -200,8 +210,8 @@ def _sigmas_ok(sigma, sigma_next, *, sde_type: str, eta: float, replay: bool) ->
     Only a failure pays for the full report.
     """
     stochastic = not is_deterministic(eta, sde_type)
-    sde_singular = replay and stochastic and sde_type == "sde"
-    cps_singular = replay and stochastic and sde_type == "cps"
+    sde_singular = replay and stochastic and sde_type == "sde" and sigma_one == "refuse"
+    cps_singular = replay and stochastic and sde_type == "cps" and log_prob_form == "gaussian"
     if not isinstance(sigma, torch.Tensor) and not isinstance(sigma_next, torch.Tensor):
         s, sn = float(sigma), float(sigma_next)  # NaN fails every comparison below
         return (0.0 < s <= 1.0 and 0.0 <= sn < s and not (sde_singular and s >= 1.0)
@@ -219,7 +229,8 @@ def _sigmas_ok(sigma, sigma_next, *, sde_type: str, eta: float, replay: bool) ->
 
 
 def _fast_resolve(named, sigma, sigma_next, *, eta, sde_type: str, backend: str, replay: bool,
-                  validate: bool) -> str | None:
+                  validate: bool, sigma_one: str = "refuse",
+                  log_prob_form: str = "gaussian") -> str | None:
     """The resolved backend when the call is valid, found with a few attribute reads; None
     sends it to ``check_step_inputs``, which lists every problem.
 
@@ -229,6 +240,8 @@ def _fast_resolve(named, sigma, sigma_next, *, eta, sde_type: str, backend: str,
     drives both with every bad input) and builds no message.
     """
     if sde_type not in SDE_TYPES or backend not in BACKENDS or type(eta) not in (float, int):
+        return None
+    if sigma_one not in SIGMA_ONE or log_prob_form not in LOG_PROB_FORMS:
         return None
     if not (0.0 <= eta < math.inf) or (sde_type == "cps" and eta > 1):
         return None
@@ -255,7 +268,8 @@ def _fast_resolve(named, sigma, sigma_next, *, eta, sde_type: str, backend: str,
     if resolved == "triton" and (not triton_available() or float64 or batch > _MAX_GRID_Y or (
             device.type != "cuda" and not _triton_module().INTERPRET)):
         return None
-    if validate and not _sigmas_ok(sigma, sigma_next, sde_type=sde_type, eta=eta, replay=replay):
+    if validate and not _sigmas_ok(sigma, sigma_next, sde_type=sde_type, eta=eta, replay=replay,
+                                   sigma_one=sigma_one, log_prob_form=log_prob_form):
         return None
     return resolved
 
@@ -269,7 +283,8 @@ def _flat(t: torch.Tensor, batch: int) -> torch.Tensor:
 
 def sde_step(x: torch.Tensor, v: torch.Tensor, sigma, sigma_next, *, eta: float, sde_type: str = "sde",
              noise: torch.Tensor | None = None, generator: torch.Generator | None = None,
-             backend: str = "auto", validate: bool = True) -> SDEStepOutput:
+             backend: str = "auto", validate: bool = True, sigma_one: str = "refuse",
+             log_prob_form: str = "gaussian") -> SDEStepOutput:
     """One sampling step ``x (at sigma) -> prev_sample (at sigma_next)`` and its log-prob.
 
     Args:
@@ -283,33 +298,39 @@ def sde_step(x: torch.Tensor, v: torch.Tensor, sigma, sigma_next, *, eta: float,
         noise: standard-normal noise shaped like ``x``; drawn as fp32 from ``generator`` if None.
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
         validate: check the sigma values (one host sync for sigma tensors).
+        sigma_one: ``sde`` at sigma == 1: ``"refuse"`` (those samples take the deterministic
+            Euler step and get a NaN log-prob) or ``"clamp_to_next"`` (the Flow-GRPO
+            reference's ``std_dev_t = eta * sqrt(sigma / (1 - sigma_next))``).
+        log_prob_form: ``"gaussian"`` (NaN for ``cps`` at sigma_next == 0) or
+            ``"squared_residual"`` (``-mean((x' - mean)^2)``, the reference's ``cps`` form).
 
-    ``sde`` at sigma == 1 is singular: those samples take the deterministic Euler step (no clamp
-    of sigma is invented) and get a NaN log-prob; likewise ``cps`` at sigma_next == 0. Sampling is
-    not differentiable; replay with ``sde_log_prob`` to get gradients.
+    See ``kernels.sde_reference`` for the formulas. Sampling is not differentiable; replay with
+    ``sde_log_prob`` to get gradients.
     """
     named = [("x", x), ("v", v)] + ([("noise", noise)] if noise is not None else [])
+    opts = {"sigma_one": sigma_one, "log_prob_form": log_prob_form}
     resolved = (_fast_resolve(named, sigma, sigma_next, eta=eta, sde_type=sde_type, backend=backend,
-                              replay=False, validate=validate)
+                              replay=False, validate=validate, **opts)
                 or check_step_inputs("sde_step", named, sigma, sigma_next, eta=eta, sde_type=sde_type,
-                                     backend=backend, replay=False, validate=validate))
+                                     backend=backend, replay=False, validate=validate, **opts))
     deterministic = is_deterministic(eta, sde_type)
     if not deterministic and noise is None:
         noise = torch.randn(x.shape, generator=generator, device=x.device, dtype=torch.float32)
     if resolved == "torch":
         return SDEStepOutput(*sde_step_ref(x, v, sigma, sigma_next, eta=eta, sde_type=sde_type,
-                                           noise=noise))
+                                           noise=noise, **opts))
     tri = _triton_module()
     batch = x.shape[0]
     prev, log_prob, mean, std = tri.sde_step(
         _flat(x, batch), _flat(v, batch), None if deterministic else _flat(noise, batch),
-        sigma, sigma_next, tri.step_params(sde_type, float(eta)), x.dtype)
+        sigma, sigma_next, tri.step_params(sde_type, float(eta), sigma_one, log_prob_form), x.dtype)
     return SDEStepOutput(prev.view(x.shape), log_prob, mean.view(x.shape), std)
 
 
 def sde_log_prob(x: torch.Tensor, v: torch.Tensor, prev_sample: torch.Tensor, sigma, sigma_next, *,
                  eta: float, sde_type: str = "sde", backend: str = "auto",
-                 validate: bool = True) -> torch.Tensor:
+                 validate: bool = True, sigma_one: str = "refuse",
+                 log_prob_form: str = "gaussian") -> torch.Tensor:
     """Replay: ``log p(prev_sample | x)`` per sample, ``[B]`` fp32, differentiable w.r.t. ``v`` only.
 
     Arguments as in ``sde_step``. ``x`` and ``prev_sample`` are data: no gradient reaches them.
@@ -317,28 +338,41 @@ def sde_log_prob(x: torch.Tensor, v: torch.Tensor, prev_sample: torch.Tensor, si
     x, v and prev_sample only). Raises for the ODE step and for samples without a density.
     """
     named = [("x", x), ("v", v), ("prev_sample", prev_sample)]
+    opts = {"sigma_one": sigma_one, "log_prob_form": log_prob_form}
     resolved = (_fast_resolve(named, sigma, sigma_next, eta=eta, sde_type=sde_type, backend=backend,
-                              replay=True, validate=validate)
+                              replay=True, validate=validate, **opts)
                 or check_step_inputs("sde_log_prob", named, sigma, sigma_next, eta=eta, sde_type=sde_type,
-                                     backend=backend, replay=True, validate=validate))
+                                     backend=backend, replay=True, validate=validate, **opts))
     if resolved == "torch":
-        return sde_log_prob_ref(x, v, prev_sample, sigma, sigma_next, eta=eta, sde_type=sde_type)
+        return sde_log_prob_ref(x, v, prev_sample, sigma, sigma_next, eta=eta, sde_type=sde_type,
+                                **opts)
     tri = _triton_module()
     batch = x.shape[0]
     # detach only what carries autograd history (a detach is a tensor op on the launch path)
     x = x.detach() if x.requires_grad else x
     prev_sample = prev_sample.detach() if prev_sample.requires_grad else prev_sample
     return tri.sde_log_prob(_flat(x, batch), _flat(v, batch), _flat(prev_sample, batch),
-                            sigma, sigma_next, tri.step_params(sde_type, float(eta)))
+                            sigma, sigma_next, tri.step_params(sde_type, float(eta), sigma_one,
+                                                               log_prob_form))
 
 
 def sde_kl(v: torch.Tensor, v_ref: torch.Tensor, sigma, sigma_next, *, eta: float,
-           sde_type: str = "sde", validate: bool = True) -> torch.Tensor:
-    """Closed-form ``KL(pi_v || pi_ref)`` of two transitions from the same ``x``, ``[B]``.
+           sde_type: str = "sde", validate: bool = True, sigma_one: str = "refuse",
+           log_prob_form: str = "gaussian", kl_form: str = "gaussian") -> torch.Tensor:
+    """KL of two transitions from the same ``x``, ``[B]``: the closed-form Gaussian KL
+    (``kl_form="gaussian"``) or the Flow-GRPO reference's ``mean((mean - mean_ref)^2) /
+    (2 std_dev_t^2)`` (``"reference"``); see ``kernels.sde_reference``.
 
     Mean over non-batch elements (the log-prob's convention), differentiable w.r.t. ``v`` (and
-    ``v_ref`` if it requires grad). Plain torch: it is an optional regulariser, off in FlowGRPO.
+    ``v_ref`` if it requires grad). Plain torch: it is an optional regulariser.
+    ``log_prob_form`` is accepted so that a batch's kernel options pass through unchanged; the
+    KL does not depend on it.
     """
+    if kl_form not in KL_FORMS:
+        raise ValueError(f"sde_kl: kl_form must be one of {KL_FORMS}, got {kl_form!r}")
+    # the KL divides by the variance: it needs one even where the log-prob form would not
     check_step_inputs("sde_kl", [("v", v), ("v_ref", v_ref)], sigma, sigma_next, eta=eta,
-                      sde_type=sde_type, backend="torch", replay=True, validate=validate)
-    return sde_kl_ref(v, v_ref, sigma, sigma_next, eta=eta, sde_type=sde_type)
+                      sde_type=sde_type, backend="torch", replay=True, validate=validate,
+                      sigma_one=sigma_one, log_prob_form="gaussian")
+    return sde_kl_ref(v, v_ref, sigma, sigma_next, eta=eta, sde_type=sde_type, sigma_one=sigma_one,
+                      kl_form=kl_form)

@@ -20,18 +20,34 @@ per-sample scalars ``a``, ``b``. The formulas, literally as in the spec (paper n
 - ``ode`` (also any type with ``eta == 0``): ``mean = x + v * dt``, ``std = 0``; this is
   diffusers' ``FlowMatchEulerDiscreteScheduler.step``.
 
-Undefined transitions (design choice, the spec is silent on sampling there): ``sde`` at ``s == 1``
-has an infinite coefficient and ``cps`` at ``s' == 0`` has zero variance. We do not clamp sigma.
-At such a sample the transition degenerates to the deterministic Euler (ODE) step for ``sde``
-(the ``cps`` mean is already finite) with ``std = 0``, and its log-density is NaN: there is no
-density to report. ``kernels.sde_log_prob`` refuses those samples when validating (training that
-step is rejected, as the spec's preflight does); ``kernels.sde_step`` samples through them.
+Undefined transitions: ``sde`` at ``s == 1`` has an infinite coefficient and ``cps`` at
+``s' == 0`` has zero variance. ``sigma_one`` chooses the ``sde`` treatment at ``s == 1``:
 
-The log-density is the full Gaussian one, constants included, for every type:
-``log N(x'; mean, std^2) = -(x' - mean)^2 / (2 std^2) - log(std) - log(sqrt(2 pi))``, averaged
-over all non-batch elements (Flow-GRPO's convention), so ``log_prob`` has shape ``[B]``.
-(Flow-GRPO's own ``cps`` code drops the constant terms; with them the ratio is unchanged, since
-they cancel in ``log_prob - old_log_prob``, and the value is a true log-density.)
+- ``"refuse"``: the sample takes the deterministic Euler (ODE) step with ``std = 0`` and its
+  Gaussian log-density is NaN; ``kernels.sde_log_prob`` refuses it when validating.
+- ``"clamp_to_next"`` (the Flow-GRPO reference): ``std_dev_t = eta * sqrt(s / (1 - s'))``
+  where ``s == 1``, ``s'`` being the schedule's second sigma (step 0 goes from sigma 1 to it),
+  with the same mean formula: ``a = 1 + eta^2 dt / (2 (1 - s'))``, ``b = dt``,
+  ``var = eta^2 s / (1 - s') (-dt)``. The step is then an ordinary Gaussian and trainable.
+
+Log-density, ``log_prob_form``, averaged over all non-batch elements (Flow-GRPO's convention),
+so ``log_prob`` has shape ``[B]``:
+
+- ``"gaussian"``: ``log N(x'; mean, std^2) = -(x' - mean)^2 / (2 std^2) - log(std) -
+  log(sqrt(2 pi))``, a true log-density; NaN where ``std == 0``.
+- ``"squared_residual"``: ``-(x' - mean)^2`` with no variance and no constants, the Flow-GRPO
+  reference's ``cps`` log-prob. It is NOT the Gaussian up to a constant: its log-ratio is the
+  Gaussian one times ``2 std^2``, so the clip range acts on a different scale at every step.
+  It is defined where ``std == 0`` (0 for the sampled ``x' == mean``).
+
+KL between the policy's and the reference model's transition from the same ``x``
+(``sde_kl_ref``), ``kl_form``:
+
+- ``"gaussian"``: the closed-form ``KL(N(mean, std^2) || N(mean_ref, std^2))`` =
+  ``mean((mean - mean_ref)^2) / (2 std^2)``.
+- ``"reference"`` (Flow-GRPO): ``mean((mean - mean_ref)^2) / (2 std_dev_t^2)`` with the
+  ``std_dev_t`` of the formulas above (for ``sde`` and ``dance`` without the ``sqrt(-dt)``
+  factor, so it is the Gaussian KL times ``-dt``; for ``cps`` the two forms agree).
 """
 from __future__ import annotations
 
@@ -39,7 +55,10 @@ import math
 
 import torch
 
-SDE_TYPES = ("sde", "dance", "cps", "ode")
+SDE_TYPES = ("sde", "dance", "cps", "ode")  # trainer.sampling.SDE_TYPES plus the ODE step
+SIGMA_ONE = ("refuse", "clamp_to_next")
+LOG_PROB_FORMS = ("gaussian", "squared_residual")
+KL_FORMS = ("gaussian", "reference")
 LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 
 
@@ -65,7 +84,8 @@ def is_deterministic(eta: float, sde_type: str) -> bool:
 
 
 def transition_coefficients_ref(sigma, sigma_next, *, eta: float, sde_type: str, batch: int,
-                                dtype: torch.dtype, device) -> tuple[torch.Tensor, ...]:
+                                dtype: torch.dtype, device, sigma_one: str = "refuse"
+                                ) -> tuple[torch.Tensor, ...]:
     """Per-sample ``(a, b, var)`` with ``mean = a * x + b * v`` and noise variance ``var``.
 
     Algebraically equal to the literal formulas in ``sde_transition_ref`` (the tests check that in
@@ -73,7 +93,8 @@ def transition_coefficients_ref(sigma, sigma_next, *, eta: float, sde_type: str,
     between two transitions from the same ``x`` depends on ``v - v_ref`` only.
     For ``sde``: ``std_dev_t^2 / (2 s) = eta^2 / (2 (1 - s))`` and ``std_dev_t^2 (1 - s) / (2 s) =
     eta^2 / 2``. For ``cps``: ``sqrt(s'^2 - std_dev_t^2) = s' cos(eta pi / 2)``.
-    Undefined samples (``sde`` at ``s == 1``, ``cps`` at ``s' == 0``) get the ODE step, ``var = 0``.
+    Undefined samples (``sde`` at ``s == 1`` under ``sigma_one="refuse"``, ``cps`` at
+    ``s' == 0``) get ``var = 0`` (and, for ``sde``, the ODE step).
     """
     s = per_sample(sigma, batch, dtype, device)
     sn = per_sample(sigma_next, batch, dtype, device)
@@ -84,6 +105,11 @@ def transition_coefficients_ref(sigma, sigma_next, *, eta: float, sde_type: str,
     eta2 = eta * eta
     if sde_type == "sde":
         singular = s >= 1.0
+        if sigma_one == "clamp_to_next":  # 1 - s replaced by 1 - s' where s == 1
+            one_minus = torch.where(singular, 1.0 - sn, 1.0 - s)
+            a = 1.0 + eta2 * dt / (2.0 * one_minus)
+            b = (1.0 + eta2 * (1.0 - s) / (2.0 * one_minus)) * dt
+            return a, b, eta2 * s / one_minus * (-dt)
         one_minus = torch.where(singular, one, 1.0 - s)
         a = torch.where(singular, one, 1.0 + eta2 * dt / (2.0 * one_minus))
         b = torch.where(singular, dt, (1.0 + 0.5 * eta2) * dt)
@@ -100,7 +126,8 @@ def transition_coefficients_ref(sigma, sigma_next, *, eta: float, sde_type: str,
 
 
 def sde_transition_ref(x: torch.Tensor, v: torch.Tensor, sigma, sigma_next, *, eta: float,
-                       sde_type: str = "sde") -> tuple[torch.Tensor, torch.Tensor]:
+                       sde_type: str = "sde", sigma_one: str = "refuse"
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(mean, std)`` of the transition ``x -> x'``; mean like ``x`` in the compute dtype, std ``[B]``.
 
     Written as the spec writes it (not in the ``a, b`` form), so that it is a readable oracle.
@@ -115,7 +142,13 @@ def sde_transition_ref(x: torch.Tensor, v: torch.Tensor, sigma, sigma_next, *, e
     if is_deterministic(eta, sde_type):
         return xf + vf * dt, torch.zeros_like(s_b)
     if sde_type in ("sde", "dance"):
-        if sde_type == "sde":
+        if sde_type == "sde" and sigma_one == "clamp_to_next":
+            # the reference's literal form: 1 - sigma, with sigma replaced by the schedule's
+            # second sigma where sigma == 1
+            singular_b = torch.zeros_like(s_b, dtype=torch.bool)
+            safe_s = s
+            std_dev_t = eta * torch.sqrt(s / (1.0 - torch.where(s == 1.0, sn, s)))
+        elif sde_type == "sde":
             singular_b = s_b >= 1.0
             safe_s = torch.where(_as_column(singular_b, ndim), torch.full_like(s, 0.5), s)
             std_dev_t = eta * torch.sqrt(safe_s / (1.0 - safe_s))
@@ -137,13 +170,19 @@ def sde_transition_ref(x: torch.Tensor, v: torch.Tensor, sigma, sigma_next, *, e
     return mean, std_dev_t.reshape(batch)
 
 
-def gaussian_log_prob_ref(sample: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+def gaussian_log_prob_ref(sample: torch.Tensor, mean: torch.Tensor, std: torch.Tensor,
+                          log_prob_form: str = "gaussian") -> torch.Tensor:
     """Mean over non-batch elements of ``log N(sample; mean, std^2)``; NaN where ``std == 0``.
 
-    ``sample`` is data: it is detached, so gradients reach ``mean`` (hence ``v``) only.
+    ``log_prob_form="squared_residual"``: ``-mean((sample - mean)^2)`` instead (no variance, no
+    constants; defined everywhere). ``sample`` is data: it is detached, so gradients reach
+    ``mean`` (hence ``v``) only.
     """
     dtype = mean.dtype
     sample = sample.detach().to(dtype)
+    if log_prob_form == "squared_residual":
+        sq = -((sample - mean) ** 2)
+        return sq.mean(dim=tuple(range(1, mean.dim()))) if mean.dim() > 1 else sq
     std_col = _as_column(std.to(dtype), mean.dim())
     elementwise = (-((sample - mean) ** 2) / (2.0 * std_col ** 2)
                    - torch.log(std_col) - LOG_SQRT_2PI)
@@ -151,40 +190,61 @@ def gaussian_log_prob_ref(sample: torch.Tensor, mean: torch.Tensor, std: torch.T
     return torch.where(std > 0, log_prob, torch.full_like(log_prob, float("nan")))
 
 
-def sde_log_prob_ref(x, v, prev_sample, sigma, sigma_next, *, eta: float,
-                     sde_type: str = "sde") -> torch.Tensor:
+def sde_log_prob_ref(x, v, prev_sample, sigma, sigma_next, *, eta: float, sde_type: str = "sde",
+                     sigma_one: str = "refuse", log_prob_form: str = "gaussian") -> torch.Tensor:
     """Replay step: ``log p(prev_sample | x)`` per sample, differentiable w.r.t. ``v`` (autograd)."""
-    mean, std = sde_transition_ref(x.detach(), v, sigma, sigma_next, eta=eta, sde_type=sde_type)
-    return gaussian_log_prob_ref(prev_sample, mean, std)
+    mean, std = sde_transition_ref(x.detach(), v, sigma, sigma_next, eta=eta, sde_type=sde_type,
+                                   sigma_one=sigma_one)
+    return gaussian_log_prob_ref(prev_sample, mean, std, log_prob_form)
 
 
 @torch.no_grad()
-def sde_step_ref(x, v, sigma, sigma_next, *, eta: float, sde_type: str, noise: torch.Tensor | None):
+def sde_step_ref(x, v, sigma, sigma_next, *, eta: float, sde_type: str, noise: torch.Tensor | None,
+                 sigma_one: str = "refuse", log_prob_form: str = "gaussian"):
     """Sampling step: ``(prev_sample, log_prob or None, mean, std)``.
 
     ``prev_sample`` is rounded to ``x.dtype`` *before* its log-density is taken, so the recorded
     log-prob is the density of exactly the tensor that is stored and later replayed.
     """
-    mean, std = sde_transition_ref(x, v, sigma, sigma_next, eta=eta, sde_type=sde_type)
+    mean, std = sde_transition_ref(x, v, sigma, sigma_next, eta=eta, sde_type=sde_type,
+                                   sigma_one=sigma_one)
     if is_deterministic(eta, sde_type):
         return mean.to(x.dtype), None, mean, std
     prev_sample = (mean + _as_column(std, x.dim()) * noise.to(mean.dtype)).to(x.dtype)
     # Same functions and operands as sde_log_prob_ref: bitwise-equal log-probs on replay.
-    return prev_sample, gaussian_log_prob_ref(prev_sample, mean, std), mean, std
+    return prev_sample, gaussian_log_prob_ref(prev_sample, mean, std, log_prob_form), mean, std
 
 
-def sde_kl_ref(v, v_ref, sigma, sigma_next, *, eta: float, sde_type: str = "sde") -> torch.Tensor:
-    """Closed-form ``KL(N(mean_v, std^2) || N(mean_ref, std^2))``, mean over non-batch elements.
+def std_dev_t_sq_ref(sigma, sigma_next, *, eta: float, sde_type: str, batch: int,
+                     dtype: torch.dtype, device, sigma_one: str = "refuse") -> torch.Tensor:
+    """``std_dev_t^2`` per sample: ``var / (-dt)`` for ``sde`` / ``dance``, ``var`` for ``cps``."""
+    _, _, var = transition_coefficients_ref(sigma, sigma_next, eta=eta, sde_type=sde_type,
+                                            batch=batch, dtype=dtype, device=device,
+                                            sigma_one=sigma_one)
+    if sde_type == "cps":
+        return var
+    dt = per_sample(sigma_next, batch, dtype, device) - per_sample(sigma, batch, dtype, device)
+    return var / (-dt)
 
-    Both transitions start from the same ``x`` with the same ``std``, so
-    ``mean_v - mean_ref = b * (v - v_ref)`` and the per-element KL is ``b^2 (v - v_ref)^2 / (2 var)``.
-    For ``sde`` this is the paper's ``(dt / 2) (std_dev_t (1 - s) / (2 s) + 1 / std_dev_t)^2 (v - v_ref)^2``.
+
+def sde_kl_ref(v, v_ref, sigma, sigma_next, *, eta: float, sde_type: str = "sde",
+               sigma_one: str = "refuse", kl_form: str = "gaussian") -> torch.Tensor:
+    """Per-sample KL between the transitions of ``v`` and ``v_ref`` from the same ``x``, ``[B]``.
+
+    Both means share ``a * x``, so ``mean_v - mean_ref = b * (v - v_ref)``. ``kl_form``:
+    ``"gaussian"``: ``mean(b^2 (v - v_ref)^2) / (2 var)``, the closed-form KL (for ``sde`` the
+    paper's ``(dt / 2) (std_dev_t (1 - s) / (2 s) + 1 / std_dev_t)^2 (v - v_ref)^2``);
+    ``"reference"``: ``mean(b^2 (v - v_ref)^2) / (2 std_dev_t^2)`` (Flow-GRPO's code).
     Differentiable w.r.t. both velocities; NaN where the transition has no variance.
     """
     dtype = compute_dtype(v, v_ref)
     batch = v.shape[0]
     _, b, var = transition_coefficients_ref(sigma, sigma_next, eta=eta, sde_type=sde_type,
-                                            batch=batch, dtype=dtype, device=v.device)
+                                            batch=batch, dtype=dtype, device=v.device,
+                                            sigma_one=sigma_one)
+    if kl_form == "reference":
+        var = std_dev_t_sq_ref(sigma, sigma_next, eta=eta, sde_type=sde_type, batch=batch,
+                               dtype=dtype, device=v.device, sigma_one=sigma_one)
     diff = (v.to(dtype) - v_ref.to(dtype)).reshape(batch, -1)
     kl = (b[:, None] ** 2 * diff ** 2 / (2.0 * var[:, None])).mean(dim=1)
     return torch.where(var > 0, kl, torch.full_like(kl, float("nan")))

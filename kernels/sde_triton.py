@@ -2,8 +2,9 @@
 
 Imported lazily by ``kernels.sde`` the first time the Triton backend is used, so that
 ``TRITON_INTERPRET=1`` (how CI runs these kernels on CPU) can still be set after ``import kernels``.
-The math is the ``a, b, var`` form of ``sde_reference.transition_coefficients_ref``; all of it is
-fp32 whatever the storage dtype of x, v, prev_sample and noise.
+The math is the ``a, b, var`` form of ``sde_reference.transition_coefficients_ref`` (``sde`` with
+``sigma_one="clamp_to_next"`` is its own SDE_TYPE code, the squared-residual log-prob form a
+constexpr); all of it is fp32 whatever the storage dtype of x, v, prev_sample and noise.
 
 Layout: the latents are viewed as ``[B, N]``; every kernel runs on a ``(chunks, B)`` grid, each
 program loading its sample's sigmas and computing the per-sample coefficients itself (no host
@@ -72,6 +73,7 @@ def _interpreting() -> bool:
 
 INTERPRET = _interpreting()
 SDE_TYPE_CODES = {"ode": 0, "sde": 1, "dance": 2, "cps": 3}
+SDE_CLAMP_TO_NEXT = 4  # "sde" with sigma_one="clamp_to_next"
 
 
 @dataclass(frozen=True)
@@ -178,6 +180,11 @@ def _transition_coefficients(sigma, sigma_next, eta_sq, cps_sin, cps_cos, SDE_TY
         a = 1.0 + eta_sq * dt / (2.0 * sigma)
         b = (1.0 + eta_sq * (1.0 - sigma) / (2.0 * sigma)) * dt
         var = eta_sq * (-dt)
+    elif SDE_TYPE == 4:  # sde, sigma == 1 clamped: 1 - sigma -> 1 - sigma_next there
+        one_minus = tl.where(sigma >= 1.0, 1.0 - sigma_next, 1.0 - sigma)
+        a = 1.0 + eta_sq * dt / (2.0 * one_minus)
+        b = (1.0 + eta_sq * (1.0 - sigma) / (2.0 * one_minus)) * dt
+        var = eta_sq * sigma / one_minus * (-dt)
     else:  # cps
         c = sigma_next * cps_cos
         std_dev_t = sigma_next * cps_sin
@@ -220,7 +227,8 @@ def _sde_log_prob_fwd_kernel(
         partial_ptr, count_ptr, out_ptr,
         N, num_chunks, eta_sq, cps_sin, cps_cos,
         SDE_TYPE: tl.constexpr, SIG_TENSOR: tl.constexpr, SIGN_TENSOR: tl.constexpr,
-        BLOCK: tl.constexpr, TILES: tl.constexpr, BLOCK_P: tl.constexpr, LOG_SQRT_TWO_PI: tl.constexpr):
+        BLOCK: tl.constexpr, TILES: tl.constexpr, BLOCK_P: tl.constexpr, LOG_SQRT_TWO_PI: tl.constexpr,
+        SQ_RESIDUAL: tl.constexpr):
     chunk = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     row = b * N
@@ -258,8 +266,11 @@ def _sde_log_prob_fwd_kernel(
             total += tl.load(partial_ptr + b * num_chunks + p_offs, mask=p_offs < num_chunks,
                              other=0.0, volatile=True)
         sq_sum = tl.sum(total, axis=0)
-        log_prob = -sq_sum / (2.0 * var * N) - 0.5 * tl.log(var) - LOG_SQRT_TWO_PI
-        log_prob = tl.where(var > 0.0, log_prob, var * float("nan"))
+        if SQ_RESIDUAL:  # -mean((prev - mean)^2): no variance, no constants
+            log_prob = -sq_sum / N
+        else:
+            log_prob = -sq_sum / (2.0 * var * N) - 0.5 * tl.log(var) - LOG_SQRT_TWO_PI
+            log_prob = tl.where(var > 0.0, log_prob, var * float("nan"))
         tl.store(out_ptr + b, log_prob)
         tl.store(count_ptr + b, 0)  # leave the workspace ready for the next launch
 
@@ -270,7 +281,7 @@ def _sde_log_prob_bwd_kernel(
         sig_ptr, sig_stride, sig_value, sign_ptr, sign_stride, sign_value,
         N, eta_sq, cps_sin, cps_cos,
         SDE_TYPE: tl.constexpr, SIG_TENSOR: tl.constexpr, SIGN_TENSOR: tl.constexpr,
-        BLOCK: tl.constexpr):
+        BLOCK: tl.constexpr, SQ_RESIDUAL: tl.constexpr):
     chunk = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     row = b * N
@@ -284,8 +295,12 @@ def _sde_log_prob_bwd_kernel(
     sigma = _load_sigma(sig_ptr, sig_stride, sig_value, b, SIG_TENSOR)
     sigma_next = _load_sigma(sign_ptr, sign_stride, sign_value, b, SIGN_TENSOR)
     a, coef_v, var = _transition_coefficients(sigma, sigma_next, eta_sq, cps_sin, cps_cos, SDE_TYPE)
-    # d/dv of mean_i(-(prev - mean)^2 / (2 var)) = b * (prev - mean) / (var * N)
-    scale = grad * coef_v / (var * N)
+    # d/dv of mean_i(-(prev - mean)^2 / (2 var)) = b * (prev - mean) / (var * N);
+    # of mean_i(-(prev - mean)^2) (squared residual form) = 2 b (prev - mean) / N
+    if SQ_RESIDUAL:
+        scale = grad * coef_v * 2.0 / N
+    else:
+        scale = grad * coef_v / (var * N)
     resid = prev.to(tl.float32) - _transition_mean(x.to(tl.float32), v.to(tl.float32), a, coef_v, SDE_TYPE)
     tl.store(dv_ptr + row + offs, _cast_for_store(dv_ptr, scale * resid), mask=mask)
 
@@ -330,18 +345,28 @@ class StepParams:
     """Everything about a transition except the tensors: the kernels' scalar arguments."""
     sde_type: str
     eta: float
+    sigma_one: str = "refuse"
+    log_prob_form: str = "gaussian"
     code: int = field(init=False)  # SDE_TYPE constexpr; eta == 0 is the ODE step for every type
     scalars: tuple[float, float, float] = field(init=False)  # eta^2, sin(eta pi/2), cos(eta pi/2)
 
     def __post_init__(self):
         half_angle = self.eta * math.pi / 2.0
-        object.__setattr__(self, "code", 0 if self.eta == 0.0 else SDE_TYPE_CODES[self.sde_type])
+        code = 0 if self.eta == 0.0 else SDE_TYPE_CODES[self.sde_type]
+        if code == SDE_TYPE_CODES["sde"] and self.sigma_one == "clamp_to_next":
+            code = SDE_CLAMP_TO_NEXT
+        object.__setattr__(self, "code", code)
         object.__setattr__(self, "scalars", (self.eta * self.eta, math.sin(half_angle), math.cos(half_angle)))
+
+    @property
+    def squared_residual(self) -> bool:
+        return self.log_prob_form == "squared_residual"
 
 
 @lru_cache(maxsize=64)
-def step_params(sde_type: str, eta: float) -> StepParams:
-    return StepParams(sde_type, eta)
+def step_params(sde_type: str, eta: float, sigma_one: str = "refuse",
+                log_prob_form: str = "gaussian") -> StepParams:
+    return StepParams(sde_type, eta, sigma_one, log_prob_form)
 
 
 def _sigma_args(sigma, batch: int, dummy: torch.Tensor) -> tuple[tuple, bool]:
@@ -389,7 +414,7 @@ def log_prob_forward(x: torch.Tensor, v: torch.Tensor, prev: torch.Tensor, sigma
         x, v, prev, *sig, *sign, partials, counts, out, n, num_chunks, *params.scalars,
         SDE_TYPE=params.code, SIG_TENSOR=sig_is_tensor, SIGN_TENSOR=sign_is_tensor,
         BLOCK=cfg.block, TILES=cfg.tiles, BLOCK_P=cfg.block_partials,
-        LOG_SQRT_TWO_PI=LOG_SQRT_2PI, num_warps=cfg.num_warps)
+        LOG_SQRT_TWO_PI=LOG_SQRT_2PI, SQ_RESIDUAL=params.squared_residual, num_warps=cfg.num_warps)
     return out
 
 
@@ -401,7 +426,8 @@ def log_prob_backward(x, v, prev, grad: torch.Tensor, sigma, sigma_next,
         grad = grad.reshape(-1)
     sig, sig_is_tensor = _sigma_args(sigma, batch, x)
     sign, sign_is_tensor = _sigma_args(sigma_next, batch, x)
-    constexprs = dict(SDE_TYPE=params.code, SIG_TENSOR=sig_is_tensor, SIGN_TENSOR=sign_is_tensor)
+    constexprs = dict(SDE_TYPE=params.code, SIG_TENSOR=sig_is_tensor, SIGN_TENSOR=sign_is_tensor,
+                      SQ_RESIDUAL=params.squared_residual)
     args = (x, v, prev, grad, grad.stride(0) if grad.numel() > 1 else 0, dv, *sig, *sign,
             n, *params.scalars)
     key = ("bwd", n, x.dtype, v.dtype, prev.dtype)

@@ -145,7 +145,7 @@ def test_ode_request_matches_diffusers_scheduler_loop(engine, adapter):
 def test_request_validation_lists_every_problem(adapter):
     good = make_request(adapter, PROMPTS, IDS)
     assert parse_generate_request(adapter, good).sde_indices == [1, 3, 4]
-    bad = dict(good, prompt=PROMPTS[:5], height=30, guidance_scale=4.0, rollout_noise_level=-1,
+    bad = dict(good, prompt=PROMPTS[:5], height=30, guidance_scale=0.5, rollout_noise_level=-1,
                rollout_sde_step_indices=[4, 1, 9], rollout_sde_type="euler",
                extra_sampling_params=dict(good["extra_sampling_params"], noise_recipe="other",
                                           sigmas=[1.0, 0.5, 0.7]))

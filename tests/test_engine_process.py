@@ -60,8 +60,10 @@ def test_spawned_engine_serves_like_in_process(spawned):
     assert torch.equal(over_http["images"], remote["images"])
     # an engine-side validation error arrives as the same exception, every problem listed
     with pytest.raises(RequestError) as info:
-        client.generate(dict(request, height=31, guidance_scale=3.0))
+        client.generate(dict(request, height=31, guidance_scale=0.5))
     assert len(info.value.problems) >= 2
+    assert any("guidance_scale" in p for p in info.value.problems)
+    assert any("multiples of 16" in p for p in info.value.problems)
 
 
 def test_weight_sync_full_then_adapter(spawned):

@@ -3,6 +3,7 @@
 On a machine without CUDA the Triton kernels run under TRITON_INTERPRET=1 (set below, before the
 kernels are first imported); with CUDA they run compiled on the GPU.
 """
+import itertools
 import math
 import os
 
@@ -462,9 +463,12 @@ def test_fast_validation_accepts_exactly_what_the_full_check_accepts():
         ([("x", x), ("v", v.int())], s, sn, ETA, "sde", "torch", False),
         ([("x", x), ("v", v)], s.int(), sn, ETA, "sde", "torch", False),
     ]
+    options = ({}, {"sigma_one": "clamp_to_next"}, {"log_prob_form": "squared_residual"},
+               {"sigma_one": "clip"}, {"log_prob_form": "l2"})
     for i, (named, sig, sig_next, eta, sde_type, backend, replay) in enumerate(cases):
-        for validate in (True, False):
-            kw = dict(eta=eta, sde_type=sde_type, backend=backend, replay=replay, validate=validate)
+        for validate, opts in itertools.product((True, False), options):
+            kw = dict(eta=eta, sde_type=sde_type, backend=backend, replay=replay, validate=validate,
+                      **opts)
             fast = sde_mod._fast_resolve(named, sig, sig_next, **kw)
             try:
                 full = sde_mod.check_step_inputs("op", named, sig, sig_next, **kw)

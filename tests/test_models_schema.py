@@ -91,28 +91,30 @@ def test_dance_may_train_step_zero(adapter):
 
 def test_driver_keys_of_the_sampling_config_are_accepted(adapter):
     make_request(adapter, {"sde_pool": [1, 2, 3], "num_sde_steps": 2, "sde_resample_per_rollout": True,
-                           "sde_timestep_fraction": [0.2, 1.0], "sigma_max": 0.99,
+                           "sde_timestep_fraction": [0.2, 1.0],
                            "sample_id_mode": "metadata", "init_noise_latent_shape": [4, 16, 16]})
 
 
 @pytest.mark.parametrize("sampling, kwargs, message", [
-    ({"guidance_scale": 4.5}, {}, "guidance_scale must be 1.0"),
-    ({"guidance_scale": True}, {}, "guidance_scale must be 1.0"),
-    ({}, {"sde_indices": [0, 2]}, "cannot train steps [0]"),
+    ({"guidance_scale": 0.5}, {}, "guidance_scale must be a number >= 1.0"),
+    ({"guidance_scale": True}, {}, "guidance_scale must be a number >= 1.0"),
+    ({}, {"sde_indices": [0, 2]}, "cannot sample steps [0] with sigma_one='refuse'"),
+    ({"sigma_max": 0.99}, {}, "unknown sampling keys ['sigma_max']"),
+    ({"sigma_one": "clip"}, {}, "sigma_one must be one of refuse, clamp_to_next"),
     ({}, {"sde_indices": [2, 6]}, "sde_indices [6] are outside [0, 6)"),
     ({"sde_indices": None}, {}, "no SDE steps"),
     ({}, {"sde_indices": []}, "no SDE steps"),
     ({}, {"sde_indices": [1.5]}, "sde_indices must be a list of integers"),
     ({"sde_type": "ode"}, {}, "sde_type must be one of"),
-    ({"eta": -0.1}, {}, "eta must be a finite number >= 0"),
-    ({"eta": float("nan")}, {}, "eta must be a finite number >= 0"),
+    ({"eta": -0.1}, {}, "eta must be > 0"),
+    ({"eta": float("nan")}, {}, "eta must be > 0"),
     ({"height": 30}, {}, "multiples of 4"),
     ({"width": 0}, {}, "width must be a positive integer"),
     ({"num_inference_steps": "12"}, {}, "num_inference_steps must be a positive integer"),
     ({"driver_xt": "yes"}, {}, "driver_xt must be true or false"),
     ({"guidence_scale": 1.0}, {}, "unknown sampling keys ['guidence_scale']"),
     ({"init_noise_latent_shape": [16, 16, 16]}, {}, "does not match this model's x_T shape [4, 16, 16]"),
-    ({"init_noise_latent_shape": 4}, {}, "does not match this model's x_T shape [4, 16, 16]"),
+    ({"init_noise_latent_shape": 4}, {}, "init_noise_latent_shape must be a list of integers"),
     ({}, {"sample_ids": IDS[:3]}, "3 sample ids for 4 prompts"),
     ({}, {"sample_ids": [IDS[0]] * 4}, "duplicate sample ids"),
     ({}, {"sample_ids": ["", *IDS[1:]]}, "not non-empty strings"),
@@ -130,13 +132,14 @@ def test_each_bad_request_is_rejected(adapter, sampling, kwargs, message):
 
 def test_one_error_names_every_request_problem(adapter):
     with pytest.raises(ValueError) as err:
-        make_request(adapter, {"guidance_scale": 7.0, "height": 30, "eta": -1},
+        make_request(adapter, {"guidance_scale": 0.7, "height": 30, "eta": -1},
                      sde_indices=[0, 9], sample_ids=[IDS[0]] * 4)
     text = str(err.value)
-    for message in ("guidance_scale must be 1.0", "multiples of 4", "eta must be", "duplicate sample ids",
+    for message in ("guidance_scale must be a number >= 1.0", "multiples of 4", "eta must be",
+                    "duplicate sample ids",
                     "outside [0, 6)"):
         assert message in text
-    with pytest.raises(ValueError, match="must be a dict"):
+    with pytest.raises(ValueError, match="must be a table/dict"):
         adapter.build_rollout_request(PROMPTS, IDS, [("height", 32)], rollout_id=0, seed=0)
 
 

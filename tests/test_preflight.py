@@ -109,8 +109,39 @@ ERROR_RULES = [
       "no weight"]),
     ("weight_not_finite", ['reward.component_weights={"color": 1, "count": 1, "position": "x"}'],
      {}, ["reward.component_weights", "finite numbers"]),
-    ("guidance_scale", [sampling(guidance_scale=4.5)], {},
-     ["rollout.sampling.guidance_scale (--sampling-config)=4.5", "must be 1.0"]),
+    ("guidance_scale", [sampling(guidance_scale=0.5)], {},
+     ["rollout.sampling.guidance_scale", ">= 1.0", "got 0.5", "(--sampling-config)"]),
+    ("lora_init_without_lora", ["lora.init_path=/tmp"], {},
+     ["lora.init_path (--lora-init-path)", "needs LoRA"]),
+    ("lora_init_missing", ["fsdp.trainable_mode=lora", "lora.rank=4",
+                           "lora.init_path=/nonexistent/lora"], {},
+     ["lora.init_path", "does not exist"]),
+    ("kl_form_unknown", ["train.kl_form=k3"], {}, ["train.kl_form (--kl-form)", "'k3'"]),
+    ("adv_clip_not_positive", ["reward.adv_clip_max=0"], {},
+     ["reward.adv_clip_max (--advantage-clip-max)", "> 0"]),
+    ("adv_eps_not_positive", ["reward.adv_eps=-1"], {}, ["reward.adv_eps", "> 0"]),
+    ("eval_mode_unknown", ["data.eval_mode=sample"], {}, ["data.eval_mode (--eval-mode)", "'sample'"]),
+    ("eval_ode_guidance", ["data.eval_mode=ode", "data.eval_guidance_scale=0.5"], {},
+     ["eval sampling", "guidance_scale must be a number >= 1.0"]),
+    ("ema_decay", ["ema.enabled=true", "ema.decay=1.0"], {}, ["ema.decay (--ema-decay)", "[0, 1)"]),
+    ("ema_interval", ["ema.enabled=true", "ema.update_interval=0"], {},
+     ["ema.update_interval (--ema-update-interval)", ">= 1"]),
+    ("sglang_clamp_to_next", ["rollout.engine=sglang", 'rollout.sglang_urls=["http://a:1"]',
+                              sampling(sigma_one="clamp_to_next")], {"world_size": 1},
+     ["rollout.sampling.sigma_one", "embedded engine only"]),
+    ("unknown_sampling_key", [sampling(sde_indice=[1])], {},
+     ["rollout.sampling", "unknown sampling keys ['sde_indice']"]),
+    ("every_step_refuses_step0", [sampling(sde_step_mode="every_step", timestep_fraction=0.9)], {},
+     ["rollout.sampling", "step 0", "every_step", "clamp_to_next"]),
+    ("cps_gaussian_last_step", [sampling(sde_type="cps", sde_indices=[6, 7], sde_pool=[6, 7],
+                                         num_sde_steps=2)], {},
+     ["rollout.sampling.sde_type", "last step 7", "cps_log_prob='reference'"]),
+    ("cps_gaussian_every_step", [sampling(sde_type="cps", sde_step_mode="every_step",
+                                          timestep_fraction=0.5)], {},
+     ["rollout.sampling.sde_type", "noise on the last step 7"]),
+    ("timestep_fraction_trains_nothing",
+     [sampling(sde_step_mode="every_step", sigma_one="clamp_to_next", timestep_fraction=0.1)], {},
+     ["rollout.sampling.timestep_fraction", "trains no step"]),
     ("updates_not_dividing_rank_slice", ["train.num_updates_per_batch=3"], {"world_size": 2},
      ["train.num_updates_per_batch (--num-updates-per-batch)=3", "the 4 samples per rank"]),
     ("updates_not_dividing_global", ["train.num_updates_per_batch=3"], {},
@@ -220,7 +251,7 @@ def test_existing_local_paths_pass(tmp_path):
 
 def test_all_violations_reported_together():
     cfg = tiny("model.task=v2v", "lora.dropout=0.1", "lora.rank=4", "train.kl_coef=-1",
-               sampling(guidance_scale=3.0, sde_indices=[0, 1]), "weight_sync.wire_dtype=fp16",
+               sampling(guidance_scale=0.9, sde_indices=[0, 1]), "weight_sync.wire_dtype=fp16",
                "launch.colocate=false", "rollout.n_samples_per_prompt=1",
                'reward.component_weights={}', "reward.runtime=remote")
     with pytest.raises(ConfigError) as info:
@@ -236,6 +267,9 @@ def test_all_violations_reported_together():
 
 
 WARNING_RULES = [
+    ("sglang_cfg", ["rollout.engine=sglang", 'rollout.sglang_urls=["http://a:1"]',
+                    sampling(guidance_scale=4.5)],
+     ["rollout.sampling.guidance_scale", "sglang", "logp_parity"]),
     ("lora_master_not_fp32", ["fsdp.trainable_mode=lora", "lora.rank=4", "fsdp.master_dtype=bf16"],
      ["fsdp.master_dtype (--fsdp-master-dtype)='fp32'", "policy stops moving"]),
     ("decay_iters_with_constant", ["train.lr_decay_iters=100"],
@@ -245,7 +279,6 @@ WARNING_RULES = [
     ("cpu_offload_full", ["fsdp.cpu_offload=true"], ["fsdp.cpu_offload", "No backend type"]),
     ("retention_unbounded", ["rollout.artifact_retention_rollouts=0"],
      ["rollout.artifact_retention_rollouts", "without bound"]),
-    ("unknown_sampling_key", [sampling(sde_indice=[1])], ["['sde_indice']", "typo"]),
     ("sglang_urls_ignored", ['rollout.sglang_urls=["http://a:1"]'], ["sglang_urls", "ignored"]),
 ]
 

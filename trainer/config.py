@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from trainer.sampling import RELAX_SAMPLING
+
 
 def _f(default: Any, flag: str, doc: str) -> Any:
     """A config field with its spec flag and docstring."""
@@ -29,20 +31,8 @@ def _f(default: Any, flag: str, doc: str) -> Any:
     return field(default=default, metadata=meta)
 
 
-DEFAULT_SAMPLING: dict[str, Any] = {
-    "height": 384,
-    "width": 384,
-    "num_inference_steps": 12,
-    "guidance_scale": 1.0,
-    "eta": 0.7,
-    "sde_type": "sde",
-    "sde_indices": [3, 4, 5],
-    "sde_resample_per_rollout": True,
-    "num_sde_steps": 3,
-    "sde_pool": [1, 2, 3, 4, 5],
-    "driver_xt": True,
-    "sample_id_mode": "metadata",
-}
+# The keys, their defaults and their rules live in trainer.sampling.SamplingConfig.
+DEFAULT_SAMPLING: dict[str, Any] = RELAX_SAMPLING
 
 
 @dataclass
@@ -116,7 +106,16 @@ class RewardConfig:
                                    "Components that must be present and finite (JSON list).")
     component_weights: dict = _f({}, "--reward-component-weights",
                                  "{component: weight} combining normalised components.")
-    std_mode: str = _f("group", "--generative-advantage-std-mode", "group | batch | none.")
+    std_mode: str = _f("group", "--generative-advantage-std-mode",
+                       "group | batch (one std over every rank's batch: Flow-GRPO's global_std) "
+                       "| none.")
+    adv_eps: float | None = _f(None, "--advantage-eps",
+                               "Divisor std + eps; None: 1e-6 (Flow-GRPO reference: 1e-4).")
+    adv_clip_max: float | None = _f(None, "--advantage-clip-max",
+                                    "Clamp advantages to [-x, x]; None: no clamp (reference: 5).")
+    zero_degenerate_groups: bool = _f(True, "--zero-degenerate-groups",
+                                      "Zero groups with reward variance < 1e-6 (the reference "
+                                      "does not: false).")
     timeout_s: float = _f(60.0, "--reward-timeout", "Remote scorer timeout per request.")
     scorers: dict = _f({}, "--reward-scorers",
                        "Several weighted scorers: [reward.scorers.NAME] tables with weight, "
@@ -144,6 +143,12 @@ class TrainConfig:
     eps_clip_high: float | None = _f(None, "--eps-clip-high", "Optional asymmetric upper clip.")
     kl_coef: float = _f(0.0, "--kl-coef",
                         "KL to the frozen reference (LoRA only: adapter disabled). Our extension.")
+    kl_form: str = _f("gaussian", "--kl-form",
+                      "gaussian (closed-form KL of the two transitions) | reference (Flow-GRPO's "
+                      "mean((mean - mean_ref)^2) / (2 std_dev_t^2): its beta is kl_coef).")
+    drop_zero_advantage: bool = _f(False, "--drop-zero-advantage",
+                                   "Average the update over the non-zero-advantage rows only "
+                                   "(the Flow-GRPO reference filters zero rows out).")
     advantage_estimator: str = _f("grpo", "--advantage-estimator", "Only 'grpo'.")
     lr: float = _f(3e-4, "--lr", "Peak learning rate.")
     min_lr: float = _f(0.0, "--min-lr", "Floor of linear/cosine decay.")
@@ -207,6 +212,9 @@ class LoRAConfig:
                             "Adapter mode: the engine folds each synced adapter into its base "
                             "weights (keeping an exact copy of the targeted base weights), so a "
                             "LoRA rollout costs what a full-model rollout costs.")
+    init_path: str | None = _f(None, "--lora-init-path",
+                               "Start from this LoRA (PEFT directory or diffusers "
+                               "safetensors; trainer/lora_init.py) instead of zeros.")
 
 
 @dataclass
@@ -232,7 +240,26 @@ class DataConfig:
     n_samples_per_eval_prompt: int = _f(2, "--n-samples-per-eval-prompt", "Eval candidates.")
     eval_max_prompts: int | None = _f(None, "--eval-max-prompts", "Cap on eval prompts.")
     eval_sde_indices: list | None = _f(None, "--eval-sde-indices",
-                                       "Fixed SDE indices for eval; None = sampling.sde_indices.")
+                                       "eval_mode sde: fixed SDE steps of the eval; None = the "
+                                       "training sampling's deterministic steps.")
+    eval_mode: str = _f("sde", "--eval-mode",
+                        "sde (the training's stochastic steps at fixed indices) | ode "
+                        "(deterministic, as the Flow-GRPO reference evaluates).")
+    eval_num_inference_steps: int | None = _f(None, "--eval-num-inference-steps",
+                                              "Steps of an eval rollout; None = the training's "
+                                              "(reference: 40).")
+    eval_guidance_scale: float | None = _f(None, "--eval-guidance-scale",
+                                           "CFG scale of the eval; None = the training's.")
+    eval_use_ema: bool = _f(True, "--eval-use-ema",
+                            "Evaluate with the EMA weights when ema.enabled (the reference).")
+
+
+@dataclass
+class EMAConfig:
+    enabled: bool = _f(False, "--ema", "EMA of the trainable parameters (trainer.ema).")
+    decay: float = _f(0.9, "--ema-decay", "EMA decay (the reference's train_sd3.py: 0.9).")
+    update_interval: int = _f(8, "--ema-update-interval",
+                              "Optimizer steps between EMA updates (reference: 8).")
 
 
 @dataclass
@@ -286,6 +313,7 @@ class Config:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    ema: EMAConfig = field(default_factory=EMAConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)

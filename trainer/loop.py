@@ -24,6 +24,8 @@ from trainer.actor.colocate import Footprint, OffloadPolicy, actor_footprint
 from trainer.actor.sync import sync_payload
 from trainer.actor.update import train_on
 from trainer.config import DEFAULT_SAMPLING, Config, write_resolved
+from trainer.ema import build_ema
+from trainer.evaluation import eval_sampling, eval_weights
 from trainer.metrics import MetricsLogger
 from trainer.models.compile import compile_events, compile_wanted
 from trainer.profiling import ComputeMeter, ProfileWindow, StageTimer, add_times, nvtx_range
@@ -75,6 +77,7 @@ class Trainer:
                                                               **cfg.model.adapter_options)
         self.model = self._load_in_waves()
         self.optimizer = build_optimizer(self.model, cfg)
+        self.ema = build_ema(self.model, cfg)
         self.policy_version = 0
         self.lr_steps = 0
         self.next_rollout = 0
@@ -156,6 +159,10 @@ class Trainer:
             else None, retention=cfg.rollout.artifact_retention_rollouts,
             wave_size=cfg.rollout.wave_size,
             sample_id_mode=cfg.rollout.sampling.get("sample_id_mode", "metadata"))
+        self.eval_driver = RolloutDriver(
+            self.adapter, [self.engine], sampling=eval_sampling(cfg),
+            seed=cfg.rollout.generation_seed, task=cfg.model.task, wave_size=cfg.rollout.wave_size,
+            sample_id_mode=cfg.rollout.sampling.get("sample_id_mode", "metadata"))
 
     def _engine_warmup(self) -> dict | None:
         """The geometry of a training request, compiled before the first rollout."""
@@ -199,7 +206,8 @@ class Trainer:
             weights = self.reward.weights or {c: 1.0 for c in components}
             adv, adv_metrics, failed = compute_advantages(
                 components, batch.group_index, weights=weights,
-                required=list(self.reward.required), std_mode=r.std_mode)
+                required=list(self.reward.required), std_mode=r.std_mode, eps=r.adv_eps,
+                clip_max=r.adv_clip_max, zero_degenerate_groups=r.zero_degenerate_groups)
         metrics.update(adv_metrics)
         total = sum(weights.get(c, 0.0) * v.float() for c, v in components.items())
         wsum = sum(weights.get(c, 0.0) for c in components) or 1.0
@@ -392,8 +400,8 @@ class Trainer:
         if not self.eval_records:
             return {}
         cfg = self.cfg
-        with self.timer.stage("eval"), torch.no_grad():
-            batch = call_with_recovery(self, "eval", lambda: self.driver.generate(
+        with self.timer.stage("eval"), torch.no_grad(), eval_weights(self):
+            batch = call_with_recovery(self, "eval", lambda: self.eval_driver.generate(
                 self.eval_records, cfg.data.n_samples_per_eval_prompt, rollout_id=None,
                 policy_version=self.policy_version, write_artifacts=False,
                 progress=cfg.logging.progress and self.rank == 0))
@@ -416,13 +424,13 @@ class Trainer:
     def eval_over_seeds(self, seeds) -> list[float]:
         """The eval reward at the current weights under each generation seed: the spread is
         the eval's own noise (what a change of the policy must beat). Restores the seed."""
-        base, out = self.driver.seed, []
+        base, out = self.eval_driver.seed, []
         try:
             for seed in seeds:
-                self.driver.seed = int(seed)
+                self.eval_driver.seed = int(seed)
                 out.append(self.evaluate(0, tag="noise")["eval/reward_mean"])
         finally:
-            self.driver.seed = base
+            self.eval_driver.seed = base
         return out
 
     # ---- the run ----------------------------------------------------------------------

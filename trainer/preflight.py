@@ -51,11 +51,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trainer.config import Config, ConfigError
+from trainer.evaluation import eval_sampling
+from trainer.sampling import KL_FORMS, SamplingConfig, fraction_window  # noqa: F401 (re-exported)
 from trainer.tasks import GENERATION_TASKS
 
 log = logging.getLogger("trainer.preflight")
 
-SDE_TYPES: tuple[str, ...] = ("sde", "dance", "cps")  # kernels/: the types with a log-prob
 DTYPES: tuple[str, ...] = ("bf16", "fp32")
 TRAINABLE_MODES: tuple[str, ...] = ("full", "lora")
 SYNC_MODES: tuple[str, ...] = ("full", "adapter", "merge")
@@ -65,69 +66,23 @@ LR_SCHEDULERS: tuple[str, ...] = ("constant", "linear", "cosine")
 ENGINES: tuple[str, ...] = ("embedded", "sglang")
 SYNC_BACKENDS: tuple[str, ...] = ("auto", "cuda", "shm")
 DEVICES: tuple[str, ...] = ("auto", "cuda", "cpu")
-SAMPLE_ID_MODES: tuple[str, ...] = ("metadata", "positional", "group_index")
-SAMPLING_KEYS: frozenset[str] = frozenset({
-    "height", "width", "num_inference_steps", "guidance_scale", "eta", "sde_type",
-    "sde_indices", "sde_pool", "num_sde_steps", "sde_timestep_fraction",
-    "sde_resample_per_rollout", "driver_xt", "driver_sigmas", "sample_id_mode", "sigma_max",
-    "init_noise_latent_shape", "init_same_noise"})
+EVAL_MODES: tuple[str, ...] = ("sde", "ode")
 _DOTPATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
-_FLOOR_EPS = 1e-9  # keeps lo = 1/12 from flooring to step 0 through float rounding
 
 
-# ---- SDE step resolution (torch-free twin of trainer.rollout.resolve_sde_indices) ---------
+# ---- SDE steps (trainer.sampling owns the rules; these names are kept for callers) -------
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def fraction_window(fraction: Any, num_steps: int) -> list[int]:
-    """Steps in the half-open window ``[floor(lo*T), floor(hi*T))`` of a T-step schedule.
-
-    ``[0.0, 1.0]`` is every step; ``[0.0, 0.5]`` over 12 steps is steps 0..5.
-    """
-    lo, hi = float(fraction[0]), float(fraction[1])
-    start = int(math.floor(lo * num_steps + _FLOOR_EPS))
-    stop = int(math.floor(hi * num_steps + _FLOOR_EPS))
-    return list(range(max(start, 0), min(stop, num_steps)))
-
-
 def static_sde_indices(sampling: dict[str, Any]) -> list[int]:
-    """The SDE steps resolved without a rollout id (evaluation, or resampling off).
-
-    ``sde_indices`` sorted and de-duplicated if given, else ``num_sde_steps`` points at stride
-    ``floor(k * len(window) / num_sde_steps)`` in the fraction window, else nothing.
-    Assumes the sampling keys are well-typed (``preflight`` reports them when not).
-    """
-    explicit = sampling.get("sde_indices")
-    if explicit is not None:
-        return sorted(set(explicit))
-    num_sde = sampling.get("num_sde_steps") or 0
-    if num_sde <= 0:
-        return []
-    window = fraction_window(sampling.get("sde_timestep_fraction") or (0.0, 1.0),
-                             sampling.get("num_inference_steps", 12))
-    if not window:
-        return []
-    return [window[(k * len(window)) // num_sde] for k in range(min(num_sde, len(window)))]
+    """The SDE steps resolved without a rollout id (evaluation, or resampling off)."""
+    return SamplingConfig.from_dict({**sampling, "sde_type": "dance"}).static_indices()
 
 
 def trainable_indices_upper_bound(sampling: dict[str, Any]) -> list[int]:
-    """Every step at which some rollout (any rollout id) or evaluation could inject SDE noise.
-
-    The union of the per-rollout resampling pool (``sde_pool``, or the fraction window when no
-    pool is given) and the static path (``static_sde_indices``). This is what the spec's step-0
-    rule must cover: a config that trains step 0 at *some* rollout is invalid, whichever path
-    the first rollout happens to take.
-    """
-    steps = set(static_sde_indices(sampling))
-    num_sde = sampling.get("num_sde_steps") or 0
-    if sampling.get("sde_resample_per_rollout") and num_sde > 0:
-        pool = sampling.get("sde_pool")
-        if pool is None:
-            pool = fraction_window(sampling.get("sde_timestep_fraction") or (0.0, 1.0),
-                                   sampling.get("num_inference_steps", 12))
-        steps |= set(pool)
-    return sorted(steps)
+    """Every step at which some rollout (any rollout id) or evaluation could inject SDE noise."""
+    return SamplingConfig.from_dict({**sampling, "sde_type": "dance"}).reachable_noise_steps()
 
 
 def local_sample_count(cfg: Config, world_size: int) -> int:
@@ -232,6 +187,11 @@ def _check_trainable(c: _Checker) -> None:
                    f"away ~1e-4 relative RL updates and the policy stops moving")
     elif lora.adapter_mode:
         c.error(f"{_key('lora.adapter_mode')} needs LoRA ({_key('lora.rank')} > 0)")
+    if lora.init_path:
+        if lora.rank <= 0:
+            c.error(f"{_key('lora.init_path')} needs LoRA ({_key('lora.rank')} > 0)")
+        if c.check_paths and not Path(lora.init_path).exists():
+            c.error(f"{_key('lora.init_path')}={lora.init_path!r} does not exist")
     if f.cpu_offload and lora.rank <= 0:
         c.warn(f"{_key('fsdp.cpu_offload')}: FSDP collectives on CPU-offloaded DTensors "
                f"(clip_grad_norm_) fail with 'No backend type associated with device type "
@@ -246,110 +206,27 @@ def _check_trainable(c: _Checker) -> None:
 
 
 def _check_sampling(c: _Checker) -> None:
-    s = c.cfg.rollout.sampling
-    unknown = sorted(set(s) - SAMPLING_KEYS)
-    if unknown:
-        c.warn(f"unknown rollout.sampling keys {unknown} (--sampling-config) are ignored by "
-               f"the adapters and the driver (typo?)")
-    for name in ("height", "width", "num_inference_steps"):
-        v = s.get(name)
-        if not _is_int(v) or v < 1:
-            c.error(f"{_key('sampling.' + name)}={v!r} must be a positive integer")
-    steps = s.get("num_inference_steps")
-    steps = steps if _is_int(steps) and steps >= 1 else None
-    g = s.get("guidance_scale", 1.0)
-    if g != 1.0:
-        c.error(f"{_key('sampling.guidance_scale')}={g!r} must be 1.0: the actor replays a "
-                f"single conditional forward, a CFG rollout would train a policy it never "
-                f"sampled")
-    sde_type = s.get("sde_type")
-    if c.one_of("sampling.sde_type", sde_type, SDE_TYPES):
-        eta = s.get("eta")
-        if not isinstance(eta, (int, float)) or isinstance(eta, bool) or not eta > 0:
-            c.error(f"{_key('sampling.eta')}={eta!r} must be > 0 with sde_type={sde_type!r} "
-                    f"(eta 0 is the ODE: no noise, no log-prob to train)")
-    if "sample_id_mode" in s:
-        c.one_of("sampling.sample_id_mode", s["sample_id_mode"], SAMPLE_ID_MODES)
-    for name in ("sde_resample_per_rollout", "driver_xt", "driver_sigmas", "init_same_noise"):
-        if name in s and not isinstance(s[name], bool):
-            c.error(f"{_key('sampling.' + name)}={s[name]!r} must be true or false")
-    if s.get("init_same_noise") is True and s.get("driver_xt") is False:
-        c.error(f"{_key('sampling.init_same_noise')}=true needs driver_xt: without the driver's "
-                f"x_T recipe the engine draws x_T itself and cannot share it within a group")
-    if steps is not None and _check_sde_keys(c, s, steps):
-        upper = trainable_indices_upper_bound(s)
-        if not upper:
-            c.error(f"{_key('sampling.sde_indices')}: the sampling config resolves to no SDE "
-                    f"step (set sde_indices, or num_sde_steps with sde_pool / "
-                    f"sde_timestep_fraction)")
-        if sde_type == "sde" and 0 in upper:
-            c.error(_step0_message(s, steps))
-
-
-def _check_sde_keys(c: _Checker, s: dict, steps: int) -> bool:
-    """Types and ranges of the SDE-step keys; True when their types allow resolving them."""
-    typed = True
-    for name in ("sde_indices", "sde_pool"):
-        v = s.get(name)
-        if v is None:
-            continue
-        if not isinstance(v, list) or not all(_is_int(i) for i in v):
-            c.error(f"{_key('sampling.' + name)}={v!r} must be a list of integers")
-            typed = False
-            continue
-        bad = sorted({i for i in v if not 0 <= i < steps})
-        if bad:
-            c.error(f"{_key('sampling.' + name)} {bad} outside the schedule's steps 0..{steps - 1}")
-        if name == "sde_pool" and not v:
-            c.error(f"{_key('sampling.sde_pool')} is empty")
-    num_sde = s.get("num_sde_steps", 0)
-    if num_sde is not None and (not _is_int(num_sde) or num_sde < 0):
-        c.error(f"{_key('sampling.num_sde_steps')}={num_sde!r} must be a non-negative integer")
-        return False
-    num_sde = num_sde or 0
-    frac = s.get("sde_timestep_fraction")
-    window = list(range(steps))
-    if frac is not None:
-        try:
-            lo, hi = (float(x) for x in frac)
-        except (TypeError, ValueError):
-            c.error(f"{_key('sampling.sde_timestep_fraction')}={frac!r} must be a pair [lo, hi]")
-            return False
-        if not 0.0 <= lo < hi <= 1.0:
-            c.error(f"{_key('sampling.sde_timestep_fraction')}={frac!r} must satisfy "
-                    f"0 <= lo < hi <= 1")
-            return False
-        window = fraction_window((lo, hi), steps)
-    if num_sde > 0 and s.get("sde_indices") is None and num_sde > len(window):
-        c.error(f"{_key('sampling.num_sde_steps')}={num_sde} exceeds the {len(window)} steps "
-                f"of the sde_timestep_fraction window {window}")
-    if s.get("sde_resample_per_rollout"):
-        pool = s.get("sde_pool")
-        pool = window if pool is None else pool
-        if num_sde <= 0:
-            c.error(f"{_key('sampling.sde_resample_per_rollout')} is set but num_sde_steps is 0")
-        elif typed and num_sde > len(set(pool)):
-            c.error(f"{_key('sampling.num_sde_steps')}={num_sde} exceeds the {len(set(pool))} "
-                    f"distinct steps of the resampling pool {sorted(set(pool))}")
-    return typed
-
-
-def _step0_message(s: dict, steps: int) -> str:
-    paths = []
-    if 0 in (s.get("sde_indices") or []):
-        paths.append("sde_indices contains 0")
-    if s.get("sde_resample_per_rollout") and (s.get("num_sde_steps") or 0) > 0:
-        if s.get("sde_pool") is not None and 0 in s["sde_pool"]:
-            paths.append("sde_pool contains 0")
-        elif s.get("sde_pool") is None:
-            paths.append("the resampling pool (no sde_pool: the fraction window) contains 0")
-    if s.get("sde_indices") is None and 0 in static_sde_indices(s):
-        paths.append(f"sde_timestep_fraction {s.get('sde_timestep_fraction', [0.0, 1.0])} "
-                     f"resolves to {static_sde_indices(s)}")
-    return (f"{_key('sampling.sde_indices')}: SDE step 0 could be trained with sde_type='sde' "
-            f"({'; '.join(paths)}); at sigma == 1 the coefficient sqrt(sigma / (1 - sigma)) is "
-            f"singular. Use steps >= 1 (e.g. sde_pool [1, 2, 3, 4, 5]) or a fraction window "
-            f"starting at or above 1/{steps}")
+    """Every rule of trainer.sampling.SamplingConfig; unknown keys are an error there too (the
+    request builder refuses them, so a warning here would only defer the failure)."""
+    config, problems = SamplingConfig.check(c.cfg.rollout.sampling)
+    for problem in problems:
+        c.error(f"rollout.sampling.{problem} (--sampling-config)")
+    if config is not None and c.cfg.rollout.engine == "sglang":
+        # the wire carries these options in extra_sampling_params, which a stock SGLang
+        # server ignores: it would sample another transition than the one replayed
+        if config.sigma_one != "refuse" or config.log_prob_form != "gaussian":
+            c.error(f"{_key('sampling.sigma_one')} / cps_log_prob: sigma_one="
+                    f"{config.sigma_one!r}, cps_log_prob={config.cps_log_prob!r} are applied by "
+                    f"the embedded engine only; {_key('rollout.engine')}='sglang' would sample "
+                    f"with its own defaults")
+        if config.guidance_scale != 1.0:
+            c.warn(f"{_key('sampling.guidance_scale')}={config.guidance_scale} with "
+                   f"rollout.engine='sglang': the replay assumes the server's CFG is "
+                   f"v_u + g (v_c - v_u) against the empty prompt; check train/logp_parity")
+    if config is not None and not problems and not config.reachable_trained_steps():
+        c.error("rollout.sampling (--sampling-config): the sampling config resolves to no SDE "
+                "step (set sde_indices, or num_sde_steps with sde_pool / sde_timestep_fraction, "
+                "or sde_step_mode='every_step')")
 
 
 def _check_geometry(c: _Checker) -> None:
@@ -430,6 +307,7 @@ def _check_optim(c: _Checker) -> None:
         if t.lr_scheduler != "constant" and t.lr_decay_iters is None:
             c.error(f"{_key('train.lr_scheduler')}={t.lr_scheduler!r} needs "
                     f"{_key('train.lr_decay_iters')} (the decay length in optimizer steps)")
+    c.one_of("train.kl_form", t.kl_form, KL_FORMS)
     if t.kl_coef < 0:
         c.error(f"{_key('train.kl_coef')}={t.kl_coef} must be >= 0")
     elif t.kl_coef > 0 and c.cfg.lora.rank <= 0:
@@ -501,6 +379,10 @@ def _check_launch(c: _Checker) -> None:
 def _check_reward(c: _Checker) -> None:
     rw = c.cfg.reward
     c.one_of("reward.std_mode", rw.std_mode, STD_MODES)
+    for name in ("adv_eps", "adv_clip_max"):
+        value = getattr(rw, name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            c.error(f"{_key('reward.' + name)}={value!r} must be > 0 (or unset)")
     if c.one_of("reward.runtime", rw.runtime, REWARD_RUNTIMES) and rw.runtime == "remote":
         if not rw.endpoint:
             c.error(f"{_key('reward.endpoint')} is required with reward.runtime='remote'")
@@ -540,19 +422,17 @@ def _check_data(c: _Checker) -> None:
         c.at_least("data.eval_interval", d.eval_interval, 1)
         if d.eval_max_prompts is not None:
             c.at_least("data.eval_max_prompts", d.eval_max_prompts, 1)
-        steps = s.get("num_inference_steps")
-        ev = d.eval_sde_indices
-        if ev is not None:
-            if not isinstance(ev, list) or not all(_is_int(i) for i in ev):
-                c.error(f"{_key('data.eval_sde_indices')}={ev!r} must be a list of integers")
-            elif _is_int(steps):
-                bad = sorted({i for i in ev if not 0 <= i < steps})
-                if bad:
-                    c.error(f"{_key('data.eval_sde_indices')} {bad} outside the schedule's "
-                            f"steps 0..{steps - 1}")
-                if 0 in ev and s.get("sde_type") == "sde":
-                    c.error(f"{_key('data.eval_sde_indices')} contains step 0, singular under "
-                            f"sde_type='sde'")
+        if c.one_of("data.eval_mode", d.eval_mode, EVAL_MODES):
+            _, problems = SamplingConfig.check(eval_sampling(c.cfg))
+            for problem in problems:
+                c.error(f"eval sampling (data.eval_mode={d.eval_mode!r}, data.eval_sde_indices, "
+                        f"data.eval_num_inference_steps, data.eval_guidance_scale over "
+                        f"rollout.sampling): {problem}")
+    e = c.cfg.ema
+    if e.enabled:
+        if not 0.0 <= e.decay < 1.0:
+            c.error(f"{_key('ema.decay')}={e.decay} must be in [0, 1)")
+        c.at_least("ema.update_interval", e.update_interval, 1)
     if c.check_paths:
         _check_prompt_files(c)
         if c.cfg.checkpoint.load and not Path(c.cfg.checkpoint.load).is_dir():

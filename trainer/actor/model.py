@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from trainer.config import Config
+from trainer.lora_init import load_lora_init
 from trainer.models.base import GenerativeModelAdapter
 from trainer.models.compile import compile_blocks, compile_wanted
 
@@ -129,6 +130,9 @@ def build_actor(adapter: GenerativeModelAdapter, cfg: Config, device: torch.devi
         for p in model.parameters():
             if p.requires_grad:
                 p.data = p.data.to(master)
+    if lora and cfg.lora.init_path:  # after the master cast: loaded at full precision
+        load_lora_init(model, cfg.lora.init_path, rank=cfg.lora.rank,
+                       alpha=cfg.lora.alpha or cfg.lora.rank)
     model.to(device)
     assert_trainable_boundary(model, lora)
     if cfg.fsdp.activation_checkpointing:

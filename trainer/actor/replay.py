@@ -20,6 +20,8 @@ from torch import nn
 
 import kernels
 from trainer.models.base import GenerativeModelAdapter, RolloutBatch
+from trainer.models.guidance import guided_velocity
+from trainer.models.guidance import guided_velocity
 from trainer.profiling import ComputeMeter
 
 
@@ -57,11 +59,12 @@ def model_device(model: nn.Module) -> torch.device:
 
 def rows_velocity(adapter: GenerativeModelAdapter, model: nn.Module, rows: ReplayRows,
                   batch: RolloutBatch, meter: ComputeMeter | None = None) -> torch.Tensor:
-    """The one transformer forward over every row: v [b*S, *latent]."""
+    """The one transformer forward over every row: v [b*S, *latent] (with CFG: one forward of
+    2 * b * S rows, trainer.models.guidance)."""
     device = rows.x.device
     with meter.region("transformer", device) if meter else contextlib.nullcontext():
-        return adapter.velocity(model, rows.x, rows.sigma, rows.conditions, batch.height,
-                                batch.width)
+        return guided_velocity(adapter, model, rows.x, rows.sigma, rows.conditions, batch.height,
+                               batch.width, batch.guidance_scale)
 
 
 def replay_log_probs(adapter: GenerativeModelAdapter, model: nn.Module, batch: RolloutBatch,
@@ -77,8 +80,7 @@ def replay_log_probs(adapter: GenerativeModelAdapter, model: nn.Module, batch: R
     # validate=False: the engine's sde_step already validated these sigmas when it sampled
     # the transition (and validation with tensor sigmas costs a host sync).
     logp = kernels.sde_log_prob(rows.x, v, rows.x_next, rows.sigma, rows.sigma_next,
-                                eta=batch.eta, sde_type=batch.sde_type, backend=backend,
-                                validate=False)
+                                **batch.kernel_options(), backend=backend, validate=False)
     return logp.reshape(rows.samples, rows.steps)
 
 
@@ -92,16 +94,17 @@ def replay_log_probs_per_step(adapter: GenerativeModelAdapter, model: nn.Module,
     for s in range(len(batch.sde_indices)):
         x = batch.latents[:, s].to(device)
         sigma, sigma_next = batch.sigmas[:, s].to(device), batch.sigmas_next[:, s].to(device)
-        v = adapter.velocity(model, x, sigma, conditions, batch.height, batch.width)
+        v = guided_velocity(adapter, model, x, sigma, conditions, batch.height, batch.width,
+                            batch.guidance_scale)
         cols.append(kernels.sde_log_prob(x, v, batch.next_latents[:, s].to(device), sigma,
-                                         sigma_next, eta=batch.eta, sde_type=batch.sde_type,
+                                         sigma_next, **batch.kernel_options(),
                                          backend=backend, validate=False))
     return torch.stack(cols, dim=1)
 
 
 def replay_kl(adapter: GenerativeModelAdapter, model: nn.Module, batch: RolloutBatch,
               rows: ReplayRows, v: torch.Tensor | None = None,
-              meter: ComputeMeter | None = None) -> torch.Tensor:
+              meter: ComputeMeter | None = None, kl_form: str = "gaussian") -> torch.Tensor:
     """KL(pi_theta || pi_ref) per (sample, step) [b, S], pi_ref = ``model`` with its LoRA
     adapter disabled (no grad through the reference). ``v``: the policy's velocity of these
     rows when the caller has it; otherwise it is computed here."""
@@ -109,8 +112,8 @@ def replay_kl(adapter: GenerativeModelAdapter, model: nn.Module, batch: RolloutB
         v = rows_velocity(adapter, model, rows, batch, meter)
     with torch.no_grad(), model.disable_adapter():
         v_ref = rows_velocity(adapter, model, rows, batch, meter)
-    kl = kernels.sde_kl(v, v_ref, rows.sigma, rows.sigma_next, eta=batch.eta,
-                        sde_type=batch.sde_type, validate=False)
+    kl = kernels.sde_kl(v, v_ref, rows.sigma, rows.sigma_next, **batch.kernel_options(),
+                        kl_form=kl_form, validate=False)
     return kl.reshape(rows.samples, rows.steps)
 
 

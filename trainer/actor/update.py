@@ -18,6 +18,7 @@ from trainer.actor.model import lr_at_step
 from trainer.actor.replay import (plan_updates, replay_kl, replay_log_probs, replay_rows,
                                   rows_velocity)
 from trainer.profiling import nvtx_range
+from trainer.rewards.advantages import kl_term, micro_batch_scale
 
 
 def forward_backward(trainer, mb, adv: torch.Tensor, scale: float,
@@ -32,14 +33,14 @@ def forward_backward(trainer, mb, adv: torch.Tensor, scale: float,
     with nvtx_range("train/replay"):
         v = rows_velocity(adapter, model, rows, mb, trainer.meter)
         logp = kernels.sde_log_prob(rows.x, v, rows.x_next, rows.sigma, rows.sigma_next,
-                                    eta=mb.eta, sde_type=mb.sde_type,
+                                    **mb.kernel_options(),
                                     validate=False).reshape(rows.samples, rows.steps)
     old = logp.detach() if anchor is None else anchor.to(logp.device)
     loss, stats = kernels.grpo_clip_loss(logp, old, adv.to(logp.device), eps=t.eps_clip,
                                          eps_high=t.eps_clip_high)
     if t.kl_coef > 0:
-        kl = replay_kl(adapter, model, mb, rows, v=v, meter=trainer.meter)
-        loss = loss + t.kl_coef * kl.mean()
+        kl = replay_kl(adapter, model, mb, rows, v=v, meter=trainer.meter, kl_form=t.kl_form)
+        loss = loss + t.kl_coef * kl_term(kl, adv, drop_zero_advantage=t.drop_zero_advantage)
         stats["kl"] = kl.mean().detach()
     with nvtx_range("train/backward"), \
             trainer.meter.region("transformer_backward", trainer.device):
@@ -81,6 +82,8 @@ def optimizer_step(trainer, params: list[torch.Tensor]) -> tuple[torch.Tensor, f
                 group["lr"] = lr
             trainer.optimizer.step()
             trainer.lr_steps += 1
+            if getattr(trainer, "ema", None) is not None:
+                trainer.ema.step(trainer.lr_steps - 1)
         trainer.optimizer.zero_grad(set_to_none=True)
     return gn, lr
 
@@ -106,11 +109,11 @@ def train_on(trainer, batch, advantages: torch.Tensor, rollout_id: int) -> dict[
     grad_norms, skips, lr = [], 0, lr_at_step(trainer.lr_steps, cfg)
     params = [p for p in trainer.model.parameters() if p.requires_grad]
     for u, micro_batches in enumerate(plan.updates):
-        update_size = sum(len(m) for m in micro_batches)
         own_anchor = u == 0 and cfg.train.anchor == "replay"
         for rows in micro_batches:
-            stats = forward_backward(trainer, batch.select(rows), advantages[rows],
-                                     len(rows) / update_size,
+            scale = micro_batch_scale(advantages, rows, micro_batches,
+                                      drop_zero_advantage=cfg.train.drop_zero_advantage)
+            stats = forward_backward(trainer, batch.select(rows), advantages[rows], scale,
                                      None if own_anchor else pi_old[rows])
             if u == 0:
                 sums.setdefault("first_update_ratio_mean", []).append(stats["ratio_mean"])

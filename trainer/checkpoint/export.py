@@ -400,11 +400,19 @@ def verify_export(plan: ExportPlan, tensors: dict[str, torch.Tensor], out: Path)
 
 
 # ---- driver ---------------------------------------------------------------------------------
-def export_checkpoint(save_dir: str | Path, output_dir: str | Path, **options) -> Path:
+def export_checkpoint(save_dir: str | Path, output_dir: str | Path, *, ema: bool = False,
+                      **options) -> Path:
     """Export one committed checkpoint (keyword options as ``plan_export``); returns OUT.
+    ``ema``: the EMA weights instead of the live ones (trainer.ema).
     Raises ExportError before writing anything, VerifyError after a failed --verify."""
     plan = plan_export(save_dir, output_dir, **options)
     tensors = read_model_tensors(plan.iter_dir)
+    if ema:
+        from trainer.ema import ema_model_tensors
+        try:
+            tensors = ema_model_tensors(plan.iter_dir, tensors)
+        except (OSError, ValueError) as exc:
+            raise ExportError([str(exc)]) from None
     out = plan.out
     staging = out.parent / f".{out.name}.partial-{os.getpid()}"
     if staging.exists():
@@ -447,6 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true", help="reload the export and compare it "
                    "with the checkpoint numerically")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --output-dir")
+    p.add_argument("--ema", action="store_true", help="export the EMA weights (ema.enabled runs)")
     return p
 
 
@@ -459,7 +468,8 @@ def main(argv: list[str]) -> int:
     try:
         out = export_checkpoint(args.save_dir, args.output_dir, form=args.form, task=args.task,
                                 iteration=args.iteration, base_model_path=args.base_model_path,
-                                dtype=args.dtype, verify=args.verify, overwrite=args.overwrite)
+                                dtype=args.dtype, verify=args.verify, overwrite=args.overwrite,
+                                ema=args.ema)
     except ExportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -103,6 +103,10 @@ def load_checkpoint(trainer, path: str | Path) -> Path:
 
     read_shards(trainer.model, trainer.optimizer, saved["mode"] == "lora",
                 iter_dir / layout.FSDP_DIR)
+    if getattr(trainer, "ema", None) is not None:  # resumed exactly: shadow and update count
+        if not (iter_dir / "ema").is_dir():
+            raise layout.CheckpointError(f"{iter_dir} has no EMA state but ema.enabled is set")
+        trainer.ema.load(iter_dir / "ema")
     trainer.lr_steps = int(state["lr_scheduler_steps"])
     trainer.next_rollout = int(state["rollout_id"]) + 1
     trainer.checkpoint_failures = int(state.get("checkpoint_failures", 0))

@@ -74,6 +74,8 @@ def _write(trainer, step: int, iter_dir: Path) -> None:
     lora = trainer.cfg.lora.rank > 0
     iter_dir.mkdir(parents=True, exist_ok=True)
     write_shards(trainer.model, trainer.optimizer, lora, iter_dir / layout.FSDP_DIR)
+    if getattr(trainer, "ema", None) is not None:  # trainer.ema: its own DCP directory
+        trainer.ema.save(iter_dir / "ema")
     write_rng(iter_dir / layout.rng_file(trainer.rank), getattr(trainer, "device", None))
     if trainer.rank == 0:
         layout.atomic_write_json(iter_dir / layout.TRAINER_STATE, trainer_state(trainer, step))

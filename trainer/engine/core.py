@@ -37,6 +37,7 @@ from trainer.engine.request import GenerateSpec, parse_generate_request
 from trainer.engine.sampler import denoise
 from trainer.models.base import GenerativeModelAdapter
 from trainer.models.compile import compile_blocks, compile_events, compile_wanted
+from trainer.models.guidance import guided_velocity, with_negative
 from trainer.profiling import ComputeMeter, nvtx_range
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -286,17 +287,20 @@ class EngineCore:
             self._serve_merged()
             h, w = spec.height, spec.width
             with torch.no_grad(), nvtx_range("rollout/generate"):
-                conditions = self._conditions(spec.prompts)
+                negative = (self._conditions([""] * len(spec.prompts))
+                            if spec.guidance_scale != 1.0 else {})  # CFG: the empty prompt
+                conditions = with_negative(self._conditions(spec.prompts), negative,
+                                           spec.guidance_scale)
                 x_t, noise_fn = self._noise(spec)
 
                 def velocity(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
                     with self.meter.region("transformer", self.device):
-                        return self.adapter.velocity(self.transformer, x, sigma, conditions,
-                                                     h, w)
+                        return guided_velocity(self.adapter, self.transformer, x, sigma, conditions,
+                                               h, w, spec.guidance_scale)
 
                 out = denoise(velocity, x_t, spec.sigmas, spec.sde_indices, eta=spec.eta,
                               sde_type=spec.sde_type, noise_fn=noise_fn,
-                              record=spec.return_trajectory)
+                              record=spec.return_trajectory, sde_options=spec.sde_options())
                 with nvtx_range("rollout/vae_decode"), self.meter.region("vae", self.device):
                     images = self.adapter.decode(self.frozen, out.final, h, w)
             if self.device.type == "cuda":

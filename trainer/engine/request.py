@@ -27,9 +27,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from kernels.sde_reference import LOG_PROB_FORMS
 from trainer.models import noise
 from trainer.models.base import GenerativeModelAdapter
-from trainer.models.schema import SDE_TYPES
+from trainer.sampling import SDE_TYPES, SIGMA_ONE_TREATMENTS
 
 DEFAULT_ETA = 0.7
 
@@ -40,6 +41,11 @@ class RequestError(ValueError):
     def __init__(self, problems: list[str]) -> None:
         self.problems = list(problems)
         super().__init__("invalid rollout request:\n  - " + "\n  - ".join(self.problems))
+
+    def __reduce__(self):
+        # pickled across the engine process boundary: rebuild from the list, not the message
+        # (the default would pass the message string, split into characters by list())
+        return (RequestError, (self.problems,))
 
 
 @dataclass
@@ -61,11 +67,18 @@ class GenerateSpec:
     return_trajectory: bool = False
     return_env: bool = False
     single_prompt: bool = False      # SGLang's prompt-string form (HTTP replies a list)
+    guidance_scale: float = 1.0      # > 1: CFG against the empty prompt (trainer.models.guidance)
+    sigma_one: str = "refuse"        # sde at sigma == 1 (trainer.sampling)
+    log_prob_form: str = "gaussian"  # kernels.sde_log_prob's form
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
 
     @property
     def num_steps(self) -> int:
         return len(self.sigmas) - 1
+
+    def sde_options(self) -> dict[str, str]:
+        """kernels.sde_step keywords beyond eta and sde_type."""
+        return {"sigma_one": self.sigma_one, "log_prob_form": self.log_prob_form}
 
 
 def _is_int(x: Any) -> bool:
@@ -210,12 +223,20 @@ def parse_generate_request(adapter: GenerativeModelAdapter, request: Any) -> Gen
             bad = [i for i in indices if not 0 <= i < steps]
             if bad:
                 problems.append(f"rollout_sde_step_indices {bad} outside [0, {steps})")
-    if sde_type == "sde" and sigmas and float(eta) > 0:
+    sigma_one = extra.get("sigma_one", "refuse")
+    if sigma_one not in SIGMA_ONE_TREATMENTS:
+        problems.append(f"extra_sampling_params.sigma_one must be one of {SIGMA_ONE_TREATMENTS}, "
+                        f"got {sigma_one!r}")
+    log_prob_form = extra.get("log_prob_form", "gaussian")
+    if log_prob_form not in LOG_PROB_FORMS:
+        problems.append(f"extra_sampling_params.log_prob_form must be one of {LOG_PROB_FORMS}, "
+                        f"got {log_prob_form!r}")
+    if sde_type == "sde" and sigma_one == "refuse" and sigmas and float(eta) > 0:
         singular = [i for i in indices if 0 <= i < len(sigmas) - 1 and sigmas[i] >= 1.0]
         if singular:
             problems.append(f"rollout_sde_type='sde' is singular at sigma == 1 (steps {singular}): "
                             "std_dev_t = eta*sqrt(sigma/(1-sigma)) is infinite there; use later "
-                            "steps or 'dance'")
+                            "steps, 'dance' or extra_sampling_params.sigma_one='clamp_to_next'")
     if rollout and indices and float(eta) == 0.0:
         problems.append("rollout_noise_level is 0 but SDE steps were requested: an eta == 0 step "
                         "is deterministic and has no log-prob")
@@ -247,4 +268,6 @@ def parse_generate_request(adapter: GenerativeModelAdapter, request: Any) -> Gen
         eta=float(eta), driver_xt=recipe is not None, noise_seed=int(noise_seed),
         initial_noise_ids=None if init_ids is None else list(init_ids),
         return_trajectory=return_traj, return_env=return_env, single_prompt=single,
+        guidance_scale=float(request.get("guidance_scale") or 1.0), sigma_one=str(sigma_one),
+        log_prob_form=str(log_prob_form),
         request_id=str(request.get("request_id") or uuid.uuid4().hex[:16]))

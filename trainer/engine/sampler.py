@@ -40,12 +40,14 @@ class DenoiseOutput:
 
 def denoise(velocity_fn: VelocityFn, x: torch.Tensor, sigmas: Sequence[float],
             sde_indices: Sequence[int], *, eta: float, sde_type: str, noise_fn: NoiseFn,
-            record: bool = True, backend: str = "auto") -> DenoiseOutput:
+            record: bool = True, backend: str = "auto",
+            sde_options: dict | None = None) -> DenoiseOutput:
     """Run ``len(sigmas) - 1`` steps from ``x`` (= x_T, not modified) and record SDE steps.
 
     ``velocity_fn(x, sigma)`` is the transformer forward (sigma: [B] device tensor);
     ``noise_fn(i)`` returns the standard-normal noise of SDE step ``i`` shaped like ``x``.
     With ``record=False`` the trajectory is not kept (evaluation) and ``trajectory`` is empty.
+    ``sde_options``: further ``kernels.sde_step`` keywords (sigma_one, log_prob_form).
     """
     batch, num_steps = x.shape[0], len(sigmas) - 1
     sde_slot = {int(i): k for k, i in enumerate(sde_indices)}
@@ -68,7 +70,8 @@ def denoise(velocity_fn: VelocityFn, x: torch.Tensor, sigmas: Sequence[float],
                                      validate=i == 0).prev_sample
                 continue
             out = kernels.sde_step(x, v, s, s_next, eta=eta, sde_type=sde_type, noise=noise_fn(i),
-                                   backend=backend, validate=i == 0 or slot == 0)
+                                   backend=backend, validate=i == 0 or slot == 0,
+                                   **(sde_options or {}))
             if record:
                 trajectory[:, slot, 0].copy_(x)
                 trajectory[:, slot, 1].copy_(out.prev_sample)

@@ -11,6 +11,7 @@ both by the engine's sampler and by the actor's replay, and both then call the s
 from __future__ import annotations
 
 import abc
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterable, Mapping, Sequence
 
@@ -46,6 +47,12 @@ class RolloutBatch:
     metadata: list[dict[str, Any]] = field(default_factory=list)
     policy_version: int = 0
     rollout_id: int | None = None
+    guidance_scale: float = 1.0           # > 1: CFG; conditions then hold the "neg:" halves
+    sde_options: dict[str, str] = field(default_factory=dict)  # sigma_one, log_prob_form
+
+    def kernel_options(self) -> dict[str, Any]:
+        """Keyword arguments of kernels.sde_log_prob / sde_kl for these transitions."""
+        return {"eta": self.eta, "sde_type": self.sde_type, **self.sde_options}
 
     def __len__(self) -> int:
         return len(self.sample_ids)
@@ -73,6 +80,8 @@ class RolloutBatch:
             metadata=[self.metadata[i] for i in rows] if self.metadata else [],
             policy_version=self.policy_version,
             rollout_id=self.rollout_id,
+            guidance_scale=self.guidance_scale,
+            sde_options=dict(self.sde_options),
         )
 
 
@@ -168,17 +177,23 @@ class GenerativeModelAdapter(abc.ABC):
         if problems:
             raise ValueError("; ".join(problems))
 
-    @staticmethod
-    def check_guidance(guidance_scale: Any) -> None:
-        """Raise ValueError unless guidance_scale == 1.0.
+    #: Whether classifier-free guidance (a second, negative-prompt forward) is offered.
+    supports_cfg: ClassVar[bool] = True
 
-        The actor replays one conditional forward; a CFG rollout would train a policy it never
-        sampled from. (FLUX.1-dev's embedded guidance is a model input, not CFG: see FluxAdapter.)
-        """
-        if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, (int, float)) \
-                or float(guidance_scale) != 1.0:
-            raise ValueError(f"guidance_scale must be 1.0 (no classifier-free guidance: replay runs "
-                             f"one conditional forward), got {guidance_scale!r}")
+    @classmethod
+    def check_guidance(cls, guidance_scale: Any) -> None:
+        """Raise ValueError unless guidance_scale is 1.0 (no CFG) or, with ``supports_cfg``,
+        a number > 1: the engine and the replay then both run the conditional and the
+        empty-prompt forward (trainer.models.guidance)."""
+        ok = not isinstance(guidance_scale, bool) and isinstance(guidance_scale, (int, float)) \
+            and math.isfinite(guidance_scale)
+        if ok and float(guidance_scale) == 1.0:
+            return
+        if not cls.supports_cfg:
+            raise ValueError(f"guidance_scale must be 1.0 for {cls.family!r} (no classifier-free "
+                             f"guidance for this family), got {guidance_scale!r}")
+        if not ok or guidance_scale < 1.0:
+            raise ValueError(f"guidance_scale must be a number >= 1.0, got {guidance_scale!r}")
 
     # ---- latent geometry and the x_T recipe ------------------------------------------------
     def resolution_problems(self, height: int, width: int) -> list[str]:

@@ -37,6 +37,8 @@ class FluxAdapter(PackedLatentsAdapter):
     """
 
     family = "flux"
+    # FLUX.1-dev is guidance-distilled: its guidance is the embedded input above, not CFG.
+    supports_cfg = False
     transformer_class = "FluxTransformer2DModel"
     supported_tasks = ("t2i",)
     condition_keys = ("prompt_embeds", "pooled_prompt_embeds")

@@ -11,9 +11,9 @@ Request (``build_request``; plain JSON types only, so ``json.dumps`` works as is
     seed                            int         base seed of the run (the engine's own RNG seed)
     width, height                   int         pixels
     num_inference_steps             int         N, every step is run
-    guidance_scale                  float       always 1.0 (no CFG: replay runs one forward)
+    guidance_scale                  float       1.0, or > 1: CFG against the empty prompt
     rollout                         True
-    rollout_sde_type                "sde" | "dance"
+    rollout_sde_type                "sde" | "dance" | "cps" (trainer.sampling.SDE_TYPES)
     rollout_noise_level             float       eta
     rollout_sde_step_indices        list[int]   the S SDE steps (sorted, unique, in [0, N))
     rollout_return_dit_trajectory   True
@@ -28,6 +28,10 @@ Request (``build_request``; plain JSON types only, so ``json.dumps`` works as is
         sigmas                      list[float] N+1 schedule, 1.0 ... 0.0   (driver_sigmas)
         noise_recipe                str         ``noise.RECIPE``            (driver_xt)
         initial_noise_seed          int         seed of the recipe          (driver_xt)
+        sigma_one                   str         "refuse" | "clamp_to_next" (sde at sigma == 1)
+        log_prob_form               str         "gaussian" | "squared_residual" (kernels)
+        train_step_indices          list[int]   trained subset of the SDE steps (optional;
+                                                absent = all; pack keeps only these)
         initial_noise_ids           list[str]   B ids x_T is drawn from (optional, driver_xt;
                                                 absent = sample_ids). The driver's
                                                 ``init_same_noise`` gives every candidate of a
@@ -49,7 +53,8 @@ JSON a tensor is ``encode_tensor``'s tagged base64 safetensors blob, or a nested
         timesteps           [N] float32        the family's timestep of each step
                                                (``adapter.timesteps_from_sigmas``)
         sigmas              [N+1] float32      the schedule actually used
-    denoising_env           dict name -> [B, ...]  frozen conditions, ``adapter.encode_prompts``
+    denoising_env           dict name -> [B, ...]  frozen conditions, ``adapter.encode_prompts``;
+                                               with CFG also the empty prompt's, "neg:"-prefixed
     sde_indices             list[int]          echo of rollout_sde_step_indices
     height, width           int                echo of the request (the only source of the grid)
     sample_ids              list[str]          echo of extra_sampling_params.sample_ids
@@ -68,37 +73,13 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import torch
 
 from trainer.models import noise
+from trainer.models.guidance import NEGATIVE_PREFIX
+from trainer.sampling import SamplingConfig
 
 if TYPE_CHECKING:  # base imports this module lazily; the reverse import is for types only
     from trainer.models.base import GenerativeModelAdapter, RolloutBatch
 
 ROLLOUT_PATH = "/rollout/generate"
-SDE_TYPES = ("sde", "dance")
-
-#: Defaults of the --sampling-config keys the adapter reads (spec: "--sampling-config 的键").
-SAMPLING_DEFAULTS: dict[str, Any] = {
-    "height": 384,
-    "width": 384,
-    "num_inference_steps": 12,
-    "guidance_scale": 1.0,
-    "eta": 0.7,
-    "sde_type": "sde",
-    "driver_sigmas": True,
-    "driver_xt": True,
-    "init_noise_latent_shape": None,
-    "sde_indices": None,
-    # DanceGRPO's name: the candidates of a group share x_T (their step noise still differs),
-    # so the group baseline removes the reward variance x_T causes and the advantage credits
-    # only the SDE steps. Off by default (the spec's behaviour: x_T per candidate). Applies
-    # to training rollouts, never to eval (rollout_id None).
-    "init_same_noise": False,
-}
-#: Keys of --sampling-config read by the driver or the actor; the adapter accepts and ignores them.
-SAMPLING_KEYS_ELSEWHERE = frozenset({
-    "sigma_max", "sde_resample_per_rollout", "sde_pool", "num_sde_steps",
-    "sde_timestep_fraction", "sample_id_mode",
-})
-SAMPLING_KEYS = frozenset(SAMPLING_DEFAULTS) | SAMPLING_KEYS_ELSEWHERE
 
 ROLLOUT_RESPONSE_FIELDS = ("rollout_log_probs", "dit_trajectory", "denoising_env", "sde_indices",
                            "height", "width", "sample_ids", "images", "policy_version")
@@ -199,13 +180,9 @@ def build_request(adapter: "GenerativeModelAdapter", prompts: Sequence[str],
                   sde_indices: Sequence[int] | None = None,
                   group_index: Sequence[int] | None = None) -> dict[str, Any]:
     """See ``GenerativeModelAdapter.build_rollout_request``; raises one ValueError listing all problems."""
-    problems: list[str] = []
-    if not isinstance(sampling, Mapping):
-        raise ValueError(f"sampling must be a dict (the --sampling-config), got {type(sampling).__name__}")
-    unknown = sorted(set(sampling) - SAMPLING_KEYS)
-    if unknown:
-        problems.append(f"unknown sampling keys {unknown} (known: {sorted(SAMPLING_KEYS)})")
-    cfg = {k: (sampling[k] if sampling.get(k) is not None else v) for k, v in SAMPLING_DEFAULTS.items()}
+    cfg, problems = SamplingConfig.check(sampling)
+    if cfg is None:  # the SDE steps cannot be resolved: nothing below can be checked
+        raise ValueError(f"invalid rollout request for {adapter.family!r}:\n  - " + "\n  - ".join(problems))
 
     prompts, sample_ids = list(prompts), list(sample_ids)
     batch = len(prompts)
@@ -223,61 +200,54 @@ def build_request(adapter: "GenerativeModelAdapter", prompts: Sequence[str],
     if dupes:
         problems.append(f"duplicate sample ids {dupes[:5]}: candidates with one id get identical noise")
 
-    height, width, steps = cfg["height"], cfg["width"], cfg["num_inference_steps"]
-    geometry_ok = True
-    for key in ("height", "width", "num_inference_steps"):
-        if not _is_int(cfg[key]) or cfg[key] <= 0:
-            problems.append(f"{key} must be a positive integer, got {cfg[key]!r}")
-            geometry_ok = False
+    height, width, steps = cfg.height, cfg.width, cfg.num_inference_steps
+    geometry_ok = not any(p.startswith(("height", "width")) for p in problems)
     if geometry_ok:
         resolution = adapter.resolution_problems(height, width)
         problems += resolution
         geometry_ok = not resolution
     try:
-        adapter.check_guidance(cfg["guidance_scale"])
+        adapter.check_guidance(cfg.guidance_scale)
     except ValueError as exc:
         problems.append(str(exc))
-    eta = cfg["eta"]
-    if not _is_number(eta) or eta < 0:
-        problems.append(f"eta must be a finite number >= 0, got {eta!r}")
-    sde_type = cfg["sde_type"]
-    if sde_type not in SDE_TYPES:
-        problems.append(f"sde_type must be one of {SDE_TYPES}, got {sde_type!r}")
-    for key in ("driver_sigmas", "driver_xt", "init_same_noise"):
-        if not isinstance(cfg[key], bool):
-            problems.append(f"{key} must be true or false, got {cfg[key]!r}")
-    if cfg["init_same_noise"] is True and cfg["driver_xt"] is False:
-        problems.append("init_same_noise needs driver_xt: without the driver's recipe the "
-                        "engine draws x_T from its own generator and cannot share it")
     if rollout_id is not None and not _is_int(rollout_id):
         problems.append(f"rollout_id must be an integer or None, got {rollout_id!r}")
     if not _is_int(seed):
         problems.append(f"seed must be an integer, got {seed!r}")
 
-    indices = sde_indices if sde_indices is not None else cfg["sde_indices"]
+    indices = sde_indices if sde_indices is not None else cfg.noise_steps(rollout_id)
     resolved: list[int] = []
-    if indices is None or (isinstance(indices, (list, tuple)) and len(indices) == 0):
+    deterministic = cfg.sde_step_mode == "ode"  # ODE sampling (evaluation): no SDE step
+    if deterministic and indices:
+        problems.append(f"sde_step_mode='ode' samples without noise, got SDE steps {list(indices)}")
+    elif deterministic:
+        pass
+    elif indices is None or (isinstance(indices, (list, tuple)) and len(indices) == 0):
         problems.append("no SDE steps: pass the driver's resolved indices (sde_indices=...) or "
-                        "sampling['sde_indices']; an empty set leaves nothing to train")
+                        "set the sampling config's steps; an empty set leaves nothing to train")
     elif not isinstance(indices, (list, tuple)) or not all(_is_int(i) for i in indices):
         problems.append(f"sde_indices must be a list of integers, got {indices!r}")
     else:
         resolved = sorted(set(int(i) for i in indices))
-        if _is_int(steps) and steps > 0:
-            out_of_range = [i for i in resolved if not 0 <= i < steps]
-            if out_of_range:
-                problems.append(f"sde_indices {out_of_range} are outside [0, {steps}) "
-                                f"for num_inference_steps={steps}")
+        out_of_range = [i for i in resolved if not 0 <= i < steps]
+        if out_of_range:
+            problems.append(f"sde_indices {out_of_range} are outside [0, {steps}) "
+                            f"for num_inference_steps={steps}")
+    trained = cfg.trained_steps(resolved)
+    if resolved and not trained:
+        problems.append(f"none of the noise steps {resolved} is trained (timestep_fraction="
+                        f"{cfg.timestep_fraction})")
 
     sigmas = None
-    if geometry_ok and _is_int(steps) and steps > 0:
+    if geometry_ok:
         sigmas = adapter.scheduler_sigmas(steps, height, width).to(torch.float32)
-        if sde_type == "sde":
+        if cfg.sde_type == "sde" and cfg.sigma_one == "refuse":
             singular = [i for i in resolved if 0 <= i < steps and float(sigmas[i]) >= 1.0]
             if singular:
                 problems.append(
-                    f"sde_type='sde' cannot train steps {singular}: sigma == 1 there and "
-                    "std_dev_t = eta*sqrt(sigma/(1-sigma)) is singular (use 'dance' or later steps)")
+                    f"sde_type='sde' cannot sample steps {singular} with sigma_one='refuse': "
+                    "sigma == 1 there and std_dev_t = eta*sqrt(sigma/(1-sigma)) is singular (use "
+                    "later steps, 'dance', or sigma_one='clamp_to_next')")
 
     if group_index is None:  # candidates of one prompt form one group, in order of first appearance
         first_seen: dict[str, int] = {}
@@ -291,7 +261,7 @@ def build_request(adapter: "GenerativeModelAdapter", prompts: Sequence[str],
     if geometry_ok:
         latent_shape = list(adapter.latent_shape(height, width))
         init_shape = list(adapter.init_noise_shape(height, width))
-        override = cfg["init_noise_latent_shape"]
+        override = cfg.init_noise_latent_shape
         if override is not None and (not isinstance(override, (list, tuple)) or list(override) != init_shape):
             problems.append(f"init_noise_latent_shape {override!r} does not match this model's "
                             f"x_T shape {init_shape} at {height}x{width}")
@@ -307,12 +277,18 @@ def build_request(adapter: "GenerativeModelAdapter", prompts: Sequence[str],
         "latent_shape": latent_shape,
         "init_noise_latent_shape": init_shape,
     }
-    if cfg["driver_sigmas"]:
+    # Flow-GRPO options the engine applies in sde_step (absent: the defaults, so a request
+    # without them means what it meant before they existed)
+    extra["sigma_one"] = cfg.sigma_one
+    extra["log_prob_form"] = cfg.log_prob_form
+    if trained != resolved:
+        extra["train_step_indices"] = trained  # noise at every step, train these (pack keeps them)
+    if cfg.driver_sigmas:
         extra["sigmas"] = [float(s) for s in sigmas.tolist()]
-    if cfg["driver_xt"]:
+    if cfg.driver_xt:
         extra["noise_recipe"] = noise.RECIPE
         extra["initial_noise_seed"] = int(seed)
-        if cfg["init_same_noise"] is True and rollout_id is not None:
+        if cfg.init_same_noise and rollout_id is not None:
             # training rollouts only: eval (rollout_id None) keeps one x_T per candidate, so
             # its numbers do not depend on this training-side choice
             first_of_group: dict[int, str] = {}
@@ -324,10 +300,10 @@ def build_request(adapter: "GenerativeModelAdapter", prompts: Sequence[str],
         "width": width,
         "height": height,
         "num_inference_steps": steps,
-        "guidance_scale": 1.0,
-        "rollout": True,
-        "rollout_sde_type": sde_type,
-        "rollout_noise_level": float(eta),
+        "guidance_scale": float(cfg.guidance_scale),
+        "rollout": not deterministic,
+        "rollout_sde_type": cfg.sde_type,
+        "rollout_noise_level": float(cfg.eta),
         "rollout_sde_step_indices": resolved,
         "rollout_return_dit_trajectory": True,
         "rollout_return_denoising_env": True,
@@ -433,9 +409,12 @@ def response_problems(adapter: "GenerativeModelAdapter", response: Any,
             problems.append("missing 'denoising_env' (the frozen conditions the actor replays with)"
                             if env is None else f"'denoising_env' must be a dict, got {type(env).__name__}")
         else:
-            missing = [k for k in adapter.condition_keys if k not in env]
+            wanted = list(adapter.condition_keys)
+            if float(request.get("guidance_scale", 1.0)) != 1.0:  # CFG: the empty-prompt halves
+                wanted += [NEGATIVE_PREFIX + k for k in adapter.condition_keys]
+            missing = [k for k in wanted if k not in env]
             if missing:
-                problems.append(f"'denoising_env' lacks {missing} (needs {list(adapter.condition_keys)})")
+                problems.append(f"'denoising_env' lacks {missing} (needs {wanted})")
             for key, value in env.items():
                 if isinstance(value, torch.Tensor) and (value.dim() == 0 or value.shape[0] != batch):
                     problems.append(f"'denoising_env.{key}' has shape {_shape(value)}, expected batch-first "
@@ -473,19 +452,27 @@ def pack(adapter: "GenerativeModelAdapter", response: Any, request: Mapping[str,
     extra = request["extra_sampling_params"]
     traj = resp["dit_trajectory"]
     batch = len(request["prompt"])
-    idx = torch.tensor(resp["sde_indices"], dtype=torch.long)
+    noise_steps = [int(i) for i in resp["sde_indices"]]
+    trained = [int(i) for i in extra.get("train_step_indices", noise_steps)]
+    # every_step sampling records every noisy step; the actor trains the first fraction only
+    cols = torch.tensor([noise_steps.index(i) for i in trained], dtype=torch.long)
+    idx = torch.tensor(trained, dtype=torch.long)
     sigmas = traj["sigmas"].to(torch.float32).cpu()
     latents = traj["latents"]
+    logp = resp["rollout_log_probs"].to(torch.float32)
+    if trained != noise_steps:
+        latents = latents.index_select(1, cols.to(latents.device))
+        logp = logp.index_select(1, cols.to(logp.device))
     return RolloutBatch(
         prompts=list(request["prompt"]),
         sample_ids=list(extra["sample_ids"]),
         group_index=torch.tensor(extra["group_index"], dtype=torch.long),
-        sde_indices=[int(i) for i in resp["sde_indices"]],
+        sde_indices=trained,
         latents=latents[:, :, 0].contiguous(),
         next_latents=latents[:, :, 1].contiguous(),
         sigmas=sigmas[idx].expand(batch, -1).contiguous(),
         sigmas_next=sigmas[idx + 1].expand(batch, -1).contiguous(),
-        log_probs=resp["rollout_log_probs"].to(torch.float32),
+        log_probs=logp,
         conditions=dict(resp.get("denoising_env") or {}),
         height=int(resp["height"]),
         width=int(resp["width"]),
@@ -494,4 +481,7 @@ def pack(adapter: "GenerativeModelAdapter", response: Any, request: Mapping[str,
         images=resp.get("images"),
         policy_version=int(resp.get("policy_version", 0)),
         rollout_id=extra.get("rollout_id"),
+        guidance_scale=float(request.get("guidance_scale", 1.0)),
+        sde_options={"sigma_one": extra.get("sigma_one", "refuse"),
+                     "log_prob_form": extra.get("log_prob_form", "gaussian")},
     )

@@ -7,8 +7,15 @@ under 1e-6 zeroed), then the normalised components are summed with their weights
     A_i = sum_c w_c * (r_ci - mean_{j in g(i)} r_cj) / (std_c + eps)
 
 std_mode ``group``: std_c is the std of group g(i) (Relax / text GRPO); ``batch``: the std of
-the component over the batch (the Flow-GRPO reference code's ``global_std``); ``none``: no
-division (Dr. GRPO: mean-centring only).
+the component over the whole batch of every rank (the Flow-GRPO reference's ``global_std``:
+with torch.distributed initialised, two all-reduces give the global count, mean and sum of
+squared deviations; a rank with no usable value still takes part); ``none``: no division
+(Dr. GRPO: mean-centring only).
+
+Flow-GRPO's reference options: ``eps`` 1e-4 (``std + eps``), ``clip_max`` 5 (advantages
+clamped to [-5, 5]), ``zero_degenerate_groups=False`` (a near-constant group keeps its tiny
+advantages instead of being zeroed). Defaults keep the project's behaviour (eps 1e-6, no
+clamp, degenerate groups zeroed).
 
 Design choices where the spec is silent:
 
@@ -19,6 +26,9 @@ Design choices where the spec is silent:
   to that sample's advantage and is left out of its group's statistics; if the component is
   absent altogether it contributes nothing (a warning says so).
 * No weights at all means weight 1 for every component given.
+* ``reward/advantage_clipped`` counts advantages the clamp changed;
+  ``reward/zero_advantage_fraction`` is the share of exactly-zero advantages (the rows
+  ``train.drop_zero_advantage`` leaves out of the update).
 * ``reward/degenerate_groups`` counts groups in which every weighted component is degenerate
   (no signal to rank the candidates: their advantages are all 0); ``reward/degenerate`` is 1
   when the variance of the advantages over the batch falls under 1e-6, the spec's definition.
@@ -77,15 +87,38 @@ def _check(components, group_index, weights, required, std_mode) -> int:
     return int(batch)
 
 
+def global_std(values: torch.Tensor) -> torch.Tensor:
+    """Population std of ``values`` over every rank (float64, 0-dim); the local std without
+    torch.distributed. Two-pass (mean first), so it matches the std of the concatenation."""
+    import torch.distributed as dist
+
+    x = values.to(torch.float64)
+    if not (dist.is_available() and dist.is_initialized()):
+        return x.std(correction=0) if x.numel() else torch.zeros((), dtype=torch.float64)
+    device = torch.device("cpu") if dist.get_backend() == "gloo" else x.device
+    totals = torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device),
+                          x.sum()]).to(device)
+    dist.all_reduce(totals)
+    count = totals[0].clamp_min(1.0)
+    mean = (totals[1] / count).to(x.device)
+    sq = ((x - mean) ** 2).sum().reshape(1).to(device)
+    dist.all_reduce(sq)
+    return (sq[0] / count).sqrt().to(x.device)
+
+
 def compute_advantages(components: dict[str, torch.Tensor], group_index: torch.Tensor, *,
                        weights: dict[str, float], required: list[str], std_mode: str = "group",
-                       eps: float | None = None
+                       eps: float | None = None, clip_max: float | None = None,
+                       zero_degenerate_groups: bool = True
                        ) -> tuple[torch.Tensor, dict[str, float], list[int]]:
     """-> (advantages fp32 [B], metrics, failed group ids). See the module docstring.
 
-    ``eps`` None uses normalize_grouped's own default.
+    ``eps`` None uses normalize_grouped's own default; ``clip_max`` None clamps nothing. With
+    ``std_mode="batch"`` under torch.distributed every rank must call this (a collective).
     """
     _check(components, group_index, weights, required, std_mode)
+    if clip_max is not None and not (isinstance(clip_max, (int, float)) and clip_max > 0):
+        raise ValueError(f"compute_advantages: clip_max must be a number > 0 or None, got {clip_max!r}")
     device = group_index.device
     groups, inverse = torch.unique(group_index, return_inverse=True)
     num_groups = groups.numel()
@@ -114,13 +147,17 @@ def compute_advantages(components: dict[str, torch.Tensor], group_index: torch.T
         warnings.warn(f"compute_advantages: weighted components {absent} were not produced; "
                       "they contribute nothing this step", RuntimeWarning, stacklevel=2)
     gi = group_index.to(torch.int64)
-    options = {"std_mode": std_mode} if eps is None else {"std_mode": std_mode, "eps": eps}
-    for name, weight in weights.items():
-        if name not in values:
-            continue
-        x = values[name]
-        usable = torch.isfinite(x) & valid
-        if not usable.any():
+    options = {"std_mode": std_mode, "zero_degenerate": zero_degenerate_groups}
+    if eps is not None:
+        options["eps"] = eps
+    # sorted: under torch.distributed every rank runs the same collectives in the same order
+    for name, weight in sorted(weights.items()):
+        x = values.get(name)
+        usable = torch.isfinite(x) & valid if x is not None else None
+        if std_mode == "batch":
+            local = x[usable] if x is not None else torch.zeros(0, dtype=torch.float64, device=device)
+            options["batch_std"] = global_std(local)
+        if x is None or not usable.any():
             continue
         normalized, info = normalize_grouped(x[usable], gi[usable], **options)
         advantages[usable] += weight * normalized.to(torch.float64)
@@ -128,6 +165,10 @@ def compute_advantages(components: dict[str, torch.Tensor], group_index: torch.T
         low_variance &= ~torch.isin(groups, signal)
         combined_raw += weight * torch.where(usable, x, torch.zeros_like(x))
     advantages = torch.where(valid, advantages, torch.zeros_like(advantages))
+    clipped = 0.0
+    if clip_max is not None:
+        clipped = float((advantages.abs() > clip_max).sum().item())
+        advantages = advantages.clamp(-float(clip_max), float(clip_max))
 
     failed_ids = groups[failed].tolist()
     if failed_ids:
@@ -156,5 +197,37 @@ def compute_advantages(components: dict[str, torch.Tensor], group_index: torch.T
         "reward/group_std_mean": group_std_mean,
         "reward/degenerate": float(adv_var < DEGENERATE_VARIANCE),
         "reward/degenerate_groups": float((low_variance & ok).sum().item()),
+        "reward/advantage_clipped": clipped,
+        "reward/zero_advantage_fraction": float((advantages == 0).double().mean().item()),
     })
     return advantages.to(torch.float32), metrics, failed_ids
+
+
+def micro_batch_scale(advantages: torch.Tensor, rows: torch.Tensor, update: list[torch.Tensor], *,
+                      drop_zero_advantage: bool) -> float:
+    """The weight of one micro-batch's mean loss in its optimizer update.
+
+    Keeping every row: ``len(rows) / rows in the update`` (the update's loss is the mean over
+    its rows). Dropping zero-advantage rows (the Flow-GRPO reference filters them out): the
+    mean is over the update's non-zero rows only, ``len(rows) / non-zero rows in the update``;
+    a zero-advantage row contributes no policy gradient, so only the denominator changes (its
+    KL term is left out by ``kl_term``). An update with no non-zero row gets weight 0.
+    """
+    if not drop_zero_advantage:
+        return len(rows) / sum(len(r) for r in update)
+    # NOTE: one host sync per micro-batch (a count); negligible next to its forward
+    kept = sum(int((advantages[r] != 0).sum()) for r in update)
+    return len(rows) / kept if kept else 0.0
+
+
+def kl_term(kl: torch.Tensor, advantages: torch.Tensor, *, drop_zero_advantage: bool) -> torch.Tensor:
+    """The micro-batch's KL term, ``kl`` [b, S] per (row, step), to add to its mean policy loss.
+
+    With ``drop_zero_advantage`` the dropped rows' KL is left out too (mean over the
+    micro-batch's rows with a zero for them), so that, scaled by ``micro_batch_scale``, the
+    update's KL is the mean over its non-zero-advantage rows, as the reference's filter gives.
+    """
+    if not drop_zero_advantage:
+        return kl.mean()
+    kept = (advantages.to(kl.device) != 0).to(kl.dtype)
+    return (kl * kept[:, None]).mean()

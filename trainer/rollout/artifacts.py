@@ -125,6 +125,8 @@ def write_group_sidecar(directory: Path, group_index: int, rows: RolloutBatch, *
         "width": str(rows.width),
         "eta": repr(float(rows.eta)),
         "sde_type": rows.sde_type,
+        "guidance_scale": repr(float(rows.guidance_scale)),
+        "sde_options": json.dumps(rows.sde_options),
         "sampling_fingerprint": sampling_fp,
         "weight_checksum": weight_checksum or "",
         "conditions_shared": "1" if shared else "0",
@@ -194,6 +196,9 @@ def load_group_sidecar(path: str | os.PathLike, *, with_images: bool = True) -> 
         metadata=json.loads(meta.get("metadata", "[]")),
         policy_version=int(tensors["common.policy_version"][0]),
         rollout_id=None if rollout_id < 0 else rollout_id,
+        # absent in sidecars written before CFG and the Flow-GRPO options: their defaults
+        guidance_scale=float(meta.get("guidance_scale", "1.0")),
+        sde_options=json.loads(meta.get("sde_options", "{}")),
     )
 
 

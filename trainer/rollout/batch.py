@@ -40,7 +40,8 @@ def concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:
     first = batches[0]
     problems = []
     for b in batches[1:]:
-        for field in ("sde_indices", "height", "width", "eta", "sde_type"):
+        for field in ("sde_indices", "height", "width", "eta", "sde_type", "guidance_scale",
+                      "sde_options"):
             if getattr(b, field) != getattr(first, field):
                 problems.append(f"{field} differs: {getattr(first, field)!r} vs {getattr(b, field)!r}")
         if set(b.conditions) != set(first.conditions):
@@ -71,4 +72,6 @@ def concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:
         metadata=[m for b in batches for m in b.metadata],
         policy_version=first.policy_version,
         rollout_id=first.rollout_id,
+        guidance_scale=first.guidance_scale,
+        sde_options=dict(first.sde_options),
     )

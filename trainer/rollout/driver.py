@@ -37,9 +37,7 @@ from trainer.profiling import add_times, nvtx_range
 from trainer.rollout.artifacts import (prune_stale_artifacts, rollout_dir, sampling_fingerprint,
                                        write_group_images, write_group_sidecar)
 from trainer.rollout.batch import concat_batches
-from trainer.rollout.sde_indices import resolve_sde_indices
-
-SAMPLE_ID_MODES = ("metadata", "positional", "group_index")
+from trainer.sampling import SAMPLE_ID_MODES, SamplingConfig
 
 
 def _problem_list(title: str, problems: list[str]) -> ValueError:
@@ -52,7 +50,7 @@ class RolloutDriver:
     Args:
         adapter: the model family's adapter (builds requests, validates and packs responses).
         engines: ``EngineClient`` / ``SGLangEngineClient`` instances (one per GPU of this rank).
-        sampling: the --sampling-config dict.
+        sampling: the --sampling-config dict (validated as a trainer.sampling.SamplingConfig).
         seed: --generation-seed (the driver's x_T recipe seed).
         task: generation task, the artifact subdirectory (e.g. "t2i").
         artifact_root: where sidecars and PNGs go; None writes nothing.
@@ -86,15 +84,14 @@ class RolloutDriver:
         if configured is not None and configured != sample_id_mode:
             problems.append(f"sampling['sample_id_mode'] is {configured!r} but the driver was built "
                             f"with {sample_id_mode!r}")
-        try:  # the SDE keys fail here, at construction, not at the first rollout
-            resolve_sde_indices(sampling, rollout_id=None)
-        except ValueError as exc:
-            problems.append(str(exc))
+        config, sampling_problems = SamplingConfig.check(sampling)
+        problems += sampling_problems  # here, at construction, not at the first rollout
         if problems:
             raise _problem_list("invalid rollout driver configuration", problems)
         self.adapter = adapter
         self.engines = list(engines)
         self.sampling = dict(sampling)
+        self.sampling_config: SamplingConfig = config
         self.seed = int(seed)
         self.task = task
         self.artifact_root = None if artifact_root is None else Path(artifact_root)
@@ -143,7 +140,7 @@ class RolloutDriver:
         """Generate ``n_samples_per_prompt`` candidates per record; ``rollout_id=None`` is eval."""
         self._check_records(records, n_samples_per_prompt)
         n = n_samples_per_prompt
-        sde = resolve_sde_indices(self.sampling, rollout_id=rollout_id)
+        sde = self.sampling_config.noise_steps(rollout_id)
         ids = self.sample_ids(records, n)
         dupes = sorted(s for s, c in Counter(s for group in ids for s in group).items() if c > 1)
         if dupes:
@@ -158,7 +155,7 @@ class RolloutDriver:
             prompts = [records[g]["prompt"] for g in groups for _ in range(n)]
             req_seed = self.seed if self.driver_xt else self.seed + groups[0] * n
             requests.append(self.adapter.build_rollout_request(
-                prompts, [s for g in groups for s in ids[g]], self.sampling, rollout_id=rollout_id,
+                prompts, [s for g in groups for s in ids[g]], self.sampling_config, rollout_id=rollout_id,
                 seed=req_seed, sde_indices=sde, group_index=[g for g in groups for _ in range(n)]))
 
         # One weight checksum per engine per rollout, recorded in every candidate's manifest
