@@ -1,0 +1,190 @@
+"""SGLang's own post-training HTTP layer (sglang==0.5.23) on loopback, over a tiny Qwen-Image.
+
+    with serve_sglang(model_dir) as server:   # server.url, server.scheduler
+        ...
+
+What is SGLang's code here: the FastAPI routers (``rollout_api``, ``weights_api``: request
+parsing, ``SamplingParams`` validation, per-output slicing, msgpack + tensor tags), the
+request -> ``Req`` preparation, the rollout hooks and ``FlowRolloutController`` (the SDE step,
+its log-prob, the [T+1] trajectory and the denoising env), the scheduler/worker post-training
+mixins (payload selection by GPU UUID, ``MultiprocessingSerializer`` + restricted unpickler,
+``WeightsUpdater`` flattened-bucket reconstruction and in-place load, ``TensorUpdateChecker``).
+What stands in for SGLang's GPU runtime: ``TinyScheduler`` answers ``async_scheduler_client.
+forward`` with the tiny diffusers model of tests/tiny_models.py (prompt encoding, the
+transformer forward, VAE decode through our adapter; x_T drawn from the request's generators as
+SGLang draws it: one generator per output seeded seed + k).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import threading
+import time
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _sglang():
+    """SGLang's modules (importing them takes ~20 s: done once, lazily)."""
+    from sglang.multimodal_gen.configs.pipeline_configs.qwen_image import QwenImagePipelineConfig
+    from sglang.multimodal_gen.runtime.entrypoints.post_training import (io_struct, rollout_api,
+                                                                          weights_api)
+    from sglang.multimodal_gen.runtime.pipelines_core.schedule_batch import OutputBatch, Req
+    from sglang.multimodal_gen.runtime.post_training import (gpu_worker_post_training_mixin,
+                                                              rollout_hooks,
+                                                              scheduler_post_training_mixin,
+                                                              tensor_update_checker)
+    from sglang.multimodal_gen.runtime.post_training.flow_rollout_controller import (
+        FlowRolloutController)
+    from sglang.multimodal_gen.runtime.scheduler_client import async_scheduler_client
+    from sglang.multimodal_gen.runtime.server_args import ServerArgs, set_global_server_args
+    return locals()
+
+
+class _Pipeline:
+    """What WeightsUpdater / TensorUpdateChecker read from a pipeline: named modules."""
+
+    def __init__(self, modules: dict[str, torch.nn.Module], model_path: str) -> None:
+        self.modules, self.model_path = modules, model_path
+
+    def get_module(self, name: str):
+        return self.modules.get(name)
+
+
+class TinyScheduler:
+    """Answers SGLang's scheduler-client calls in-process (see the module docstring)."""
+
+    def __init__(self, model_dir, server_args) -> None:
+        from trainer.models.qwen_image import QwenImageAdapter
+
+        s = _sglang()
+        self.s, self.server_args = s, server_args
+        self.adapter = QwenImageAdapter(str(model_dir))
+        self.frozen = self.adapter.load_frozen(device="cpu", dtype=torch.float32)
+        self.transformer = self.adapter.load_train_model().eval()
+        self.pipeline = _Pipeline({"transformer": self.transformer}, str(model_dir))
+        self.lock = threading.Lock()
+        self.requests: list = []  # every rollout Req, for the tests to inspect
+
+        class Worker(s["gpu_worker_post_training_mixin"].GPUWorkerPostTrainingMixin):
+            local_rank = 0
+
+            def update_weights_from_tensor_checker(inner, req):  # one worker: no TP gather
+                checker = s["tensor_update_checker"].TensorUpdateChecker(inner.pipeline)
+                return checker.verify(target_module=req.target_module,
+                                      expected_named_tensors_sha256=req.expected_named_tensors_sha256)
+
+        class Scheduler(s["scheduler_post_training_mixin"].SchedulerPostTrainingMixin):
+            worker = Worker()
+
+        Worker.pipeline, Worker.server_args = self.pipeline, server_args
+        Scheduler.server_args = server_args
+        self.scheduler = Scheduler()
+
+    async def forward(self, req):
+        return await asyncio.to_thread(self._forward, req)
+
+    def _forward(self, req):
+        io, sched = self.s["io_struct"], self.scheduler
+        with self.lock:
+            if isinstance(req, self.s["Req"]):
+                return self._rollout(req)
+            handlers = {io.UpdateWeightFromTensorReqInput: sched._handle_update_weights_from_tensor,
+                        io.UpdateWeightFromTensorCheckerReqInput:
+                            sched._handle_update_weights_from_tensor_checker,
+                        io.UpdateWeightFromDiskReqInput: sched._handle_update_weights_from_disk,
+                        io.GetWeightsChecksumReqInput: sched._handle_get_weights_checksum}
+            return handlers[type(req)]([req])
+
+    @torch.no_grad()
+    def _rollout(self, req):
+        s, adapter = self.s, self.adapter
+        self.requests.append(req)
+        n, h, w, steps = req.num_outputs_per_prompt, req.height, req.width, req.num_inference_steps
+        gens = [torch.Generator("cpu").manual_seed(req.seed + k) for k in range(n)]
+        shape = (n, *adapter.latent_shape(h, w))
+        latents = torch.stack([torch.randn(shape[1:], generator=g) for g in gens])
+        sigmas = adapter.scheduler_sigmas(steps, h, w).to(torch.float32)
+        cond = adapter.encode_prompts(self.frozen, [req.prompt] * n)
+        req.generator = gens
+        req.latents = latents
+        ctrl = s["FlowRolloutController"](
+            sde_type=req.rollout_sde_type, noise_level=float(req.rollout_noise_level),
+            log_prob_no_const=req.rollout_log_prob_no_const, debug_mode=req.rollout_debug_mode,
+            sde_step_indices=req.rollout_sde_step_indices, generator=gens,
+            return_dit_trajectory=req.rollout_return_dit_trajectory,
+            return_step_indices=req.rollout_return_step_indices,
+            shard_for_sp=lambda batch, x: x, gather_for_sp=lambda batch, x: x,
+            sigmas=sigmas, latents_shape=tuple(latents.shape))
+        hooks = s["rollout_hooks"]
+        req.rollout_controllers = {hooks.VISUAL_STREAM: ctrl}
+        mask = cond["prompt_embeds_mask"]
+        pos = {"encoder_hidden_states": cond["prompt_embeds"], "encoder_hidden_states_mask": mask,
+               "txt_seq_lens": mask.sum(dim=1).tolist()}
+        hooks.init_rollout_env_if_enabled(batch=req, image_kwargs={}, pos_cond_kwargs=pos,
+                                          neg_cond_kwargs={}, guidance=None)
+        for i in range(steps):
+            v = adapter.velocity(self.transformer, latents, sigmas[i], cond, h, w)
+            latents = ctrl.transition(batch=req, model_output=v, sample=latents.float(),
+                                      current_sigma=sigmas[i], next_sigma=sigmas[i + 1],
+                                      dt=sigmas[i + 1] - sigmas[i], generator=None, step_index=i,
+                                      timestep=sigmas[i] * 1000)
+        hooks.finalize_rollout_if_enabled(batch=req, latents=latents, num_inference_steps=steps,
+                                          final_timestep=sigmas[steps] * 1000,
+                                          pipeline_config=self.server_args.pipeline_config)
+        images = adapter.decode(self.frozen, latents, h, w)  # uint8 [n, H, W, 3]
+        output = images.permute(0, 3, 1, 2).float() / 255.0  # SGLang's float [0, 1], channels first
+        return s["OutputBatch"](output=output, rollout_trajectory_data=req.rollout_trajectory_data)
+
+
+class SGLangServer:
+    def __init__(self, url: str, scheduler: TinyScheduler) -> None:
+        self.url, self.scheduler = url, scheduler
+
+
+def build_app(scheduler: TinyScheduler):
+    """SGLang's own post-training routers (plus a /health) with ``scheduler`` behind them."""
+    from fastapi import FastAPI
+
+    s = _sglang()
+    s["async_scheduler_client"].forward = scheduler.forward  # the process-wide client SGLang uses
+    app = FastAPI()
+    app.include_router(s["rollout_api"].router)
+    app.include_router(s["weights_api"].router)
+    app.add_api_route("/health", lambda: {"status": "ok"}, methods=["GET"])
+    return app
+
+
+@contextlib.contextmanager
+def serve_sglang(model_dir):
+    """Start SGLang's HTTP layer on a free loopback port in a thread; yields an SGLangServer."""
+    import uvicorn
+
+    s = _sglang()
+    # SGLang's native Qwen-Image configs (task T2I, QwenImageSamplingParams), as a server
+    # launched on a Qwen-Image checkpoint resolves them
+    server_args = s["ServerArgs"](model_path=str(model_dir), pipeline_class_name="QwenImagePipeline")
+    server_args.pipeline_config = s["QwenImagePipelineConfig"]()
+    s["set_global_server_args"](server_args)
+    scheduler = TinyScheduler(model_dir, server_args)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(build_app(scheduler), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("SGLang's HTTP layer did not start")
+        time.sleep(0.05)
+    try:
+        yield SGLangServer(f"http://127.0.0.1:{port}", scheduler)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()

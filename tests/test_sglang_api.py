@@ -1,0 +1,153 @@
+"""The trainer's SGLang path against SGLang's own post-training HTTP layer (sglang==0.5.23,
+pinned in tests/requirements-sglang.txt and the README's test command), on CPU.
+
+tests/sglang_fixtures.py mounts SGLang's routers over a tiny Qwen-Image; SGLang's own code
+validates the requests, runs the rollout controller (SDE step, log-prob, trajectory), slices
+and msgpack-encodes the answers, deserializes weight payloads and checks SHA-256 digests.
+"""
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+pytest.importorskip("sglang.multimodal_gen", reason="install tests/requirements-sglang.txt and "
+                    "sglang==0.5.23 --no-deps (README's test command)")
+
+from sglang_fixtures import serve_sglang  # noqa: E402
+
+from trainer.engine.sglang_client import SGLangEngineClient  # noqa: E402
+from trainer.engine.sglang_rollout import sample_seed, stock_problems  # noqa: E402
+from trainer.engine.sglang_sync import (SGLangSyncError, SGLangWeightSync,  # noqa: E402
+                                        serialize_payload, tensor_sha256)
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("torch_single_thread")]
+
+SAMPLING = {"height": 32, "width": 32, "num_inference_steps": 4, "eta": 0.7,
+            "driver_sigmas": False, "driver_xt": False}
+PROMPTS = ["a red panda"] * 2 + ["a teacup"] * 2
+IDS = ["prompt:1:sample:0", "prompt:1:sample:1", "prompt:2:sample:0", "prompt:2:sample:1"]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    torch.multiprocessing.set_sharing_strategy("file_system")  # CPU tensors through reductions
+    with serve_sglang(tiny_model_dir("qwen_image")) as srv:
+        yield srv
+
+
+@pytest.fixture
+def adapter(server):
+    return server.scheduler.adapter
+
+
+def _request(adapter, prompts=PROMPTS, ids=IDS, rollout_id=0):
+    return adapter.build_rollout_request(prompts, ids, SAMPLING, rollout_id=rollout_id, seed=7,
+                                         sde_indices=[1, 2])
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status, {}
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+def test_sglang_refuses_what_it_lacks(server):
+    """Our extra keys are an HTTP 400 from SGLang's own SamplingParams; the client never
+    sends them, and preflight names every stock-SGLang gap."""
+    body = {"prompt": "a cat", "seed": 1, "width": 32, "height": 32, "num_inference_steps": 4,
+            "extra_sampling_params": {"sample_ids": ["a"], "sigmas": [1.0, 0.5, 0.0]}}
+    status, reply = _post(server.url + "/rollout/generate", body)
+    assert status == 400 and "sample_ids" in reply["detail"]
+
+    problems = "\n".join(stock_problems({"sde_type": "dance", "guidance_scale": 4.0},
+                                        extension=False))
+    for fragment in ("sde_type='dance'", "driver_sigmas", "driver_xt", "guidance_scale=4.0"):
+        assert fragment in problems, fragment
+    assert stock_problems({"sde_type": "sde", "driver_sigmas": False, "driver_xt": False},
+                          extension=False) == []
+
+
+def test_rollout_packs_and_replays_with_ratio_one(server, adapter):
+    from trainer.actor.replay import replay_log_probs
+
+    client = SGLangEngineClient(server.url)
+    request = _request(adapter)
+    seen = len(server.scheduler.requests)
+    response = client.generate(request)
+    sent = server.scheduler.requests[seen:]
+    # one output per SGLang request, each seeded from its sample id (distinct noise)
+    assert [r.num_outputs_per_prompt for r in sent] == [1] * 4
+    assert sorted(r.seed for r in sent) == sorted(sample_seed(7, i) for i in IDS)
+    assert len({r.seed for r in sent}) == 4
+    batch = adapter.pack_trajectory(response, request)
+    assert batch.latents.shape[:2] == (4, 2) and batch.images.dtype == torch.uint8
+    assert not torch.equal(batch.latents[0], batch.latents[1])  # same prompt, other noise
+    # SGLang's sigmas and per-step timesteps ([T+1] on the wire) mapped onto our schema
+    assert torch.allclose(response["dit_trajectory"]["sigmas"],
+                          adapter.scheduler_sigmas(4, 32, 32).float())
+    # replay with the same weights: the first PPO ratio is 1 up to fp32 rounding
+    with torch.no_grad():
+        replay = replay_log_probs(adapter, server.scheduler.transformer, batch, backend="torch")
+    assert torch.allclose(replay, batch.log_probs, atol=2e-4, rtol=0)
+    assert float((replay - batch.log_probs).exp().sub(1).abs().max()) < 1e-3
+    # a candidate is a pure function of (seed, sample id): asking again alone reproduces it
+    again = adapter.pack_trajectory(client.generate(_request(adapter, PROMPTS[2:3], IDS[2:3])),
+                                    _request(adapter, PROMPTS[2:3], IDS[2:3]))
+    assert torch.equal(again.latents[0], batch.latents[2])
+    assert torch.equal(again.images[0], batch.images[2])
+
+
+def test_payload_reads_back_through_sglang_deserializer():
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+    from trainer.engine.sglang_sync import flattened_bucket
+
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    named = [("a.weight", torch.randn(3, 4)), ("b.bias", torch.arange(5, dtype=torch.bfloat16))]
+    monkey_patch_torch_reductions()
+    got = MultiprocessingSerializer.deserialize(serialize_payload({"transformer":
+                                                                   flattened_bucket(named)}))
+    meta = got["transformer"]["metadata"]
+    flat = got["transformer"]["flattened_tensor"]
+    for (name, t), m in zip(named, meta):
+        back = flat[m.start_idx:m.end_idx].view(getattr(torch, m.dtype.split(".")[-1]))
+        assert m.name == name and torch.equal(back.reshape(m.shape), t)
+
+
+def _bumped(adapter, delta: float):
+    model = adapter.load_train_model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(delta)
+    return model
+
+
+@pytest.mark.parametrize("transport", ["tensor", "disk"])
+def test_weight_sync_changes_served_weights(server, adapter, transport, tmp_path):
+    client = SGLangEngineClient(server.url)
+    request = _request(adapter, PROMPTS[:1], IDS[:1])
+    before = client.generate(request)
+    model = _bumped(adapter, 0.01 if transport == "tensor" else -0.01)
+    sender = SGLangWeightSync(client, transport=transport, bucket_bytes=1 << 20,
+                              disk_dir=tmp_path if transport == "disk" else None)
+    stats = sender.sync(5, model.named_parameters())
+    assert stats.tensors == len(list(model.parameters())) and client.committed_version == 5
+    served = dict(server.scheduler.transformer.named_parameters())
+    assert all(torch.equal(served[n], p) for n, p in model.named_parameters())
+    # the checker compares SHA-256 values: one wrong digest fails the sync's verification
+    digests = {n: tensor_sha256(p) for n, p in model.named_parameters()}
+    name = next(iter(digests))
+    with pytest.raises(SGLangSyncError, match="checksum mismatch"):
+        sender._check({**digests, name: "0" * 64}, 6)
+    after = client.generate(request)
+    assert after["policy_version"] == 5
+    assert not torch.equal(after["images"], before["images"])
