@@ -146,21 +146,23 @@ class SGLangServer:
         self.url, self.scheduler = url, scheduler
 
 
-def build_app(scheduler: TinyScheduler):
-    """SGLang's own post-training routers (plus a /health) with ``scheduler`` behind them."""
+def build_app(scheduler: TinyScheduler, *, weights_api: bool = True):
+    """SGLang's own post-training routers (plus a /health) with ``scheduler`` behind them;
+    ``weights_api=False`` leaves the weight routes out (a server that cannot take a sync)."""
     from fastapi import FastAPI
 
     s = _sglang()
     s["async_scheduler_client"].forward = scheduler.forward  # the process-wide client SGLang uses
     app = FastAPI()
     app.include_router(s["rollout_api"].router)
-    app.include_router(s["weights_api"].router)
+    if weights_api:
+        app.include_router(s["weights_api"].router)
     app.add_api_route("/health", lambda: {"status": "ok"}, methods=["GET"])
     return app
 
 
 @contextlib.contextmanager
-def serve_sglang(model_dir):
+def serve_sglang(model_dir, *, weights_api: bool = True):
     """Start SGLang's HTTP layer on a free loopback port in a thread; yields an SGLangServer."""
     import uvicorn
 
@@ -174,7 +176,8 @@ def serve_sglang(model_dir):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(build_app(scheduler), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(build_app(scheduler, weights_api=weights_api),
+                                           log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

@@ -151,3 +151,67 @@ def test_weight_sync_changes_served_weights(server, adapter, transport, tmp_path
     after = client.generate(request)
     assert after["policy_version"] == 5
     assert not torch.equal(after["images"], before["images"])
+
+
+def _trainer_overrides(model_dir, url: str, tmp_path) -> list[str]:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"a red panda number {i}",
+                                             "metadata": {"sample_id": f"p{i:03d}"}})
+                                 for i in range(8)))
+    sampling = {**SAMPLING, "guidance_scale": 1.0, "sde_type": "sde", "sde_indices": [1, 2],
+                "sde_pool": [1, 2, 3], "num_sde_steps": 2}
+    return ["model.adapter_path=trainer.models.qwen_image.QwenImageAdapter",
+            f"model.model_path={model_dir}", "rollout.engine=sglang",
+            f"rollout.sglang_urls={json.dumps([url])}", f"rollout.sampling={json.dumps(sampling)}",
+            "reward.scorer_path=trainer.rewards.jpeg.JpegCompressibilityScorer",
+            "reward.required_components=[]", "reward.component_weights={}",
+            f"data.prompt_data={prompts}", "data.eval_prompt_data=none",
+            f"logging.run_dir={tmp_path / 'run'}", "logging.progress=false",
+            "logging.tensorboard=false", "rollout.write_artifacts=false",
+            "rollout.rollout_batch_size=1", "rollout.n_samples_per_prompt=4",
+            "rollout.global_batch_size=none", "train.num_rollouts=2",
+            "train.micro_batch_size=2", "train.lr=1e-3"]
+
+
+def test_trainer_step_through_sglang_syncs_the_served_weights(server, tiny_model_dir, tmp_path):
+    """generate -> pack -> replay (first ratio 1) -> update -> sync through SGLang's
+    deserializer -> checker -> the next rollout is served by the trained weights."""
+    from trainer.config import load_config
+    from trainer.loop import Trainer
+    from trainer.preflight import preflight
+
+    cfg = load_config("tiny", _trainer_overrides(tiny_model_dir("qwen_image"), server.url,
+                                                 tmp_path))
+    preflight(cfg, world_size=1, device="cpu")
+    trainer = Trainer(cfg, rank=0, world=1, device="cpu")
+    try:
+        assert isinstance(trainer.sender, SGLangWeightSync)
+        assert trainer.engine.committed_version == 0  # the first sync ran and was verified
+        metrics = trainer.train_step(0)
+        assert metrics["train/first_update_ratio_mean"] == 1.0
+        assert metrics["train/logp_parity"] < 2e-4  # replay vs SGLang's own log-prob
+        assert metrics["train/optimizer_steps"] > 0
+        assert trainer.policy_version == 1 and trainer.engine.committed_version == 1
+        served = dict(server.scheduler.transformer.named_parameters())
+        names = trainer._engine_names()
+        trained = {names[n]: p for n, p in trainer.model.named_parameters()}
+        base = dict(server.scheduler.adapter.load_train_model().named_parameters())
+        assert any(not torch.equal(p, base[n]) for n, p in trained.items())
+        assert all(torch.equal(served[n], p) for n, p in trained.items())
+        batch = trainer.rollout(1)  # served by version 1 (the driver checks the echo)
+        assert batch.policy_version == 1
+    finally:
+        trainer.close()
+
+
+def test_trainer_refuses_sglang_server_without_weight_sync(tiny_model_dir, tmp_path):
+    """A server that cannot take a sync would serve the base weights forever: the run stops
+    at construction instead."""
+    from trainer.config import load_config
+    from trainer.loop import Trainer
+
+    model_dir = tiny_model_dir("qwen_image")
+    with serve_sglang(model_dir, weights_api=False) as srv:
+        cfg = load_config("tiny", _trainer_overrides(model_dir, srv.url, tmp_path))
+        with pytest.raises(SGLangSyncError, match="update_weights_from_tensor: HTTP 404"):
+            Trainer(cfg, rank=0, world=1, device="cpu")

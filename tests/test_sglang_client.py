@@ -217,3 +217,22 @@ def test_wire_decodes_both_tensor_tags():
     assert torch.equal(from_wire(ours)["a"][0], t)
     assert torch.equal(from_wire({"x": sglang})["x"], t)
     assert json.loads(json.dumps(ours)) == ours  # plain JSON types only
+
+
+def test_preflight_names_what_stock_sglang_cannot_do():
+    from trainer.config import ConfigError, load_config
+    from trainer.preflight import preflight
+
+    cfg = load_config("tiny", ["rollout.engine=sglang", 'rollout.sglang_urls=["http://127.0.0.1:9"]',
+                               'rollout.sampling={"sde_type": "dance", "driver_sigmas": true}',
+                               "rollout.sglang_weight_sync=ftp", "rollout.sglang_concurrency=0"])
+    with pytest.raises(ConfigError) as info:
+        preflight(cfg, world_size=1, device="cpu", check_paths=False)
+    text = str(info.value)
+    for fragment in ("sde_type='dance'", "sampling.driver_sigmas is on", "sampling.driver_xt is on",
+                     "sglang_weight_sync must be 'tensor' or 'disk'",
+                     "sglang_concurrency must be a positive integer"):
+        assert fragment in text, fragment
+    ok = load_config("tiny", ["rollout.engine=sglang", 'rollout.sglang_urls=["http://127.0.0.1:9"]',
+                              'rollout.sampling={"driver_sigmas": false, "driver_xt": false}'])
+    preflight(ok, world_size=1, device="cpu", check_paths=False)
