@@ -34,6 +34,7 @@ def _sglang():
     from sglang.multimodal_gen.runtime.entrypoints.post_training import (io_struct, rollout_api,
                                                                           weights_api)
     from sglang.multimodal_gen.runtime.pipelines_core.schedule_batch import OutputBatch, Req
+    from sglang.multimodal_gen.runtime.pipelines_core.stages import denoising
     from sglang.multimodal_gen.runtime.post_training import (gpu_worker_post_training_mixin,
                                                               rollout_hooks,
                                                               scheduler_post_training_mixin,
@@ -112,16 +113,26 @@ class TinyScheduler:
         cond = adapter.encode_prompts(self.frozen, [req.prompt] * n)
         req.generator = gens
         req.latents = latents
-        ctrl = s["FlowRolloutController"](
-            sde_type=req.rollout_sde_type, noise_level=float(req.rollout_noise_level),
-            log_prob_no_const=req.rollout_log_prob_no_const, debug_mode=req.rollout_debug_mode,
-            sde_step_indices=req.rollout_sde_step_indices, generator=gens,
-            return_dit_trajectory=req.rollout_return_dit_trajectory,
-            return_step_indices=req.rollout_return_step_indices,
-            shard_for_sp=lambda batch, x: x, gather_for_sp=lambda batch, x: x,
-            sigmas=sigmas, latents_shape=tuple(latents.shape))
+
+        def build_controller(*, batch, pipeline_config):  # SGLang's, minus its scheduler object
+            return s["FlowRolloutController"](
+                sde_type=batch.rollout_sde_type, noise_level=float(batch.rollout_noise_level),
+                log_prob_no_const=batch.rollout_log_prob_no_const,
+                debug_mode=batch.rollout_debug_mode,
+                sde_step_indices=batch.rollout_sde_step_indices, generator=gens,
+                return_dit_trajectory=batch.rollout_return_dit_trajectory,
+                return_step_indices=batch.rollout_return_step_indices,
+                shard_for_sp=lambda b, x: x, gather_for_sp=lambda b, x: x,
+                sigmas=sigmas, latents_shape=tuple(batch.latents.shape))
+
         hooks = s["rollout_hooks"]
-        req.rollout_controllers = {hooks.VISUAL_STREAM: ctrl}
+        # called through the denoising stage's module attribute, as SGLang's loop calls it
+        # (where a plugin's hook on it takes effect)
+        s["denoising"].prepare_rollout_if_enabled(
+            batch=req, pipeline_config=self.server_args.pipeline_config,
+            build_controller=build_controller)
+        latents = req.latents
+        ctrl = req.rollout_controllers[hooks.VISUAL_STREAM]
         mask = cond["prompt_embeds_mask"]
         pos = {"encoder_hidden_states": cond["prompt_embeds"], "encoder_hidden_states_mask": mask,
                "txt_seq_lens": mask.sum(dim=1).tolist()}

@@ -45,12 +45,13 @@ class SGLangEngineClient:
 
     ``embedded``: the server is the embedded engine's HTTP mode (one batched JSON request);
     None decides on first use from ``/health``. ``concurrency``: SGLang requests (one per
-    candidate) in flight at once. ``timeout_s`` bounds each call. ``committed_version`` is the
+    candidate) in flight at once. ``extension``: the server loads
+    ``trainer.engine.sglang_extension`` (driver x_T and step noise, ``dance``). ``timeout_s`` bounds each call. ``committed_version`` is the
     weight version the trainer's sync last verified on this server (None: never synced).
     """
 
     def __init__(self, base_url: str, *, timeout_s: float = 600.0, embedded: bool | None = None,
-                 concurrency: int = 8) -> None:
+                 concurrency: int = 8, extension: bool = False) -> None:
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must be an http(s) URL, got {base_url!r}")
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
@@ -59,6 +60,7 @@ class SGLangEngineClient:
         self.timeout_s = float(timeout_s)
         self.embedded = embedded
         self.concurrency = concurrency
+        self.extension = extension
         self.http_url = self.base_url
         self.committed_version: int | None = None
 
@@ -104,7 +106,7 @@ class SGLangEngineClient:
     def generate(self, request: dict[str, Any]) -> dict[str, Any]:
         if self._is_embedded():
             return self._call("POST", ROLLOUT_PATH, request)
-        bodies = to_sglang_requests(request)
+        bodies = to_sglang_requests(request, extension=self.extension)
         with ThreadPoolExecutor(max_workers=min(self.concurrency, len(bodies))) as pool:
             answers = list(pool.map(lambda body: self._call("POST", ROLLOUT_PATH, body), bodies))
         response = to_schema_response(answers, bodies, request)

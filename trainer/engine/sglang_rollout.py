@@ -56,20 +56,21 @@ def sample_seed(seed: int, sample_id: str) -> int:
 
 
 def stock_problems(sampling: Mapping[str, Any], *, extension: bool) -> list[str]:
-    """Why a --sampling-config cannot run on a stock SGLang server ([] when it can)."""
-    if extension:
-        return []
+    """Why a --sampling-config cannot run on the SGLang servers ([] when it can): stock SGLang,
+    or SGLang with ``trainer.engine.sglang_extension`` loaded (``extension``)."""
     problems = []
     hint = "(load the trainer's SGLang extension, see trainer/engine/README.md, or"
-    if sampling.get("sde_type", "sde") not in STOCK_SDE_TYPES:
+    if not extension and sampling.get("sde_type", "sde") not in STOCK_SDE_TYPES:
         problems.append(f"sampling.sde_type={sampling.get('sde_type')!r}: stock SGLang implements "
                         f"{list(STOCK_SDE_TYPES)} only {hint} use 'sde')")
-    for key, what in (("driver_sigmas", "takes no sigma schedule from the request"),
-                      ("driver_xt", "draws x_T and the step noise from its own seeded generator")):
-        if sampling.get(key, True) is not False:
-            problems.append(f"sampling.{key} is on but stock SGLang {what} {hint} set "
-                            f"sampling.{key}=false)")
-    if sampling.get("init_same_noise"):
+    if sampling.get("driver_sigmas", True) is not False:
+        problems.append("sampling.driver_sigmas is on but SGLang takes no sigma schedule from the "
+                        "request, with or without the extension (set sampling.driver_sigmas=false:"
+                        " the server's schedule is echoed and replayed)")
+    if not extension and sampling.get("driver_xt", True) is not False:
+        problems.append(f"sampling.driver_xt is on but stock SGLang draws x_T and the step noise "
+                        f"from its own seeded generator {hint} set sampling.driver_xt=false)")
+    if not extension and sampling.get("init_same_noise"):
         problems.append("sampling.init_same_noise needs driver_xt, which stock SGLang lacks")
     guidance = sampling.get("guidance_scale", 1.0)
     if guidance not in (None, 1.0, 1):
@@ -78,16 +79,35 @@ def stock_problems(sampling: Mapping[str, Any], *, extension: bool) -> list[str]
     return problems
 
 
-def to_sglang_requests(request: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """One SGLang ``RolloutRequest`` body per candidate of our batched ``request``."""
+def extension_block(request: Mapping[str, Any], position: int) -> dict[str, Any]:
+    """What ``trainer.engine.sglang_extension`` needs for candidate ``position``."""
     extra = request["extra_sampling_params"]
-    ours = [k for k in ("sigmas", "noise_recipe", "initial_noise_seed") if k in extra]
+    block = {"sample_ids": [extra["sample_ids"][position]],
+             "initial_noise_seed": int(extra["initial_noise_seed"]),
+             "noise_recipe": extra["noise_recipe"], "model_family": extra["model_family"],
+             "latent_shape": list(extra["latent_shape"]),
+             "init_noise_latent_shape": list(extra["init_noise_latent_shape"]),
+             "sde_type": request["rollout_sde_type"]}
+    if extra.get("initial_noise_ids"):
+        block["initial_noise_ids"] = [extra["initial_noise_ids"][position]]
+    return block
+
+
+def to_sglang_requests(request: Mapping[str, Any], *, extension: bool = False
+                       ) -> list[dict[str, Any]]:
+    """One SGLang ``RolloutRequest`` body per candidate of our batched ``request``; with
+    ``extension`` and the driver's x_T on, each carries the extension's block."""
+    extra = request["extra_sampling_params"]
+    refused = ["sigmas"] + ([] if extension else ["noise_recipe", "initial_noise_seed"])
+    ours = [k for k in refused if k in extra]
     if ours:
         raise ValueError(f"the request carries {ours}, which stock SGLang rejects (HTTP 400): "
-                         "build it with sampling.driver_sigmas=false and driver_xt=false")
-    if request["rollout_sde_type"] not in STOCK_SDE_TYPES:
+                         "build it with sampling.driver_sigmas=false"
+                         + ("" if extension else " and driver_xt=false"))
+    with_block = extension and "noise_recipe" in extra
+    if request["rollout_sde_type"] not in STOCK_SDE_TYPES and not with_block:
         raise ValueError(f"rollout_sde_type {request['rollout_sde_type']!r} is not one of "
-                         f"SGLang's {list(STOCK_SDE_TYPES)}")
+                         f"SGLang's {list(STOCK_SDE_TYPES)} (the extension adds 'dance')")
     common = {
         "seed": None, "width": int(request["width"]), "height": int(request["height"]),
         "num_inference_steps": int(request["num_inference_steps"]), "num_outputs_per_prompt": 1,
@@ -99,8 +119,12 @@ def to_sglang_requests(request: Mapping[str, Any]) -> list[dict[str, Any]]:
         "rollout_debug_mode": False, "suppress_logs": True,
     }
     seed = int(request["seed"])
-    return [dict(common, prompt=prompt, seed=sample_seed(seed, sid))
-            for prompt, sid in zip(request["prompt"], extra["sample_ids"])]
+    bodies = [dict(common, prompt=prompt, seed=sample_seed(seed, sid))
+              for prompt, sid in zip(request["prompt"], extra["sample_ids"])]
+    if with_block:
+        for b, body in enumerate(bodies):
+            body["extra_sampling_params"] = {"flowgrpo": extension_block(request, b)}
+    return bodies
 
 
 def decode_tensors(obj: Any) -> Any:

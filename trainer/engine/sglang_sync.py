@@ -268,9 +268,6 @@ def sglang_config_problems(cfg: Any) -> list[str]:
     r = cfg.rollout
     problems = [f"rollout.sampling: {p}" for p in
                 stock_problems(r.sampling or {}, extension=bool(r.sglang_extension))]
-    if r.sglang_extension:
-        problems.append("rollout.sglang_extension: the extension's request keys are not wired "
-                        "into the client yet (trainer/engine/README.md); run stock SGLang")
     if r.sglang_weight_sync not in ("tensor", "disk"):
         problems.append(f"rollout.sglang_weight_sync must be 'tensor' or 'disk', "
                         f"got {r.sglang_weight_sync!r}")
@@ -294,7 +291,8 @@ def connect_sglang(cfg: Any, rank: int, run_dir: str | Path) -> tuple[Any, SGLan
     if problems:
         raise ValueError("engine 'sglang':\n  - " + "\n  - ".join(problems))
     client = SGLangEngineClient(r.sglang_urls[rank], embedded=False,
-                                concurrency=r.sglang_concurrency)
+                                concurrency=r.sglang_concurrency,
+                                extension=bool(r.sglang_extension))
     lora = None
     if cfg.sync_mode == "adapter":
         lora = (cfg.lora.alpha or cfg.lora.rank, cfg.lora.rank)
