@@ -5,8 +5,9 @@
 
 What is SGLang's code here: the FastAPI routers (``rollout_api``, ``weights_api``: request
 parsing, ``SamplingParams`` validation, per-output slicing, msgpack + tensor tags), the
-request -> ``Req`` preparation, the rollout hooks and ``FlowRolloutController`` (the SDE step,
-its log-prob, the [T+1] trajectory and the denoising env), the scheduler/worker post-training
+request -> ``Req`` preparation, the rollout hooks (``prepare_rollout_if_enabled`` is called
+through the denoising stage's module, where plugins hook it, as SGLang's loop calls it) and
+``FlowRolloutController`` (the SDE step, its log-prob, the [T+1] trajectory, the denoising env), the scheduler/worker post-training
 mixins (payload selection by GPU UUID, ``MultiprocessingSerializer`` + restricted unpickler,
 ``WeightsUpdater`` flattened-bucket reconstruction and in-place load, ``TensorUpdateChecker``).
 What stands in for SGLang's GPU runtime: ``TinyScheduler`` answers ``async_scheduler_client.
@@ -133,9 +134,13 @@ class TinyScheduler:
             build_controller=build_controller)
         latents = req.latents
         ctrl = req.rollout_controllers[hooks.VISUAL_STREAM]
+        # SGLang's Qwen-Image cond kwargs: no mask when every text token is real (always so
+        # for one prompt), txt_seq_lens, img_shapes, and the embeddings
         mask = cond["prompt_embeds_mask"]
-        pos = {"encoder_hidden_states": cond["prompt_embeds"], "encoder_hidden_states_mask": mask,
-               "txt_seq_lens": mask.sum(dim=1).tolist()}
+        pos = {"encoder_hidden_states": cond["prompt_embeds"],
+               "encoder_hidden_states_mask": None if bool(mask.all()) else mask,
+               "txt_seq_lens": mask.sum(dim=1).tolist(),
+               "img_shapes": [[(1, *(d // 2 for d in adapter.latent_grid(h, w)))]] * n}
         hooks.init_rollout_env_if_enabled(batch=req, image_kwargs={}, pos_cond_kwargs=pos,
                                           neg_cond_kwargs={}, guidance=None)
         for i in range(steps):
@@ -148,7 +153,8 @@ class TinyScheduler:
                                           final_timestep=sigmas[steps] * 1000,
                                           pipeline_config=self.server_args.pipeline_config)
         images = adapter.decode(self.frozen, latents, h, w)  # uint8 [n, H, W, 3]
-        output = images.permute(0, 3, 1, 2).float() / 255.0  # SGLang's float [0, 1], channels first
+        # SGLang's decoded frames: float in [0, 1], [B, C, F=1, H, W]
+        output = (images.permute(0, 3, 1, 2).float() / 255.0).unsqueeze(2)
         return s["OutputBatch"](output=output, rollout_trajectory_data=req.rollout_trajectory_data)
 
 

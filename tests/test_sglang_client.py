@@ -151,11 +151,13 @@ def _sglang_output(steps: int, seed: int, *, env: bool = True) -> dict:
                               "sigmas": torch.linspace(1, 0, steps + 1)},
            "denoising_env": None}
     if env:
+        tokens = 3 + seed % 2
+        # SGLang sends no mask when every token is real (a one-prompt request); test both forms
+        mask = torch.ones(tokens, dtype=torch.bool) if seed % 2 else None
         out["denoising_env"] = {"image_kwargs": None, "neg_cond_kwargs": None, "guidance": None,
-                                "pos_cond_kwargs": {"encoder_hidden_states": torch.randn(3 + seed % 2, 6),
-                                                    "encoder_hidden_states_mask": torch.ones(3 + seed % 2,
-                                                                                             dtype=torch.bool),
-                                                    "txt_seq_lens": [3]}}
+                                "pos_cond_kwargs": {"encoder_hidden_states": torch.randn(tokens, 6),
+                                                    "encoder_hidden_states_mask": mask,
+                                                    "txt_seq_lens": [tokens]}}
     return out
 
 
@@ -187,6 +189,9 @@ def test_sglang_answers_map_onto_our_schema():
     env = out["denoising_env"]
     assert set(env) == {"prompt_embeds", "prompt_embeds_mask"}
     assert env["prompt_embeds"].shape[0] == 2 and env["prompt_embeds_mask"].dtype == torch.long
+    lengths = [3 + b["seed"] % 2 for b in bodies]
+    assert env["prompt_embeds_mask"].sum(dim=1).tolist() == lengths  # padding masked out
+    assert {b["seed"] % 2 for b in bodies} == {0, 1}, "both mask forms must be exercised"
     assert out["images"].dtype == torch.uint8 and out["images"].shape == (2, 16, 16, 3)
     assert torch.equal(out["images"][0], (answers[0][0]["generated_output"].permute(1, 2, 0)
                                           * 255).round().to(torch.uint8))

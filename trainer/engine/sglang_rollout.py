@@ -38,6 +38,9 @@ CONDITION_MAP: dict[str, dict[str, tuple[str, str]]] = {
     "qwen_image": {"prompt_embeds": ("pos_cond_kwargs", "encoder_hidden_states"),
                    "prompt_embeds_mask": ("pos_cond_kwargs", "encoder_hidden_states_mask")},
 }
+#: Per family: our mask condition -> the embeddings it masks. SGLang's Qwen-Image config sends
+#: no mask (None) when every text token is real, which is always so for a one-prompt request.
+IMPLIED_MASKS: dict[str, dict[str, str]] = {"qwen_image": {"prompt_embeds_mask": "prompt_embeds"}}
 
 TENSOR_TAG = "__tensor__"
 
@@ -163,13 +166,18 @@ def _conditions(env: Any, family: str, where: str, problems: list[str]) -> dict[
         problems.append(f"no SGLang denoising_env mapping for family {family!r} "
                         f"(known: {sorted(CONDITION_MAP)})")
         return {}
-    out = {}
+    out, implied = {}, IMPLIED_MASKS.get(family, {})
     for ours, (section, name) in mapping.items():
         value = (env.get(section) or {}).get(name) if isinstance(env, dict) else None
+        if value is None and ours in implied:
+            continue
         if not isinstance(value, torch.Tensor):
             problems.append(f"{where}: denoising_env.{section}.{name} is missing")
             continue
         out[ours] = value.long() if value.dtype == torch.bool else value
+    for mask, embeds in implied.items():
+        if mask not in out and isinstance(out.get(embeds), torch.Tensor):
+            out[mask] = torch.ones(out[embeds].shape[0], dtype=torch.long)
     return out
 
 
