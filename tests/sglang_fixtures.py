@@ -71,6 +71,7 @@ class TinyScheduler:
         self.pipeline = _Pipeline({"transformer": self.transformer}, str(model_dir))
         self.lock = threading.Lock()
         self.requests: list = []  # every rollout Req, for the tests to inspect
+        self.weight_requests: list = []  # every weight-route request object
 
         class Worker(s["gpu_worker_post_training_mixin"].GPUWorkerPostTrainingMixin):
             local_rank = 0
@@ -95,6 +96,7 @@ class TinyScheduler:
         with self.lock:
             if isinstance(req, self.s["Req"]):
                 return self._rollout(req)
+            self.weight_requests.append(req)
             handlers = {io.UpdateWeightFromTensorReqInput: sched._handle_update_weights_from_tensor,
                         io.UpdateWeightFromTensorCheckerReqInput:
                             sched._handle_update_weights_from_tensor_checker,

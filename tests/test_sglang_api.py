@@ -173,15 +173,22 @@ def _trainer_overrides(model_dir, url: str, tmp_path) -> list[str]:
             "train.micro_batch_size=2", "train.lr=1e-3"]
 
 
-def test_trainer_step_through_sglang_syncs_the_served_weights(server, tiny_model_dir, tmp_path):
+LORA = ["lora.rank=4", "lora.alpha=8", "fsdp.trainable_mode=lora", "train.lr=3e-2"]
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora_merged"])
+def test_trainer_step_through_sglang_syncs_the_served_weights(server, tiny_model_dir, tmp_path,
+                                                              lora):
     """generate -> pack -> replay (first ratio 1) -> update -> sync through SGLang's
-    deserializer -> checker -> the next rollout is served by the trained weights."""
+    deserializer -> checker -> the next rollout is served by the trained weights (LoRA:
+    merged into the base by the trainer, the sync mode a checker can verify)."""
+    from trainer.actor.sync import merged_full_tensors
     from trainer.config import load_config
     from trainer.loop import Trainer
     from trainer.preflight import preflight
 
     cfg = load_config("tiny", _trainer_overrides(tiny_model_dir("qwen_image"), server.url,
-                                                 tmp_path))
+                                                 tmp_path) + (LORA if lora else []))
     preflight(cfg, world_size=1, device="cpu")
     trainer = Trainer(cfg, rank=0, world=1, device="cpu")
     try:
@@ -193,8 +200,13 @@ def test_trainer_step_through_sglang_syncs_the_served_weights(server, tiny_model
         assert metrics["train/optimizer_steps"] > 0
         assert trainer.policy_version == 1 and trainer.engine.committed_version == 1
         served = dict(server.scheduler.transformer.named_parameters())
-        names = trainer._engine_names()
-        trained = {names[n]: p for n, p in trainer.model.named_parameters()}
+        if lora:
+            assert trainer.cfg.sync_mode == "merge"
+            trained = dict(merged_full_tensors(trainer.model, 8 / 4))
+        else:
+            names = trainer._engine_names()
+            trained = {names[n]: p for n, p in trainer.model.named_parameters()}
+        assert set(trained) == set(served)
         base = dict(server.scheduler.adapter.load_train_model().named_parameters())
         assert any(not torch.equal(p, base[n]) for n, p in trained.items())
         assert all(torch.equal(served[n], p) for n, p in trained.items())
@@ -215,3 +227,46 @@ def test_trainer_refuses_sglang_server_without_weight_sync(tiny_model_dir, tmp_p
         cfg = load_config("tiny", _trainer_overrides(model_dir, srv.url, tmp_path))
         with pytest.raises(SGLangSyncError, match="update_weights_from_tensor: HTTP 404"):
             Trainer(cfg, rank=0, world=1, device="cpu")
+
+
+def test_payload_labelled_with_gpu_uuid(server, adapter, monkeypatch):
+    """One payload per rank, labelled with its GPU's UUID: SGLang's worker takes the payload
+    whose UUID is its own (prefix and case normalised) and refuses when none is."""
+    from sglang.multimodal_gen.runtime.post_training import gpu_worker_post_training_mixin as mixin
+
+    from trainer.engine import sglang_sync
+
+    monkeypatch.setattr(sglang_sync, "gpu_uuid", lambda device: "GPU-00ab-CD")
+    monkeypatch.setattr(mixin.current_platform, "get_device_uuid", lambda index: "00ab-cd")
+    client = SGLangEngineClient(server.url)
+    model = _bumped(adapter, 0.003)
+    SGLangWeightSync(client).sync(8, model.named_parameters())
+    assert server.scheduler.weight_requests[-2].payload_gpu_uuids == ["GPU-00ab-CD"]
+    monkeypatch.setattr(mixin.current_platform, "get_device_uuid", lambda index: "ffff")
+    with pytest.raises(SGLangSyncError, match="no payload was exported from this worker's GPU"):
+        SGLangWeightSync(client).sync(9, model.named_parameters())
+    assert client.committed_version == 8  # a failed sync never advances the version
+
+
+def test_adapter_sync_is_an_sglang_lora_merge(server, monkeypatch):
+    """LoRA adapter mode: lora_A/lora_B under the layer names SGLang groups by, as a
+    lora_merge update with alpha and rank; SGLang's own refusal (this stand-in pipeline has no
+    LoRA layers) fails the sync."""
+    from trainer.engine import sglang_sync
+
+    sent = []
+    serialize = sglang_sync.serialize_payload
+    monkeypatch.setattr(sglang_sync, "serialize_payload", lambda obj: sent.append(obj)
+                        or serialize(obj))
+    client = SGLangEngineClient(server.url)
+    peft = "base_model.model.transformer_blocks.0.attn.to_q"
+    payload = [(f"{peft}.lora_A.default.weight", torch.randn(4, 16)),
+               (f"{peft}.lora_B.default.weight", torch.zeros(16, 4))]
+    with pytest.raises(SGLangSyncError, match="requires a LoRAPipeline-backed model"):
+        SGLangWeightSync(client, lora=(8, 4)).sync(3, payload, mode="adapter")
+    req = server.scheduler.weight_requests[-1]
+    assert (req.weight_update_mode, req.lora_alpha, req.lora_rank) == ("lora_merge", 8, 4)
+    names = [m.name for m in sent[-1]["transformer"]["metadata"]]
+    # SGLang splits at ".lora_A" / ".lora_B": the layer name must be the model's, unprefixed
+    assert names == ["transformer_blocks.0.attn.to_q.lora_A.default.weight",
+                     "transformer_blocks.0.attn.to_q.lora_B.default.weight"]
