@@ -59,6 +59,12 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
         return exc.code, json.loads(exc.read() or b"{}")
 
 
+def test_installed_sglang_is_the_pinned_version():
+    from importlib.metadata import version
+
+    assert version("sglang") == "0.5.23", "the client is written against 0.5.23's API"
+
+
 def test_sglang_refuses_what_it_lacks(server):
     """Our extra keys are an HTTP 400 from SGLang's own SamplingParams; the client never
     sends them, and preflight names every stock-SGLang gap."""

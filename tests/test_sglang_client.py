@@ -241,3 +241,17 @@ def test_preflight_names_what_stock_sglang_cannot_do():
     ok = load_config("tiny", ["rollout.engine=sglang", 'rollout.sglang_urls=["http://127.0.0.1:9"]',
                               'rollout.sampling={"driver_sigmas": false, "driver_xt": false}'])
     preflight(ok, world_size=1, device="cpu", check_paths=False)
+
+
+def test_ci_and_readme_install_the_pinned_sglang():
+    """CI runs exactly the README's test command, which installs the pinned SGLang without
+    its dependencies (they would replace torch) after the pure-Python ones it imports."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text().splitlines()
+    command = readme[readme.index(next(line for line in readme if line.startswith("# 2."))) + 1]
+    ci = [line for line in (root / ".ci/run").read_text().splitlines() if "pytest" in line]
+    assert ci == [command]
+    assert "-r tests/requirements-sglang.txt" in command
+    assert "pip install --no-deps -c constraints.txt sglang==0.5.23" in command
