@@ -7,9 +7,10 @@ What is SGLang's code here: the FastAPI routers (``rollout_api``, ``weights_api`
 parsing, ``SamplingParams`` validation, per-output slicing, msgpack + tensor tags), the
 request -> ``Req`` preparation, the rollout hooks (``prepare_rollout_if_enabled`` is called
 through the denoising stage's module, where plugins hook it, as SGLang's loop calls it) and
-``FlowRolloutController`` (the SDE step, its log-prob, the [T+1] trajectory, the denoising env), the scheduler/worker post-training
-mixins (payload selection by GPU UUID, ``MultiprocessingSerializer`` + restricted unpickler,
-``WeightsUpdater`` flattened-bucket reconstruction and in-place load, ``TensorUpdateChecker``).
+``FlowRolloutController`` (the SDE step, its log-prob, the [T+1] trajectory, the denoising
+env), the scheduler/worker post-training mixins (payload selection by GPU UUID,
+``MultiprocessingSerializer`` + restricted unpickler, ``WeightsUpdater`` flattened-bucket
+reconstruction and in-place load, ``TensorUpdateChecker``).
 What stands in for SGLang's GPU runtime: ``TinyScheduler`` answers ``async_scheduler_client.
 forward`` with the tiny diffusers model of tests/tiny_models.py (prompt encoding, the
 transformer forward, VAE decode through our adapter; x_T drawn from the request's generators as
@@ -79,7 +80,8 @@ class TinyScheduler:
             def update_weights_from_tensor_checker(inner, req):  # one worker: no TP gather
                 checker = s["tensor_update_checker"].TensorUpdateChecker(inner.pipeline)
                 return checker.verify(target_module=req.target_module,
-                                      expected_named_tensors_sha256=req.expected_named_tensors_sha256)
+                                      expected_named_tensors_sha256=req
+                                      .expected_named_tensors_sha256)
 
         class Scheduler(s["scheduler_post_training_mixin"].SchedulerPostTrainingMixin):
             worker = Worker()
@@ -171,7 +173,8 @@ def build_app(scheduler: TinyScheduler, *, weights_api: bool = True):
     from fastapi import FastAPI
 
     s = _sglang()
-    s["async_scheduler_client"].forward = scheduler.forward  # the process-wide client SGLang uses
+    # SGLang's routers call one process-wide client: one served scheduler at a time
+    s["async_scheduler_client"].forward = scheduler.forward
     app = FastAPI()
     app.include_router(s["rollout_api"].router)
     if weights_api:
@@ -186,9 +189,12 @@ def serve_sglang(model_dir, *, weights_api: bool = True):
     import uvicorn
 
     s = _sglang()
+    client = s["async_scheduler_client"]
+    previous = client.__dict__.get("forward")  # an outer serve_sglang's scheduler, if any
     # SGLang's native Qwen-Image configs (task T2I, QwenImageSamplingParams), as a server
     # launched on a Qwen-Image checkpoint resolves them
-    server_args = s["ServerArgs"](model_path=str(model_dir), pipeline_class_name="QwenImagePipeline")
+    server_args = s["ServerArgs"](model_path=str(model_dir),
+                                  pipeline_class_name="QwenImagePipeline")
     server_args.pipeline_config = s["QwenImagePipelineConfig"]()
     s["set_global_server_args"](server_args)
     scheduler = TinyScheduler(model_dir, server_args)
@@ -210,3 +216,7 @@ def serve_sglang(model_dir, *, weights_api: bool = True):
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
+        if previous is None:
+            client.__dict__.pop("forward", None)
+        else:
+            client.forward = previous

@@ -168,14 +168,16 @@ def test_sglang_answers_map_onto_our_schema():
                                                to_sglang_requests)
 
     steps, sde = 5, [1, 3]
-    request = {"prompt": ["a", "b"], "seed": 9, "width": 16, "height": 16, "num_inference_steps": steps,
+    request = {"prompt": ["a", "b"], "seed": 9, "width": 16, "height": 16,
+               "num_inference_steps": steps,
                "guidance_scale": 1.0, "rollout_sde_type": "sde", "rollout_noise_level": 0.7,
                "rollout_sde_step_indices": sde,
                "extra_sampling_params": {"sample_ids": ["s0", "s1"], "group_index": [0, 1],
                                          "model_family": "qwen_image"}}
     bodies = to_sglang_requests(request)
     assert [b["prompt"] for b in bodies] == ["a", "b"]
-    assert all(b["num_outputs_per_prompt"] == 1 and "extra_sampling_params" not in b for b in bodies)
+    assert all(b["num_outputs_per_prompt"] == 1 and "extra_sampling_params" not in b
+               for b in bodies)
     answers = [[_sglang_output(steps, b["seed"])] for b in bodies]
     out = to_schema_response(answers, bodies, request)
     lat = out["dit_trajectory"]["latents"]
@@ -228,7 +230,8 @@ def test_preflight_names_what_stock_sglang_cannot_do():
     from trainer.config import ConfigError, load_config
     from trainer.preflight import preflight
 
-    cfg = load_config("tiny", ["rollout.engine=sglang", 'rollout.sglang_urls=["http://127.0.0.1:9"]',
+    cfg = load_config("tiny", ["rollout.engine=sglang",
+                               'rollout.sglang_urls=["http://127.0.0.1:9"]',
                                'rollout.sampling={"sde_type": "dance", "driver_sigmas": true}',
                                "rollout.sglang_weight_sync=ftp", "rollout.sglang_concurrency=0"])
     with pytest.raises(ConfigError) as info:

@@ -22,8 +22,6 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import torch
-
 from trainer.engine.client import EngineError
 from trainer.engine.core import EngineStateError
 from trainer.engine.sglang_rollout import decode_tensors, to_schema_response, to_sglang_requests
@@ -46,8 +44,9 @@ class SGLangEngineClient:
     ``embedded``: the server is the embedded engine's HTTP mode (one batched JSON request);
     None decides on first use from ``/health``. ``concurrency``: SGLang requests (one per
     candidate) in flight at once. ``extension``: the server loads
-    ``trainer.engine.sglang_extension`` (driver x_T and step noise, ``dance``). ``timeout_s`` bounds each call. ``committed_version`` is the
-    weight version the trainer's sync last verified on this server (None: never synced).
+    ``trainer.engine.sglang_extension`` (driver x_T and step noise, ``dance``). ``timeout_s``
+    bounds each call. ``committed_version`` is the weight version the trainer's sync last
+    verified on this server (None: never synced).
     """
 
     def __init__(self, base_url: str, *, timeout_s: float = 600.0, embedded: bool | None = None,
@@ -95,7 +94,11 @@ class SGLangEngineClient:
         if msgpack:  # SGLang's rollout answer: tensors as tagged safetensors blobs
             import msgspec
             return decode_tensors(msgspec.msgpack.decode(raw))
-        return from_wire(json.loads(raw))
+        try:
+            return from_wire(json.loads(raw))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise EngineError(f"{method} {path} answered neither JSON nor msgpack: "
+                              f"{raw[:200]!r}") from None
 
     def _is_embedded(self) -> bool:
         if self.embedded is None:

@@ -146,7 +146,8 @@ def decode_tensors(obj: Any) -> Any:
 
 
 def _images_uint8(images: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """SGLang's per-output image (float [0, 1], channels first, maybe a frame axis) -> [H, W, 3] uint8."""
+    """SGLang's per-output image (float [0, 1], channels first, maybe a frame axis) ->
+    [H, W, 3] uint8."""
     x = images
     if x.dim() == 4 and x.shape[1] == 1:  # [C, F=1, H, W]
         x = x[:, 0]
@@ -208,7 +209,8 @@ def _one_output(entry: Mapping[str, Any], sent: Mapping[str, Any], indices: list
         problems.append(f"{where}: {exc}")
         return None
     idx = torch.tensor(indices, dtype=torch.long)
-    return {"logp": logp.reshape(-1).float()[idx], "pairs": torch.stack([lat[idx], lat[idx + 1]], 1),
+    return {"logp": logp.reshape(-1).float()[idx],
+            "pairs": torch.stack([lat[idx], lat[idx + 1]], 1),
             "timesteps": ts.reshape(-1)[:steps].float(), "sigmas": sig.reshape(-1).float(),
             "cond": cond, "image": image}
 

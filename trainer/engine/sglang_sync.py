@@ -148,8 +148,9 @@ class SGLangWeightSync:
     ``transport``: "tensor" (``/update_weights_from_tensor``, flattened buckets of at most
     ``bucket_bytes``) or "disk" (write ``<disk_dir>/transformer/model.safetensors`` and call
     ``/update_weights_from_disk``). ``dtype``: floating tensors are sent in the server's
-    dtype (the checker hashes dtype and bytes as the server holds them). ``lora``: ``(alpha, rank)`` for the adapter sync mode, whose
-    steps after the first go as ``lora_merge`` updates. Every sync but a ``lora_merge`` one is
+    dtype (the checker hashes dtype and bytes as the server holds them). ``lora``:
+    ``(alpha, rank)`` for the adapter sync mode, whose steps after the first go as
+    ``lora_merge`` updates. Every sync but a ``lora_merge`` one is
     checked with ``/update_weights_from_tensor_checker``; only then does ``client.
     committed_version`` advance, so a rollout from unverified weights fails the driver's check.
     """
@@ -183,7 +184,7 @@ class SGLangWeightSync:
         if lora_merge and self.lora is None:
             raise SGLangSyncError("an adapter-mode sync needs lora=(alpha, rank)")
         stats, digests = SGLangSyncStats(), {}
-        named = ((n[len(_PEFT_PREFIX):] if n.startswith(_PEFT_PREFIX) else n, t) for n, t in payload)
+        named = ((n.removeprefix(_PEFT_PREFIX), t) for n, t in payload)
         if self.transport == "disk":
             tensors = {n: t.contiguous() for bucket in _buckets(named, 1 << 62, self.dtype)
                        for n, t in bucket}
