@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import socket
 import threading
@@ -220,3 +221,26 @@ def serve_sglang(model_dir, *, weights_api: bool = True):
             client.__dict__.pop("forward", None)
         else:
             client.forward = previous
+
+
+def trainer_overrides(model_dir, url: str, tmp_path, sampling: dict | None = None) -> list[str]:
+    """Config overrides of a tiny Qwen-Image run against the SGLang server at ``url``."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"a red panda number {i}",
+                                             "metadata": {"sample_id": f"p{i:03d}"}})
+                                 for i in range(8)))
+    sampling = {"height": 32, "width": 32, "num_inference_steps": 4, "eta": 0.7,
+                "driver_sigmas": False, "driver_xt": False, "guidance_scale": 1.0,
+                "sde_type": "sde", "sde_indices": [1, 2], "sde_pool": [1, 2, 3],
+                "num_sde_steps": 2, **(sampling or {})}
+    return ["model.adapter_path=trainer.models.qwen_image.QwenImageAdapter",
+            f"model.model_path={model_dir}", "rollout.engine=sglang",
+            f"rollout.sglang_urls={json.dumps([url])}", f"rollout.sampling={json.dumps(sampling)}",
+            "reward.scorer_path=trainer.rewards.jpeg.JpegCompressibilityScorer",
+            "reward.required_components=[]", "reward.component_weights={}",
+            f"data.prompt_data={prompts}", "data.eval_prompt_data=none",
+            f"logging.run_dir={tmp_path / 'run'}", "logging.progress=false",
+            "logging.tensorboard=false", "rollout.write_artifacts=false",
+            "rollout.rollout_batch_size=1", "rollout.n_samples_per_prompt=4",
+            "rollout.global_batch_size=none", "train.num_rollouts=2",
+            "train.micro_batch_size=2", "train.lr=1e-3"]

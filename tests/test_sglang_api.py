@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("sglang.multimodal_gen", reason="install tests/requirements-sglang.txt and "
                     "sglang==0.5.23 --no-deps (README's test command)")
 
-from sglang_fixtures import serve_sglang  # noqa: E402
+from sglang_fixtures import serve_sglang, trainer_overrides  # noqa: E402
 
 from trainer.engine.sglang_client import SGLangEngineClient  # noqa: E402
 from trainer.engine.sglang_rollout import sample_seed, stock_problems  # noqa: E402
@@ -159,26 +159,6 @@ def test_weight_sync_changes_served_weights(server, adapter, transport, tmp_path
     assert not torch.equal(after["images"], before["images"])
 
 
-def _trainer_overrides(model_dir, url: str, tmp_path) -> list[str]:
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps({"prompt": f"a red panda number {i}",
-                                             "metadata": {"sample_id": f"p{i:03d}"}})
-                                 for i in range(8)))
-    sampling = {**SAMPLING, "guidance_scale": 1.0, "sde_type": "sde", "sde_indices": [1, 2],
-                "sde_pool": [1, 2, 3], "num_sde_steps": 2}
-    return ["model.adapter_path=trainer.models.qwen_image.QwenImageAdapter",
-            f"model.model_path={model_dir}", "rollout.engine=sglang",
-            f"rollout.sglang_urls={json.dumps([url])}", f"rollout.sampling={json.dumps(sampling)}",
-            "reward.scorer_path=trainer.rewards.jpeg.JpegCompressibilityScorer",
-            "reward.required_components=[]", "reward.component_weights={}",
-            f"data.prompt_data={prompts}", "data.eval_prompt_data=none",
-            f"logging.run_dir={tmp_path / 'run'}", "logging.progress=false",
-            "logging.tensorboard=false", "rollout.write_artifacts=false",
-            "rollout.rollout_batch_size=1", "rollout.n_samples_per_prompt=4",
-            "rollout.global_batch_size=none", "train.num_rollouts=2",
-            "train.micro_batch_size=2", "train.lr=1e-3"]
-
-
 LORA = ["lora.rank=4", "lora.alpha=8", "fsdp.trainable_mode=lora", "train.lr=3e-2"]
 
 
@@ -193,7 +173,7 @@ def test_trainer_step_through_sglang_syncs_the_served_weights(server, tiny_model
     from trainer.loop import Trainer
     from trainer.preflight import preflight
 
-    cfg = load_config("tiny", _trainer_overrides(tiny_model_dir("qwen_image"), server.url,
+    cfg = load_config("tiny", trainer_overrides(tiny_model_dir("qwen_image"), server.url,
                                                  tmp_path) + (LORA if lora else []))
     preflight(cfg, world_size=1, device="cpu")
     trainer = Trainer(cfg, rank=0, world=1, device="cpu")
@@ -230,7 +210,7 @@ def test_trainer_refuses_sglang_server_without_weight_sync(tiny_model_dir, tmp_p
 
     model_dir = tiny_model_dir("qwen_image")
     with serve_sglang(model_dir, weights_api=False) as srv:
-        cfg = load_config("tiny", _trainer_overrides(model_dir, srv.url, tmp_path))
+        cfg = load_config("tiny", trainer_overrides(model_dir, srv.url, tmp_path))
         with pytest.raises(SGLangSyncError, match="update_weights_from_tensor: HTTP 404"):
             Trainer(cfg, rank=0, world=1, device="cpu")
 
@@ -276,3 +256,14 @@ def test_adapter_sync_is_an_sglang_lora_merge(server, monkeypatch):
     # SGLang splits at ".lora_A" / ".lora_B": the layer name must be the model's, unprefixed
     assert names == ["transformer_blocks.0.attn.to_q.lora_A.default.weight",
                      "transformer_blocks.0.attn.to_q.lora_B.default.weight"]
+
+
+def test_trainer_refuses_a_family_the_client_cannot_map(tiny_model_dir, tmp_path):
+    from trainer.config import load_config
+    from trainer.loop import Trainer
+
+    model_dir = tiny_model_dir("sd3")
+    overrides = trainer_overrides(model_dir, "http://127.0.0.1:9", tmp_path)
+    overrides[0] = "model.adapter_path=trainer.models.sd3.SD3Adapter"
+    with pytest.raises(ValueError, match="model family 'sd3': the SGLang client maps"):
+        Trainer(load_config("tiny", overrides), rank=0, world=1, device="cpu")

@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("sglang.multimodal_gen", reason="install tests/requirements-sglang.txt and "
                     "sglang==0.5.23 --no-deps (README's test command)")
 
-from sglang_fixtures import serve_sglang  # noqa: E402
+from sglang_fixtures import serve_sglang, trainer_overrides  # noqa: E402
 
 from trainer.engine.sglang_client import SGLangEngineClient  # noqa: E402
 
@@ -103,3 +103,29 @@ def test_malformed_block_is_a_400(server):
     assert info.value.code == 400
     detail = json.loads(info.value.read())["detail"]
     assert "unknown key 'colour'" in detail and "missing 'noise_recipe'" in detail
+
+
+def test_trainer_step_with_the_extension(server, tiny_model_dir, tmp_path):
+    """rollout.sglang_extension: a training step with dance and the driver's noise through
+    SGLang; every candidate starts from the driver's x_T and the replay matches."""
+    from trainer.config import load_config
+    from trainer.loop import Trainer
+    from trainer.preflight import preflight
+
+    sampling = {"driver_xt": True, "sde_type": "dance", "sde_indices": [0, 2],
+                "sde_pool": [0, 1, 2], "sde_resample_per_rollout": False}
+    overrides = trainer_overrides(tiny_model_dir("qwen_image"), server.url, tmp_path, sampling)
+    cfg = load_config("tiny", overrides + ["rollout.sglang_extension=true"])
+    preflight(cfg, world_size=1, device="cpu")
+    trainer = Trainer(cfg, rank=0, world=1, device="cpu")
+    try:
+        batch = trainer.rollout(0)
+        assert batch.sde_indices[0] == 0
+        x_t = trainer.adapter.initial_latents(batch.sample_ids, 32, 32,
+                                              seed=cfg.rollout.generation_seed)
+        assert torch.equal(batch.latents[:, 0], x_t)
+        metrics = trainer.train_step(1)
+        assert metrics["train/logp_parity"] < 2e-4
+        assert trainer.engine.committed_version == trainer.policy_version == 1
+    finally:
+        trainer.close()

@@ -129,7 +129,8 @@ class Trainer:
             os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by the engine process
         if cfg.rollout.engine == "sglang":
             from trainer.engine.sglang_sync import connect_sglang
-            self.engine, self.sender = connect_sglang(cfg, self.rank, self.run_dir)
+            self.engine, self.sender = connect_sglang(cfg, self.rank, self.run_dir,
+                                                      self.adapter)
         else:
             send_end, recv_end = ipc.channel_pair()
             self.engine = launch_embedded_engine(

@@ -281,14 +281,21 @@ def sglang_config_problems(cfg: Any) -> list[str]:
     return problems
 
 
-def connect_sglang(cfg: Any, rank: int, run_dir: str | Path) -> tuple[Any, SGLangWeightSync]:
+def connect_sglang(cfg: Any, rank: int, run_dir: str | Path, adapter: Any
+                   ) -> tuple[Any, SGLangWeightSync]:
     """(client, sender) for this rank's SGLang server: an SGLang run always has a sender, so
     the server can never keep serving the base weights while the actor trains. The loop's
     first sync (at construction) fails, and with it the run, if the server cannot take one."""
     from trainer.engine.sglang_client import SGLangEngineClient
 
+    from trainer.engine.sglang_rollout import CONDITION_MAP
+
     r = cfg.rollout
     problems = sglang_config_problems(cfg)
+    family = getattr(adapter, "family", None)
+    if family not in CONDITION_MAP:
+        problems.append(f"model family {family!r}: the SGLang client maps the denoising env of "
+                        f"{sorted(CONDITION_MAP)} only (trainer/engine/README.md)")
     if problems:
         raise ValueError("engine 'sglang':\n  - " + "\n  - ".join(problems))
     client = SGLangEngineClient(r.sglang_urls[rank], embedded=False,
