@@ -25,14 +25,43 @@ import os
 import socket
 import threading
 import time
+import warnings
 
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+@contextlib.contextmanager
+def _process_state_kept():
+    """Importing SGLang sets cache-directory environment variables and warning filters: put
+    both back, so the rest of the suite runs as it would without SGLang installed."""
+    environ = dict(os.environ)
+    try:
+        with warnings.catch_warnings():
+            yield
+    finally:
+        for key in set(os.environ) - set(environ):
+            del os.environ[key]
+        os.environ.update(environ)
+
+
+def require_sglang() -> None:
+    """Skip the calling test module unless the pinned SGLang is installed."""
+    import pytest
+
+    with _process_state_kept():
+        pytest.importorskip("sglang.multimodal_gen", reason="install tests/requirements-sglang."
+                            "txt, then sglang==0.5.23 with --no-deps (README's test command)")
+
+
 def _sglang():
     """SGLang's modules (importing them takes ~20 s: done once, lazily)."""
+    with _process_state_kept():
+        return _import_sglang()
+
+
+def _import_sglang():
     from sglang.multimodal_gen.configs.pipeline_configs.qwen_image import QwenImagePipelineConfig
     from sglang.multimodal_gen.runtime.entrypoints.post_training import (io_struct, rollout_api,
                                                                           weights_api)
@@ -47,6 +76,19 @@ def _sglang():
     from sglang.multimodal_gen.runtime.scheduler_client import async_scheduler_client
     from sglang.multimodal_gen.runtime.server_args import ServerArgs, set_global_server_args
     return locals()
+
+
+def restore_torch_reductions() -> None:
+    """Undo SGLang's ``monkey_patch_torch_reductions`` (its worker applies it on every tensor
+    update): the patched reducer assumes CUDA tensors and breaks pickling CPU tensors, which
+    the rest of the suite does through torch.multiprocessing."""
+    from torch.multiprocessing import reductions
+
+    if hasattr(reductions, "_reduce_tensor_original"):
+        reductions.reduce_tensor = reductions._reduce_tensor_original
+        reductions.rebuild_cuda_tensor = reductions._rebuild_cuda_tensor_original
+        del reductions._reduce_tensor_original, reductions._rebuild_cuda_tensor_original
+        reductions.init_reductions()
 
 
 class _Pipeline:
@@ -199,6 +241,9 @@ def serve_sglang(model_dir, *, weights_api: bool = True):
     server_args.pipeline_config = s["QwenImagePipelineConfig"]()
     s["set_global_server_args"](server_args)
     scheduler = TinyScheduler(model_dir, server_args)
+    strategy = torch.multiprocessing.get_sharing_strategy()
+    # CPU tensors travel SGLang's payload through torch's reductions in shared-memory files
+    torch.multiprocessing.set_sharing_strategy("file_system")
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -221,6 +266,8 @@ def serve_sglang(model_dir, *, weights_api: bool = True):
             client.__dict__.pop("forward", None)
         else:
             client.forward = previous
+        restore_torch_reductions()
+        torch.multiprocessing.set_sharing_strategy(strategy)
 
 
 def trainer_overrides(model_dir, url: str, tmp_path, sampling: dict | None = None) -> list[str]:

@@ -14,15 +14,15 @@ import urllib.request
 import pytest
 import torch
 
-pytest.importorskip("sglang.multimodal_gen", reason="install tests/requirements-sglang.txt and "
-                    "sglang==0.5.23 --no-deps (README's test command)")
+from sglang_fixtures import (require_sglang, restore_torch_reductions, serve_sglang,
+                             trainer_overrides)
 
-from sglang_fixtures import serve_sglang, trainer_overrides  # noqa: E402
+from trainer.engine.sglang_client import SGLangEngineClient
+from trainer.engine.sglang_rollout import sample_seed, stock_problems
+from trainer.engine.sglang_sync import (SGLangSyncError, SGLangWeightSync, serialize_payload,
+                                        tensor_sha256)
 
-from trainer.engine.sglang_client import SGLangEngineClient  # noqa: E402
-from trainer.engine.sglang_rollout import sample_seed, stock_problems  # noqa: E402
-from trainer.engine.sglang_sync import (SGLangSyncError, SGLangWeightSync,  # noqa: E402
-                                        serialize_payload, tensor_sha256)
+require_sglang()
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("torch_single_thread")]
 
@@ -34,7 +34,6 @@ IDS = ["prompt:1:sample:0", "prompt:1:sample:1", "prompt:2:sample:0", "prompt:2:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    torch.multiprocessing.set_sharing_strategy("file_system")  # CPU tensors through reductions
     with serve_sglang(tiny_model_dir("qwen_image")) as srv:
         yield srv
 
@@ -117,11 +116,16 @@ def test_payload_reads_back_through_sglang_deserializer():
 
     from trainer.engine.sglang_sync import flattened_bucket
 
+    strategy = torch.multiprocessing.get_sharing_strategy()
     torch.multiprocessing.set_sharing_strategy("file_system")
     named = [("a.weight", torch.randn(3, 4)), ("b.bias", torch.arange(5, dtype=torch.bfloat16))]
-    monkey_patch_torch_reductions()
-    got = MultiprocessingSerializer.deserialize(serialize_payload({"transformer":
-                                                                   flattened_bucket(named)}))
+    monkey_patch_torch_reductions()  # as SGLang's worker does before deserializing
+    try:
+        bucket = flattened_bucket(named)
+        got = MultiprocessingSerializer.deserialize(serialize_payload({"transformer": bucket}))
+    finally:
+        restore_torch_reductions()
+        torch.multiprocessing.set_sharing_strategy(strategy)
     meta = got["transformer"]["metadata"]
     flat = got["transformer"]["flattened_tensor"]
     for (name, t), m in zip(named, meta):

@@ -12,12 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("sglang.multimodal_gen", reason="install tests/requirements-sglang.txt and "
-                    "sglang==0.5.23 --no-deps (README's test command)")
+from sglang_fixtures import require_sglang, serve_sglang, trainer_overrides
 
-from sglang_fixtures import serve_sglang, trainer_overrides  # noqa: E402
+from trainer.engine.sglang_client import SGLangEngineClient
 
-from trainer.engine.sglang_client import SGLangEngineClient  # noqa: E402
+require_sglang()
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("torch_single_thread")]
 
@@ -28,13 +27,13 @@ PROMPTS = ["a red panda"] * 2
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    from sglang.multimodal_gen.runtime.platforms.plugins import HookRegistry
-
-    from trainer.engine import sglang_extension
-
-    sglang_extension.register()  # what SGLang's plugin loader calls for SGLANG_PLUGINS=flowgrpo
-    HookRegistry.apply_hooks()
     with serve_sglang(tiny_model_dir("qwen_image")) as srv:
+        from sglang.multimodal_gen.runtime.platforms.plugins import HookRegistry
+
+        from trainer.engine import sglang_extension
+
+        sglang_extension.register()  # what SGLang's loader calls for SGLANG_PLUGINS=flowgrpo
+        HookRegistry.apply_hooks()
         yield srv
 
 
