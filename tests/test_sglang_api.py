@@ -90,6 +90,8 @@ def test_rollout_packs_and_replays_with_ratio_one(server, adapter):
     sent = server.scheduler.requests[seen:]
     # one output per SGLang request, each seeded from its sample id (distinct noise)
     assert [r.num_outputs_per_prompt for r in sent] == [1] * 4
+    # SGLang's Qwen-Image defaults to CFG (guidance 4.0): the request turns it off
+    assert not any(r.sampling_params.should_use_classifier_free_guidance() for r in sent)
     assert sorted(r.seed for r in sent) == sorted(sample_seed(7, i) for i in IDS)
     assert len({r.seed for r in sent}) == 4
     batch = adapter.pack_trajectory(response, request)
@@ -271,3 +273,15 @@ def test_trainer_refuses_a_family_the_client_cannot_map(tiny_model_dir, tmp_path
     overrides[0] = "model.adapter_path=trainer.models.sd3.SD3Adapter"
     with pytest.raises(ValueError, match="model family 'sd3': the SGLang client maps"):
         Trainer(load_config("tiny", overrides), rank=0, world=1, device="cpu")
+
+
+def test_checker_catches_an_update_sglang_skipped(server, adapter):
+    """SGLang's loader skips (with a log line) a tensor whose name the module lacks and still
+    reports success: only the checker shows that the served weights did not change."""
+    client = SGLangEngineClient(server.url)
+    model = _bumped(adapter, 0.002)
+    renamed = [("renamed." + n if i == 0 else n, p)
+               for i, (n, p) in enumerate(model.named_parameters())]
+    with pytest.raises(SGLangSyncError, match="missing 1 tensor"):
+        SGLangWeightSync(client).sync(11, renamed)
+    assert client.committed_version != 11

@@ -114,7 +114,9 @@ def to_sglang_requests(request: Mapping[str, Any], *, extension: bool = False
     common = {
         "seed": None, "width": int(request["width"]), "height": int(request["height"]),
         "num_inference_steps": int(request["num_inference_steps"]), "num_outputs_per_prompt": 1,
-        "guidance_scale": float(request.get("guidance_scale", 1.0)), "rollout": True,
+        # both CFG knobs at 1.0: SGLang's Qwen-Image defaults to guidance 4.0 (CFG on)
+        "guidance_scale": float(request.get("guidance_scale", 1.0)), "true_cfg_scale": 1.0,
+        "rollout": True,
         "rollout_sde_type": request["rollout_sde_type"],
         "rollout_noise_level": float(request["rollout_noise_level"]),
         "rollout_sde_step_indices": [int(i) for i in request["rollout_sde_step_indices"]],
