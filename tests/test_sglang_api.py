@@ -285,3 +285,25 @@ def test_checker_catches_an_update_sglang_skipped(server, adapter):
     with pytest.raises(SGLangSyncError, match="missing 1 tensor"):
         SGLangWeightSync(client).sync(11, renamed)
     assert client.committed_version != 11
+
+
+def test_full_sync_of_a_peft_model_splits_base_and_adapter(server, adapter):
+    """The first sync of the LoRA adapter mode: base weights under the served names as a
+    checked plain update, then lora_A/lora_B as lora_merge (refused by this stand-in)."""
+    from peft import LoraConfig, get_peft_model
+
+    client = SGLangEngineClient(server.url)
+    model = get_peft_model(_bumped(adapter, 0.001), LoraConfig(r=2, lora_alpha=4,
+                                                                target_modules=["to_q"]))
+    seen = len(server.scheduler.weight_requests)
+    with pytest.raises(SGLangSyncError, match="requires a LoRAPipeline-backed model"):
+        SGLangWeightSync(client, lora=(4, 2)).sync(12, model.named_parameters())
+    kinds = [(type(r).__name__, getattr(r, "weight_update_mode", None))
+             for r in server.scheduler.weight_requests[seen:]]
+    assert kinds == [("UpdateWeightFromTensorReqInput", None),
+                     ("UpdateWeightFromTensorCheckerReqInput", None),
+                     ("UpdateWeightFromTensorReqInput", "lora_merge")]
+    served = dict(server.scheduler.transformer.named_parameters())
+    base = {n.removeprefix("base_model.model.").replace(".base_layer.", "."): p
+            for n, p in model.named_parameters() if ".lora_" not in n}
+    assert set(base) == set(served) and all(torch.equal(served[n], p) for n, p in base.items())

@@ -126,6 +126,18 @@ def _materialize(t: Any) -> torch.Tensor:
     return t.detach()
 
 
+def _split_lora(payload: Iterable[tuple[str, Any]], into: list | None):
+    """Names as the served module has them: the peft prefix and ``.base_layer`` dropped.
+    ``into`` (a list) collects the LoRA tensors instead of yielding them: a full sync of a peft
+    model sends its base weights as a plain update and its adapter as ``lora_merge``."""
+    for name, t in payload:
+        name = name.removeprefix(_PEFT_PREFIX)
+        if into is not None and ".lora_" in name:
+            into.append((name, t))
+            continue
+        yield name.replace(".base_layer.", "."), t
+
+
 def _buckets(named: Iterable[tuple[str, Any]], bucket_bytes: int, dtype: torch.dtype | None):
     bucket, size = [], 0
     for name, t in named:
@@ -184,7 +196,8 @@ class SGLangWeightSync:
         if lora_merge and self.lora is None:
             raise SGLangSyncError("an adapter-mode sync needs lora=(alpha, rank)")
         stats, digests = SGLangSyncStats(), {}
-        named = ((n.removeprefix(_PEFT_PREFIX), t) for n, t in payload)
+        lora_tensors: list[tuple[str, Any]] = []
+        named = _split_lora(payload, into=None if lora_merge else lora_tensors)
         if self.transport == "disk":
             tensors = {n: t.contiguous() for bucket in _buckets(named, 1 << 62, self.dtype)
                        for n, t in bucket}
@@ -204,6 +217,12 @@ class SGLangWeightSync:
         stats.timings["write"] = time.perf_counter() - start
         if digests:
             self._check(digests, version)
+        if lora_tensors:  # a peft model's full sync: the adapter goes as SGLang's lora_merge
+            if self.lora is None:
+                raise SGLangSyncError("the payload holds LoRA tensors but no lora=(alpha, rank)")
+            for bucket in _buckets(lora_tensors, self.bucket_bytes, self.dtype):
+                self._post_bucket(bucket, True)
+                stats.tensors += len(bucket)
         stats.timings["verify"] = time.perf_counter() - start - stats.timings["write"]
         self.client.committed_version = int(version)
         stats.seconds = time.perf_counter() - start
