@@ -224,7 +224,9 @@ ALLOWED = [
     ("remote_without_scorer", ["reward.scorer_path=none", "reward.runtime=remote",
                                "reward.endpoint=http://127.0.0.1:9000/score"], {}),
     ("sglang_one_url_per_rank", ["rollout.engine=sglang",
-                                 'rollout.sglang_urls=["http://a:1", "http://b:1"]'],
+                                 'rollout.sglang_urls=["http://a:1", "http://b:1"]',
+                                 # stock SGLang: its own sigmas and noise (see test_sglang_client)
+                                 'rollout.sampling={"driver_sigmas": false, "driver_xt": false}'],
      {"world_size": 2}),
     ("eval_disabled_ignores_eval_keys", ["data.eval_prompt_data=none",
                                          "data.n_samples_per_eval_prompt=0"], {}),

@@ -1,6 +1,7 @@
-"""HTTP mode of the embedded engine through ``SGLangEngineClient``: schema round trip in both
-request forms (batched, and SGLang's single-prompt list form), 4xx with every problem named,
-state endpoints, weight reload from disk, and merging SGLang-style per-output answers."""
+"""HTTP mode of the embedded engine through ``SGLangEngineClient`` (one batched JSON request),
+4xx with every problem named, state endpoints, weight reload from disk; and the mapping of
+SGLang 0.5.23's per-output answers onto our schema (no SGLang install needed here; the real
+HTTP layer is exercised in tests/test_sglang_api.py)."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,6 @@ import torch
 from engine_fixtures import ADAPTER_PATH, FixtureAdapter, build_fixture_model_dir, make_request
 from trainer.engine import (EngineRequestError, EngineStateError, SGLangEngineClient,
                             launch_embedded_engine)
-from trainer.engine.sglang_client import merge_outputs
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -53,27 +53,15 @@ def _assert_same_response(a, b):
         assert torch.equal(a["denoising_env"][key], b["denoising_env"][key]), key
 
 
-@pytest.mark.parametrize("batch_prompts", [None, False])
-def test_schema_round_trip_equals_in_process(served, batch_prompts):
+def test_schema_round_trip_equals_in_process(served):
     engine, adapter, _ = served
     request = make_request(adapter, PROMPTS, IDS)
-    remote = SGLangEngineClient(engine.http_url, batch_prompts=batch_prompts)
+    remote = SGLangEngineClient(engine.http_url)
     via_http = remote.generate(request)
-    if batch_prompts is False:  # one request per group: compare with the same batches in-process
-        parts = [engine.generate(make_request(adapter, PROMPTS[i:i + 2], IDS[i:i + 2]))
-                 for i in (0, 2)]
-        direct = {**parts[0], "sample_ids": IDS,
-                  **{k: torch.cat([p[k] for p in parts]) for k in ("rollout_log_probs", "images")},
-                  "dit_trajectory": {**parts[0]["dit_trajectory"], "latents": torch.cat(
-                      [p["dit_trajectory"]["latents"] for p in parts])},
-                  "denoising_env": {k: torch.cat([p["denoising_env"][k] for p in parts])
-                                    for k in parts[0]["denoising_env"]}}
-    else:
-        direct = engine.generate(request)
-    _assert_same_response(direct, via_http)
+    _assert_same_response(engine.generate(request), via_http)
     adapter.validate_rollout_response(via_http, request)
     # auto-detection: the embedded engine identifies itself, so one batched POST is used
-    assert remote.batch_prompts is (batch_prompts is not False)
+    assert remote.embedded is True
 
 
 def test_raw_json_response_validates_with_the_adapter(served):
@@ -153,28 +141,72 @@ def test_update_weights_from_disk_over_http(served, tmp_path):
         remote.update_weights_from_disk(str(model_dir))
 
 
-def test_merge_outputs_slices_sglang_full_chains():
-    """A stock SGLang answer: one entry per output, the full [N+1] chain, per-step log-probs."""
+def _sglang_output(steps: int, seed: int, *, env: bool = True) -> dict:
+    """One per-output entry as SGLang 0.5.23 answers it (tensors already decoded)."""
+    out = {"request_id": "r", "prompt": "p", "seed": seed,
+           "generated_output": torch.rand(3, 16, 16),
+           "rollout_log_probs": torch.randn(steps),
+           "dit_trajectory": {"latents": torch.randn(steps + 1, 4, 8),
+                              "timesteps": torch.linspace(1000, 0, steps + 1),
+                              "sigmas": torch.linspace(1, 0, steps + 1)},
+           "denoising_env": None}
+    if env:
+        tokens = 3 + seed % 2
+        # SGLang sends no mask when every token is real (a one-prompt request); test both forms
+        mask = torch.ones(tokens, dtype=torch.bool) if seed % 2 else None
+        out["denoising_env"] = {"image_kwargs": None, "neg_cond_kwargs": None, "guidance": None,
+                                "pos_cond_kwargs": {"encoder_hidden_states": torch.randn(tokens, 6),
+                                                    "encoder_hidden_states_mask": mask,
+                                                    "txt_seq_lens": [tokens]}}
+    return out
+
+
+def test_sglang_answers_map_onto_our_schema():
+    """[T+1] chains sliced into SDE pairs, [T] log-probs picked, [T+1] timesteps cut to T,
+    pos_cond_kwargs renamed (and padded) per family, float images -> uint8."""
+    from trainer.engine.sglang_rollout import (SGLangResponseError, to_schema_response,
+                                               to_sglang_requests)
+
     steps, sde = 5, [1, 3]
-    chain = [torch.randn(steps + 1, 4, 16) for _ in range(2)]
-    logp = [torch.randn(steps) for _ in range(2)]
-    entries = [{"request_id": f"r-{b}", "prompt": "p", "seed": 3, "sample_id": f"s{b}",
-                "generated_output": torch.full((8, 8, 3), b, dtype=torch.uint8),
-                "rollout_log_probs": {"log_probs": logp[b]},
-                "dit_trajectory": {"latents": chain[b], "timesteps": torch.arange(steps) * 1.0,
-                                   "sigmas": torch.linspace(1, 0, steps + 1)},
-                "denoising_env": {"pos_cond_kwargs": {"prompt_embeds": torch.ones(3, 2) * b}},
-                "sde_indices": sde, "height": 8, "width": 8} for b in range(2)]
-    merged = merge_outputs(entries, {"rollout_sde_step_indices": sde})
-    assert merged["sample_ids"] == ["s0", "s1"]
-    assert merged["dit_trajectory"]["latents"].shape == (2, 2, 2, 4, 16)
+    request = {"prompt": ["a", "b"], "seed": 9, "width": 16, "height": 16,
+               "num_inference_steps": steps,
+               "guidance_scale": 1.0, "rollout_sde_type": "sde", "rollout_noise_level": 0.7,
+               "rollout_sde_step_indices": sde,
+               "extra_sampling_params": {"sample_ids": ["s0", "s1"], "group_index": [0, 1],
+                                         "model_family": "qwen_image"}}
+    bodies = to_sglang_requests(request)
+    assert [b["prompt"] for b in bodies] == ["a", "b"]
+    assert all(b["num_outputs_per_prompt"] == 1 and "extra_sampling_params" not in b
+               for b in bodies)
+    answers = [[_sglang_output(steps, b["seed"])] for b in bodies]
+    out = to_schema_response(answers, bodies, request)
+    lat = out["dit_trajectory"]["latents"]
+    assert lat.shape == (2, 2, 2, 4, 8)
     for b in range(2):
+        chain = answers[b][0]["dit_trajectory"]["latents"]
         for k, i in enumerate(sde):
-            assert torch.equal(merged["dit_trajectory"]["latents"][b, k, 0], chain[b][i])
-            assert torch.equal(merged["dit_trajectory"]["latents"][b, k, 1], chain[b][i + 1])
-            assert merged["rollout_log_probs"][b, k] == logp[b][i]
-    assert merged["images"].shape == (2, 8, 8, 3)
-    assert torch.equal(merged["denoising_env"]["prompt_embeds"][1], torch.ones(3, 2))
+            assert torch.equal(lat[b, k, 0], chain[i]) and torch.equal(lat[b, k, 1], chain[i + 1])
+            assert out["rollout_log_probs"][b, k] == answers[b][0]["rollout_log_probs"][i]
+    assert out["dit_trajectory"]["timesteps"].shape == (steps,)
+    env = out["denoising_env"]
+    assert set(env) == {"prompt_embeds", "prompt_embeds_mask"}
+    assert env["prompt_embeds"].shape[0] == 2 and env["prompt_embeds_mask"].dtype == torch.long
+    lengths = [3 + b["seed"] % 2 for b in bodies]
+    assert env["prompt_embeds_mask"].sum(dim=1).tolist() == lengths  # padding masked out
+    assert {b["seed"] % 2 for b in bodies} == {0, 1}, "both mask forms must be exercised"
+    assert out["images"].dtype == torch.uint8 and out["images"].shape == (2, 16, 16, 3)
+    assert torch.equal(out["images"][0], (answers[0][0]["generated_output"].permute(1, 2, 0)
+                                          * 255).round().to(torch.uint8))
+
+    bad = [[_sglang_output(steps, bodies[0]["seed"] + 1)],
+           [_sglang_output(steps, bodies[1]["seed"], env=False)] * 2]
+    with pytest.raises(SGLangResponseError) as info:
+        to_schema_response(bad, bodies, request)
+    text = str(info.value)
+    assert "candidate 0 (s0): seed" in text and "expected a list of 1 output, got 2" in text
+    with pytest.raises(ValueError, match="stock SGLang rejects"):
+        to_sglang_requests({**request, "extra_sampling_params": {
+            **request["extra_sampling_params"], "sigmas": [1.0, 0.0]}})
 
 
 def test_wire_decodes_both_tensor_tags():
@@ -192,3 +224,37 @@ def test_wire_decodes_both_tensor_tags():
     assert torch.equal(from_wire(ours)["a"][0], t)
     assert torch.equal(from_wire({"x": sglang})["x"], t)
     assert json.loads(json.dumps(ours)) == ours  # plain JSON types only
+
+
+def test_preflight_names_what_stock_sglang_cannot_do():
+    from trainer.config import ConfigError, load_config
+    from trainer.preflight import preflight
+
+    cfg = load_config("tiny", ["rollout.engine=sglang",
+                               'rollout.sglang_urls=["http://127.0.0.1:9"]',
+                               'rollout.sampling={"sde_type": "dance", "driver_sigmas": true}',
+                               "rollout.sglang_weight_sync=ftp", "rollout.sglang_concurrency=0"])
+    with pytest.raises(ConfigError) as info:
+        preflight(cfg, world_size=1, device="cpu", check_paths=False)
+    text = str(info.value)
+    for fragment in ("sde_type='dance'", "sampling.driver_sigmas is on", "sampling.driver_xt is on",
+                     "sglang_weight_sync must be 'tensor' or 'disk'",
+                     "sglang_concurrency must be a positive integer"):
+        assert fragment in text, fragment
+    ok = load_config("tiny", ["rollout.engine=sglang", 'rollout.sglang_urls=["http://127.0.0.1:9"]',
+                              'rollout.sampling={"driver_sigmas": false, "driver_xt": false}'])
+    preflight(ok, world_size=1, device="cpu", check_paths=False)
+
+
+def test_ci_and_readme_install_the_pinned_sglang():
+    """CI runs exactly the README's test command, which installs the pinned SGLang without
+    its dependencies (they would replace torch) after the pure-Python ones it imports."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text().splitlines()
+    command = readme[readme.index(next(line for line in readme if line.startswith("# 2."))) + 1]
+    ci = [line for line in (root / ".ci/run").read_text().splitlines() if "pytest" in line]
+    assert ci == [command]
+    assert "-r tests/requirements-sglang.txt" in command
+    assert "pip install --no-deps -c constraints.txt sglang==0.5.23" in command

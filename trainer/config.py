@@ -71,6 +71,14 @@ class RolloutConfig:
     engine: str = _f("embedded", "--rollout-engine",
                      "'embedded' (our engine process per GPU) or 'sglang' (a running server).")
     sglang_urls: list = _f([], "--sglang-urls", "One SGLang diffusion server URL per rank.")
+    sglang_weight_sync: str = _f("tensor", "--sglang-weight-sync",
+                                 "'tensor' (/update_weights_from_tensor) or 'disk' "
+                                 "(/update_weights_from_disk from <run_dir>/sglang_weights).")
+    sglang_extension: bool = _f(False, "--sglang-extension",
+                                "The SGLang servers load trainer.engine.sglang_extension "
+                                "(driver x_T and step noise, dance); off: stock SGLang.")
+    sglang_concurrency: int = _f(8, "--sglang-concurrency",
+                                 "SGLang rollout requests (one per candidate) in flight per rank.")
     engine_dtype: str = _f("bf16", "--rollout-dtype", "Engine weight dtype: bf16 or fp32.")
     num_gpus_per_engine: int = _f(1, "--rollout-num-gpus-per-engine",
                                   "GPUs per engine; the world size must be divisible by it.")

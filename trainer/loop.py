@@ -123,7 +123,7 @@ class Trainer:
 
     def _build_engine(self) -> None:
         import ipc
-        from trainer.engine import SGLangEngineClient, launch_embedded_engine
+        from trainer.engine import launch_embedded_engine
         from trainer.rollout import RolloutDriver
 
         cfg = self.cfg
@@ -136,7 +136,9 @@ class Trainer:
             torch.set_num_threads(threads)
             os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by the engine process
         if cfg.rollout.engine == "sglang":
-            self.engine = SGLangEngineClient(cfg.rollout.sglang_urls[self.rank])
+            from trainer.engine.sglang_sync import connect_sglang
+            self.engine, self.sender = connect_sglang(cfg, self.rank, self.run_dir,
+                                                      self.adapter)
         else:
             send_end, recv_end = ipc.channel_pair()
             self.engine = launch_embedded_engine(
@@ -272,7 +274,8 @@ class Trainer:
                 # The engine's checksum covers all its weights: comparable when the sync did
                 # (an adapter-mode step moves only LoRA tensors; ipc already compared both
                 # sides' checksums of the bytes moved).
-                if cfg.weight_sync.verify_engine_checksum and (mode != "adapter" or first):
+                if cfg.weight_sync.verify_engine_checksum and (mode != "adapter" or first) \
+                        and not getattr(self.sender, "self_verifying", False):
                     with self.timer.stage("weight_sync/verify"):
                         got = self.engine.checksum()
                     if got != stats.checksum:

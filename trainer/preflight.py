@@ -360,6 +360,9 @@ def _check_launch(c: _Checker) -> None:
                                                                               "https://")))]
             if bad:
                 c.error(f"{_key('rollout.sglang_urls')}: not http(s) URLs: {bad}")
+            from trainer.engine.sglang_sync import sglang_config_problems
+            for problem in sglang_config_problems(c.cfg):
+                c.error(problem)
         elif r.sglang_urls:
             c.warn(f"{_key('rollout.sglang_urls')} is ignored with rollout.engine='embedded'")
     if c.one_of("weight_sync.backend", ws.backend, SYNC_BACKENDS):

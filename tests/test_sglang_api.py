@@ -1,0 +1,309 @@
+"""The trainer's SGLang path against SGLang's own post-training HTTP layer (sglang==0.5.23,
+pinned in tests/requirements-sglang.txt and the README's test command), on CPU.
+
+tests/sglang_fixtures.py mounts SGLang's routers over a tiny Qwen-Image; SGLang's own code
+validates the requests, runs the rollout controller (SDE step, log-prob, trajectory), slices
+and msgpack-encodes the answers, deserializes weight payloads and checks SHA-256 digests.
+"""
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from sglang_fixtures import (require_sglang, restore_torch_reductions, serve_sglang,
+                             trainer_overrides)
+
+from trainer.engine.sglang_client import SGLangEngineClient
+from trainer.engine.sglang_rollout import sample_seed, stock_problems
+from trainer.engine.sglang_sync import (SGLangSyncError, SGLangWeightSync, serialize_payload,
+                                        tensor_sha256)
+
+require_sglang()
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("torch_single_thread")]
+
+SAMPLING = {"height": 32, "width": 32, "num_inference_steps": 4, "eta": 0.7,
+            "driver_sigmas": False, "driver_xt": False}
+PROMPTS = ["a red panda"] * 2 + ["a teacup"] * 2
+IDS = ["prompt:1:sample:0", "prompt:1:sample:1", "prompt:2:sample:0", "prompt:2:sample:1"]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    with serve_sglang(tiny_model_dir("qwen_image")) as srv:
+        yield srv
+
+
+@pytest.fixture
+def adapter(server):
+    return server.scheduler.adapter
+
+
+def _request(adapter, prompts=PROMPTS, ids=IDS, rollout_id=0):
+    return adapter.build_rollout_request(prompts, ids, SAMPLING, rollout_id=rollout_id, seed=7,
+                                         sde_indices=[1, 2])
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status, {}
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+def test_installed_sglang_is_the_pinned_version():
+    from importlib.metadata import version
+
+    assert version("sglang") == "0.5.23", "the client is written against 0.5.23's API"
+
+
+def test_sglang_refuses_what_it_lacks(server):
+    """Our extra keys are an HTTP 400 from SGLang's own SamplingParams; the client never
+    sends them, and preflight names every stock-SGLang gap."""
+    body = {"prompt": "a cat", "seed": 1, "width": 32, "height": 32, "num_inference_steps": 4,
+            "extra_sampling_params": {"sample_ids": ["a"], "sigmas": [1.0, 0.5, 0.0]}}
+    status, reply = _post(server.url + "/rollout/generate", body)
+    assert status == 400 and "sample_ids" in reply["detail"]
+
+    problems = "\n".join(stock_problems({"sde_type": "dance", "guidance_scale": 4.0},
+                                        extension=False))
+    for fragment in ("sde_type='dance'", "driver_sigmas", "driver_xt", "guidance_scale=4.0"):
+        assert fragment in problems, fragment
+    assert stock_problems({"sde_type": "sde", "driver_sigmas": False, "driver_xt": False},
+                          extension=False) == []
+
+
+def test_rollout_packs_and_replays_with_ratio_one(server, adapter):
+    from trainer.actor.replay import replay_log_probs
+
+    client = SGLangEngineClient(server.url)
+    request = _request(adapter)
+    seen = len(server.scheduler.requests)
+    response = client.generate(request)
+    sent = server.scheduler.requests[seen:]
+    # one output per SGLang request, each seeded from its sample id (distinct noise)
+    assert [r.num_outputs_per_prompt for r in sent] == [1] * 4
+    # SGLang's Qwen-Image defaults to CFG (guidance 4.0): the request turns it off
+    assert not any(r.sampling_params.should_use_classifier_free_guidance() for r in sent)
+    assert sorted(r.seed for r in sent) == sorted(sample_seed(7, i) for i in IDS)
+    assert len({r.seed for r in sent}) == 4
+    batch = adapter.pack_trajectory(response, request)
+    assert batch.latents.shape[:2] == (4, 2) and batch.images.dtype == torch.uint8
+    assert not torch.equal(batch.latents[0], batch.latents[1])  # same prompt, other noise
+    # SGLang's sigmas and per-step timesteps ([T+1] on the wire) mapped onto our schema
+    assert torch.allclose(response["dit_trajectory"]["sigmas"],
+                          adapter.scheduler_sigmas(4, 32, 32).float())
+    # replay with the same weights: the first PPO ratio is 1 up to fp32 rounding
+    with torch.no_grad():
+        replay = replay_log_probs(adapter, server.scheduler.transformer, batch, backend="torch")
+    assert torch.allclose(replay, batch.log_probs, atol=2e-4, rtol=0)
+    assert float((replay - batch.log_probs).exp().sub(1).abs().max()) < 1e-3
+    # a candidate is a pure function of (seed, sample id): asking again alone reproduces it
+    again = adapter.pack_trajectory(client.generate(_request(adapter, PROMPTS[2:3], IDS[2:3])),
+                                    _request(adapter, PROMPTS[2:3], IDS[2:3]))
+    assert torch.equal(again.latents[0], batch.latents[2])
+    assert torch.equal(again.images[0], batch.images[2])
+
+
+def test_payload_reads_back_through_sglang_deserializer():
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+    from trainer.engine.sglang_sync import flattened_bucket
+
+    strategy = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    named = [("a.weight", torch.randn(3, 4)), ("b.bias", torch.arange(5, dtype=torch.bfloat16))]
+    monkey_patch_torch_reductions()  # as SGLang's worker does before deserializing
+    try:
+        bucket = flattened_bucket(named)
+        got = MultiprocessingSerializer.deserialize(serialize_payload({"transformer": bucket}))
+    finally:
+        restore_torch_reductions()
+        torch.multiprocessing.set_sharing_strategy(strategy)
+    meta = got["transformer"]["metadata"]
+    flat = got["transformer"]["flattened_tensor"]
+    for (name, t), m in zip(named, meta):
+        back = flat[m.start_idx:m.end_idx].view(getattr(torch, m.dtype.split(".")[-1]))
+        assert m.name == name and torch.equal(back.reshape(m.shape), t)
+
+
+def _bumped(adapter, delta: float):
+    model = adapter.load_train_model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(delta)
+    return model
+
+
+@pytest.mark.parametrize("transport", ["tensor", "disk"])
+def test_weight_sync_changes_served_weights(server, adapter, transport, tmp_path):
+    client = SGLangEngineClient(server.url)
+    request = _request(adapter, PROMPTS[:1], IDS[:1])
+    before = client.generate(request)
+    model = _bumped(adapter, 0.01 if transport == "tensor" else -0.01)
+    sender = SGLangWeightSync(client, transport=transport, bucket_bytes=1 << 20,
+                              disk_dir=tmp_path if transport == "disk" else None)
+    stats = sender.sync(5, model.named_parameters())
+    assert stats.tensors == len(list(model.parameters())) and client.committed_version == 5
+    served = dict(server.scheduler.transformer.named_parameters())
+    assert all(torch.equal(served[n], p) for n, p in model.named_parameters())
+    # the checker compares SHA-256 values: one wrong digest fails the sync's verification
+    digests = {n: tensor_sha256(p) for n, p in model.named_parameters()}
+    name = next(iter(digests))
+    with pytest.raises(SGLangSyncError, match="checksum mismatch"):
+        sender._check({**digests, name: "0" * 64}, 6)
+    after = client.generate(request)
+    assert after["policy_version"] == 5
+    assert not torch.equal(after["images"], before["images"])
+
+
+LORA = ["lora.rank=4", "lora.alpha=8", "fsdp.trainable_mode=lora", "train.lr=3e-2"]
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora_merged"])
+def test_trainer_step_through_sglang_syncs_the_served_weights(server, tiny_model_dir, tmp_path,
+                                                              lora):
+    """generate -> pack -> replay (first ratio 1) -> update -> sync through SGLang's
+    deserializer -> checker -> the next rollout is served by the trained weights (LoRA:
+    merged into the base by the trainer, the sync mode a checker can verify)."""
+    from trainer.actor.sync import merged_full_tensors
+    from trainer.config import load_config
+    from trainer.loop import Trainer
+    from trainer.preflight import preflight
+
+    cfg = load_config("tiny", trainer_overrides(tiny_model_dir("qwen_image"), server.url,
+                                                 tmp_path) + (LORA if lora else []))
+    preflight(cfg, world_size=1, device="cpu")
+    trainer = Trainer(cfg, rank=0, world=1, device="cpu")
+    try:
+        assert isinstance(trainer.sender, SGLangWeightSync)
+        assert trainer.engine.committed_version == 0  # the first sync ran and was verified
+        metrics = trainer.train_step(0)
+        assert metrics["train/first_update_ratio_mean"] == 1.0
+        assert metrics["train/logp_parity"] < 2e-4  # replay vs SGLang's own log-prob
+        assert metrics["train/optimizer_steps"] > 0
+        assert trainer.policy_version == 1 and trainer.engine.committed_version == 1
+        served = dict(server.scheduler.transformer.named_parameters())
+        if lora:
+            assert trainer.cfg.sync_mode == "merge"
+            trained = dict(merged_full_tensors(trainer.model, 8 / 4))
+        else:
+            names = trainer._engine_names()
+            trained = {names[n]: p for n, p in trainer.model.named_parameters()}
+        assert set(trained) == set(served)
+        base = dict(server.scheduler.adapter.load_train_model().named_parameters())
+        assert any(not torch.equal(p, base[n]) for n, p in trained.items())
+        assert all(torch.equal(served[n], p) for n, p in trained.items())
+        batch = trainer.rollout(1)  # served by version 1 (the driver checks the echo)
+        assert batch.policy_version == 1
+    finally:
+        trainer.close()
+
+
+def test_trainer_refuses_sglang_server_without_weight_sync(tiny_model_dir, tmp_path):
+    """A server that cannot take a sync would serve the base weights forever: the run stops
+    at construction instead."""
+    from trainer.config import load_config
+    from trainer.loop import Trainer
+
+    model_dir = tiny_model_dir("qwen_image")
+    with serve_sglang(model_dir, weights_api=False) as srv:
+        cfg = load_config("tiny", trainer_overrides(model_dir, srv.url, tmp_path))
+        with pytest.raises(SGLangSyncError, match="update_weights_from_tensor: HTTP 404"):
+            Trainer(cfg, rank=0, world=1, device="cpu")
+
+
+def test_payload_labelled_with_gpu_uuid(server, adapter, monkeypatch):
+    """One payload per rank, labelled with its GPU's UUID: SGLang's worker takes the payload
+    whose UUID is its own (prefix and case normalised) and refuses when none is."""
+    from sglang.multimodal_gen.runtime.post_training import gpu_worker_post_training_mixin as mixin
+
+    from trainer.engine import sglang_sync
+
+    monkeypatch.setattr(sglang_sync, "gpu_uuid", lambda device: "GPU-00ab-CD")
+    monkeypatch.setattr(mixin.current_platform, "get_device_uuid", lambda index: "00ab-cd")
+    client = SGLangEngineClient(server.url)
+    model = _bumped(adapter, 0.003)
+    SGLangWeightSync(client).sync(8, model.named_parameters())
+    assert server.scheduler.weight_requests[-2].payload_gpu_uuids == ["GPU-00ab-CD"]
+    monkeypatch.setattr(mixin.current_platform, "get_device_uuid", lambda index: "ffff")
+    with pytest.raises(SGLangSyncError, match="no payload was exported from this worker's GPU"):
+        SGLangWeightSync(client).sync(9, model.named_parameters())
+    assert client.committed_version == 8  # a failed sync never advances the version
+
+
+def test_adapter_sync_is_an_sglang_lora_merge(server, monkeypatch):
+    """LoRA adapter mode: lora_A/lora_B under the layer names SGLang groups by, as a
+    lora_merge update with alpha and rank; SGLang's own refusal (this stand-in pipeline has no
+    LoRA layers) fails the sync."""
+    from trainer.engine import sglang_sync
+
+    sent = []
+    serialize = sglang_sync.serialize_payload
+    monkeypatch.setattr(sglang_sync, "serialize_payload", lambda obj: sent.append(obj)
+                        or serialize(obj))
+    client = SGLangEngineClient(server.url)
+    peft = "base_model.model.transformer_blocks.0.attn.to_q"
+    payload = [(f"{peft}.lora_A.default.weight", torch.randn(4, 16)),
+               (f"{peft}.lora_B.default.weight", torch.zeros(16, 4))]
+    with pytest.raises(SGLangSyncError, match="requires a LoRAPipeline-backed model"):
+        SGLangWeightSync(client, lora=(8, 4)).sync(3, payload, mode="adapter")
+    req = server.scheduler.weight_requests[-1]
+    assert (req.weight_update_mode, req.lora_alpha, req.lora_rank) == ("lora_merge", 8, 4)
+    names = [m.name for m in sent[-1]["transformer"]["metadata"]]
+    # SGLang splits at ".lora_A" / ".lora_B": the layer name must be the model's, unprefixed
+    assert names == ["transformer_blocks.0.attn.to_q.lora_A.default.weight",
+                     "transformer_blocks.0.attn.to_q.lora_B.default.weight"]
+
+
+def test_trainer_refuses_a_family_the_client_cannot_map(tiny_model_dir, tmp_path):
+    from trainer.config import load_config
+    from trainer.loop import Trainer
+
+    model_dir = tiny_model_dir("sd3")
+    overrides = trainer_overrides(model_dir, "http://127.0.0.1:9", tmp_path)
+    overrides[0] = "model.adapter_path=trainer.models.sd3.SD3Adapter"
+    with pytest.raises(ValueError, match="model family 'sd3': the SGLang client maps"):
+        Trainer(load_config("tiny", overrides), rank=0, world=1, device="cpu")
+
+
+def test_checker_catches_an_update_sglang_skipped(server, adapter):
+    """SGLang's loader skips (with a log line) a tensor whose name the module lacks and still
+    reports success: only the checker shows that the served weights did not change."""
+    client = SGLangEngineClient(server.url)
+    model = _bumped(adapter, 0.002)
+    renamed = [("renamed." + n if i == 0 else n, p)
+               for i, (n, p) in enumerate(model.named_parameters())]
+    with pytest.raises(SGLangSyncError, match="missing 1 tensor"):
+        SGLangWeightSync(client).sync(11, renamed)
+    assert client.committed_version != 11
+
+
+def test_full_sync_of_a_peft_model_splits_base_and_adapter(server, adapter):
+    """The first sync of the LoRA adapter mode: base weights under the served names as a
+    checked plain update, then lora_A/lora_B as lora_merge (refused by this stand-in)."""
+    from peft import LoraConfig, get_peft_model
+
+    client = SGLangEngineClient(server.url)
+    model = get_peft_model(_bumped(adapter, 0.001), LoraConfig(r=2, lora_alpha=4,
+                                                                target_modules=["to_q"]))
+    seen = len(server.scheduler.weight_requests)
+    with pytest.raises(SGLangSyncError, match="requires a LoRAPipeline-backed model"):
+        SGLangWeightSync(client, lora=(4, 2)).sync(12, model.named_parameters())
+    kinds = [(type(r).__name__, getattr(r, "weight_update_mode", None))
+             for r in server.scheduler.weight_requests[seen:]]
+    assert kinds == [("UpdateWeightFromTensorReqInput", None),
+                     ("UpdateWeightFromTensorCheckerReqInput", None),
+                     ("UpdateWeightFromTensorReqInput", "lora_merge")]
+    served = dict(server.scheduler.transformer.named_parameters())
+    base = {n.removeprefix("base_model.model.").replace(".base_layer.", "."): p
+            for n, p in model.named_parameters() if ".lora_" not in n}
+    assert set(base) == set(served) and all(torch.equal(served[n], p) for n, p in base.items())
