@@ -18,10 +18,14 @@ def _shrink(model_dir: Path, tmp: Path) -> list[str]:
     prompts.write_text("\n".join(json.dumps({"prompt": f"a photo of a cat number {i}",
                                              "metadata": {"sample_id": f"p{i:03d}"}})
                                  for i in range(8)))
+    held_out = tmp / "eval.jsonl"  # preflight refuses eval prompts that are also trained on
+    held_out.write_text("\n".join(json.dumps({"prompt": f"a photo of a dog number {i}",
+                                              "metadata": {"sample_id": f"e{i:03d}"}})
+                                  for i in range(2)))
     return [f"model.model_path={model_dir}", "model.adapter_options={}",
             "reward.runtime=cpu", "reward.scorer_path=trainer.rewards.jpeg.JpegCompressibilityScorer",
             "reward.model_path=none", "reward.required_components=[]", "reward.component_weights={}",
-            f"data.prompt_data={prompts}", f"data.eval_prompt_data={prompts}",
+            f"data.prompt_data={prompts}", f"data.eval_prompt_data={held_out}",
             "data.eval_max_prompts=2", "data.eval_interval=1", "data.eval_num_inference_steps=3",
             f"logging.run_dir={tmp / 'run'}", "logging.progress=false", "logging.tensorboard=false",
             "rollout.write_artifacts=false", "rollout.rollout_batch_size=2",

@@ -269,9 +269,6 @@ def test_all_violations_reported_together():
 
 
 WARNING_RULES = [
-    ("sglang_cfg", ["rollout.engine=sglang", 'rollout.sglang_urls=["http://a:1"]',
-                    sampling(guidance_scale=4.5)],
-     ["rollout.sampling.guidance_scale", "sglang", "logp_parity"]),
     ("lora_master_not_fp32", ["fsdp.trainable_mode=lora", "lora.rank=4", "fsdp.master_dtype=bf16"],
      ["fsdp.master_dtype (--fsdp-master-dtype)='fp32'", "policy stops moving"]),
     ("decay_iters_with_constant", ["train.lr_decay_iters=100"],

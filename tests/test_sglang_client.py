@@ -78,7 +78,7 @@ def test_malformed_requests_get_4xx_with_every_problem(served):
     engine, adapter, _ = served
     url = engine.http_url
     good = make_request(adapter, PROMPTS, IDS)
-    bad = dict(good, height=33, guidance_scale=7.5, rollout_sde_step_indices=[5, 2],
+    bad = dict(good, height=33, guidance_scale=0.5, rollout_sde_step_indices=[5, 2],
                rollout_noise_level="high", seed="x")
     status, body = _post(url + "/rollout/generate", json.dumps(bad).encode())
     assert status == 400

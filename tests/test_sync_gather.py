@@ -48,6 +48,9 @@ def _rank(rank: int, world: int, port: int, errors) -> None:
                 assert views[n] is local and type(views[n]) is torch.Tensor, n
             else:
                 assert hasattr(views[n], "full_tensor") and tuple(views[n].shape) == p.shape, n
+        # both ranks reach here before either tears down: a rank leaving first made gloo
+        # abort its peer (SIGABRT, exit -6) under a loaded CPU
+        dist.barrier()
         dist.destroy_process_group()
     except BaseException as exc:  # reported to the parent, which asserts
         errors.put(f"rank {rank}: {type(exc).__name__}: {exc}")

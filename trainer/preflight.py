@@ -219,10 +219,7 @@ def _check_sampling(c: _Checker) -> None:
                     f"{config.sigma_one!r}, cps_log_prob={config.cps_log_prob!r} are applied by "
                     f"the embedded engine only; {_key('rollout.engine')}='sglang' would sample "
                     f"with its own defaults")
-        if config.guidance_scale != 1.0:
-            c.warn(f"{_key('sampling.guidance_scale')}={config.guidance_scale} with "
-                   f"rollout.engine='sglang': the replay assumes the server's CFG is "
-                   f"v_u + g (v_c - v_u) against the empty prompt; check train/logp_parity")
+        # CFG on SGLang is refused with the other stock-SGLang limits (sglang_config_problems)
     if config is not None and not problems and not config.reachable_trained_steps():
         c.error("rollout.sampling (--sampling-config): the sampling config resolves to no SDE "
                 "step (set sde_indices, or num_sde_steps with sde_pool / sde_timestep_fraction, "
