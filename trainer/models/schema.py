@@ -73,11 +73,12 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import torch
 
 from trainer.models import noise
+from trainer.models.batch import RolloutBatch
 from trainer.models.guidance import NEGATIVE_PREFIX
 from trainer.sampling import SamplingConfig
 
-if TYPE_CHECKING:  # base imports this module lazily; the reverse import is for types only
-    from trainer.models.base import GenerativeModelAdapter, RolloutBatch
+if TYPE_CHECKING:  # for annotations only: base imports this module, so never at run time
+    from trainer.models.base import GenerativeModelAdapter
 
 ROLLOUT_PATH = "/rollout/generate"
 
@@ -446,8 +447,6 @@ def validate_response(adapter: "GenerativeModelAdapter", response: Any,
 
 def pack(adapter: "GenerativeModelAdapter", response: Any, request: Mapping[str, Any]) -> "RolloutBatch":
     """Validate, then lay the response out as the RolloutBatch the reward and the actor take."""
-    from trainer.models.base import RolloutBatch
-
     resp = validate_response(adapter, response, request)
     extra = request["extra_sampling_params"]
     traj = resp["dit_trajectory"]

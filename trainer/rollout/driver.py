@@ -36,7 +36,7 @@ from trainer.models.base import GenerativeModelAdapter, RolloutBatch
 from trainer.profiling import add_times, nvtx_range
 from trainer.rollout.artifacts import (prune_stale_artifacts, rollout_dir, sampling_fingerprint,
                                        write_group_images, write_group_sidecar)
-from trainer.rollout.batch import concat_batches
+from trainer.models.batch import concat_batches
 from trainer.sampling import SAMPLE_ID_MODES, SamplingConfig
 
 
