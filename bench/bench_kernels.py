@@ -40,9 +40,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import kernels  # noqa: E402
+from trainer.dtypes import RUN_DTYPES, TORCH_DTYPES  # noqa: E402
 
 SHAPES = ((8, 36_864), (32, 262_144), (64, 1_048_576))
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {name: TORCH_DTYPES[name] for name in RUN_DTYPES}
 OPS = ("fwd", "bwd", "fwd+bwd")
 IMPLS = ("eager", "compile", "triton")
 ETA = 0.7

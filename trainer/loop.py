@@ -8,7 +8,6 @@ The only cross-rank traffic is FSDP's own collectives, a handful of scalar all-r
 """
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import time
@@ -31,16 +30,10 @@ from trainer.models.compile import compile_events, compile_wanted
 from trainer.profiling import ComputeMeter, ProfileWindow, StageTimer, add_times, nvtx_range
 from trainer.prompts import PromptSampler, load_records
 from trainer.engine.recovery import call_with_recovery
+from trainer.values import import_dotpath
 from trainer.watchdog import check_progress
 
 log = logging.getLogger("trainer")
-
-
-def import_dotpath(path: str):
-    module, _, attr = path.rpartition(".")
-    if not module:
-        raise ValueError(f"{path!r} is not a dotpath module.attr")
-    return getattr(importlib.import_module(module), attr)
 
 
 def resolve_model_path(cfg: Config) -> str:

@@ -54,10 +54,10 @@ from trainer.config import Config, ConfigError
 from trainer.evaluation import eval_sampling
 from trainer.sampling import KL_FORMS, SamplingConfig, fraction_window  # noqa: F401 (re-exported)
 from trainer.tasks import GENERATION_TASKS
+from trainer.values import RUN_DTYPES, is_int
 
 log = logging.getLogger("trainer.preflight")
 
-DTYPES: tuple[str, ...] = ("bf16", "fp32")
 TRAINABLE_MODES: tuple[str, ...] = ("full", "lora")
 SYNC_MODES: tuple[str, ...] = ("full", "adapter", "merge")
 STD_MODES: tuple[str, ...] = ("group", "batch", "none")
@@ -71,10 +71,6 @@ _DOTPATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
 
 
 # ---- SDE steps (trainer.sampling owns the rules; these names are kept for callers) -------
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def static_sde_indices(sampling: dict[str, Any]) -> list[int]:
     """The SDE steps resolved without a rollout id (evaluation, or resampling off)."""
     return SamplingConfig.from_dict({**sampling, "sde_type": "dance"}).static_indices()
@@ -314,11 +310,11 @@ def _check_optim(c: _Checker) -> None:
 
 def _check_dtypes(c: _Checker) -> None:
     f, ws = c.cfg.fsdp, c.cfg.weight_sync
-    c.one_of("fsdp.param_dtype", f.param_dtype, DTYPES)
-    c.one_of("fsdp.reduce_dtype", f.reduce_dtype, DTYPES)
+    c.one_of("fsdp.param_dtype", f.param_dtype, RUN_DTYPES)
+    c.one_of("fsdp.reduce_dtype", f.reduce_dtype, RUN_DTYPES)
     if f.master_dtype is not None:
-        c.one_of("fsdp.master_dtype", f.master_dtype, DTYPES)
-    c.one_of("rollout.engine_dtype", c.cfg.rollout.engine_dtype, DTYPES)
+        c.one_of("fsdp.master_dtype", f.master_dtype, RUN_DTYPES)
+    c.one_of("rollout.engine_dtype", c.cfg.rollout.engine_dtype, RUN_DTYPES)
     if ws.wire_dtype != "bf16":
         if ws.wire_dtype == "fp32" and (c.device == "cpu"
                                         or c.cfg.rollout.engine_dtype == "fp32"):
@@ -512,7 +508,7 @@ def preflight(cfg: Config, *, world_size: int | None = None, gpus_per_node: int 
         gpus_per_node = la.nproc
     checker = _Checker(cfg, world_size, gpus_per_node, device or la.device, check_paths)
     problems = []
-    if world_size is not None and (not _is_int(world_size) or world_size < 1):
+    if world_size is not None and (not is_int(world_size) or world_size < 1):
         problems.append(f"world_size={world_size!r} must be a positive integer")
         checker.world_size = None
     for rule in RULES:

@@ -49,9 +49,10 @@ import torch
 from trainer.checkpoint import layout
 from trainer.checkpoint.contract import base_model_hash, lora_scaling
 from trainer.checkpoint.diffusers_lora import verify_diffusers_lora, write_diffusers_lora
+from trainer.dtypes import TORCH_DTYPES
 
 FORMS = ("merged", "adapter", "full")
-DTYPES = {"keep": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"keep": None, **TORCH_DTYPES}  # "keep": the dtype the checkpoint holds
 _PEFT_PREFIX = "base_model.model."
 _LORA_KEY = re.compile(r"^(?P<mod>.+)\.lora_(?P<kind>[AB])\.(?P<adapter>[^.]+)\.weight$")
 

@@ -21,7 +21,6 @@ with 0.0.
 """
 from __future__ import annotations
 
-import math
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from kernels.sde_reference import LOG_PROB_FORMS
 from trainer.models import noise
 from trainer.models.base import GenerativeModelAdapter
 from trainer.sampling import SDE_TYPES, SIGMA_ONE_TREATMENTS
+from trainer.values import is_int, is_number
 
 DEFAULT_ETA = 0.7
 
@@ -81,14 +81,6 @@ class GenerateSpec:
         return {"sigma_one": self.sigma_one, "log_prob_form": self.log_prob_form}
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_num(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
 def _get_bool(req: Mapping[str, Any], key: str, default: bool, problems: list[str]) -> bool:
     value = req.get(key, default)
     if value is None:
@@ -118,7 +110,7 @@ def parse_generate_request(adapter: GenerativeModelAdapter, request: Any) -> Gen
         problems.append("extra_sampling_params.sample_ids must be a list of non-empty strings")
         sample_ids = None
     n_outputs = request.get("num_outputs_per_prompt")
-    if n_outputs is not None and (not _is_int(n_outputs) or n_outputs < 1):
+    if n_outputs is not None and (not is_int(n_outputs) or n_outputs < 1):
         problems.append(f"num_outputs_per_prompt must be a positive integer, got {n_outputs!r}")
         n_outputs = None
     prompts: list[str] = []
@@ -136,7 +128,7 @@ def parse_generate_request(adapter: GenerativeModelAdapter, request: Any) -> Gen
         problems.append("prompt must be a string or a non-empty list of strings, got "
                         f"{prompt!r}"[:200])
     seed = request.get("seed", 0)
-    if not _is_int(seed):
+    if not is_int(seed):
         problems.append(f"seed must be an integer, got {seed!r}")
         seed = 0
     if sample_ids is None:
@@ -151,7 +143,7 @@ def parse_generate_request(adapter: GenerativeModelAdapter, request: Any) -> Gen
     height, width, steps = request.get("height"), request.get("width"), request.get("num_inference_steps")
     geometry_ok = True
     for key, value in (("height", height), ("width", width), ("num_inference_steps", steps)):
-        if not _is_int(value) or value <= 0:
+        if not is_int(value) or value <= 0:
             problems.append(f"{key} must be a positive integer, got {value!r}")
             geometry_ok = False
     if geometry_ok:
@@ -180,13 +172,13 @@ def parse_generate_request(adapter: GenerativeModelAdapter, request: Any) -> Gen
     sigmas: list[float] = []
     raw_sigmas = extra.get("sigmas")
     if raw_sigmas is not None:
-        if not isinstance(raw_sigmas, list) or not all(_is_num(s) for s in raw_sigmas):
+        if not isinstance(raw_sigmas, list) or not all(is_number(s) for s in raw_sigmas):
             problems.append("extra_sampling_params.sigmas must be a list of finite numbers")
         else:
             sigmas = [float(s) for s in raw_sigmas]
-            if _is_int(steps) and len(sigmas) == steps and sigmas and sigmas[-1] > 0.0:
+            if is_int(steps) and len(sigmas) == steps and sigmas and sigmas[-1] > 0.0:
                 sigmas.append(0.0)  # SGLang's convention: N values, the final 0 implied
-            if _is_int(steps) and len(sigmas) != steps + 1:
+            if is_int(steps) and len(sigmas) != steps + 1:
                 problems.append(f"extra_sampling_params.sigmas has {len(raw_sigmas)} values, "
                                 f"expected num_inference_steps + 1 = {steps + 1}")
                 sigmas = []
@@ -204,7 +196,7 @@ def parse_generate_request(adapter: GenerativeModelAdapter, request: Any) -> Gen
     if sde_type not in SDE_TYPES:
         problems.append(f"rollout_sde_type must be one of {SDE_TYPES}, got {sde_type!r}")
     eta = request.get("rollout_noise_level", DEFAULT_ETA)
-    if not _is_num(eta) or eta < 0:
+    if not is_number(eta) or eta < 0:
         problems.append(f"rollout_noise_level must be a finite number >= 0, got {eta!r}")
         eta = 0.0
     indices: list[int] = []
@@ -212,14 +204,14 @@ def parse_generate_request(adapter: GenerativeModelAdapter, request: Any) -> Gen
     if not rollout:
         indices = []
     elif raw_idx is None:
-        indices = list(range(steps)) if _is_int(steps) and steps > 0 else []
-    elif not isinstance(raw_idx, list) or not all(_is_int(i) for i in raw_idx):
+        indices = list(range(steps)) if is_int(steps) and steps > 0 else []
+    elif not isinstance(raw_idx, list) or not all(is_int(i) for i in raw_idx):
         problems.append(f"rollout_sde_step_indices must be a list of integers, got {raw_idx!r}")
     else:
         indices = list(raw_idx)
         if indices != sorted(set(indices)):
             problems.append(f"rollout_sde_step_indices must be sorted and unique, got {indices}")
-        if _is_int(steps):
+        if is_int(steps):
             bad = [i for i in indices if not 0 <= i < steps]
             if bad:
                 problems.append(f"rollout_sde_step_indices {bad} outside [0, {steps})")
@@ -246,7 +238,7 @@ def parse_generate_request(adapter: GenerativeModelAdapter, request: Any) -> Gen
         problems.append(f"extra_sampling_params.noise_recipe {recipe!r} is not this engine's "
                         f"{noise.RECIPE!r}: x_T and step noise would not be reproducible")
     noise_seed = extra.get("initial_noise_seed", seed)
-    if not _is_int(noise_seed):
+    if not is_int(noise_seed):
         problems.append(f"extra_sampling_params.initial_noise_seed must be an integer, got {noise_seed!r}")
         noise_seed = 0
     init_ids = extra.get("initial_noise_ids")

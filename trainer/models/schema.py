@@ -67,7 +67,6 @@ spec's example), and each replayed transition needs exactly its own x_i and x_{i
 from __future__ import annotations
 
 import base64
-import math
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
@@ -76,6 +75,7 @@ from trainer.models import noise
 from trainer.models.batch import RolloutBatch
 from trainer.models.guidance import NEGATIVE_PREFIX
 from trainer.sampling import SamplingConfig
+from trainer.values import is_int
 
 if TYPE_CHECKING:  # for annotations only: base imports this module, so never at run time
     from trainer.models.base import GenerativeModelAdapter
@@ -167,14 +167,6 @@ def coerce_response(response: Mapping[str, Any]) -> tuple[dict[str, Any], list[s
 
 
 # ---- request ----------------------------------------------------------------------------
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
 def build_request(adapter: "GenerativeModelAdapter", prompts: Sequence[str],
                   sample_ids: Sequence[str], sampling: Mapping[str, Any], *,
                   rollout_id: int | None, seed: int,
@@ -211,9 +203,9 @@ def build_request(adapter: "GenerativeModelAdapter", prompts: Sequence[str],
         adapter.check_guidance(cfg.guidance_scale)
     except ValueError as exc:
         problems.append(str(exc))
-    if rollout_id is not None and not _is_int(rollout_id):
+    if rollout_id is not None and not is_int(rollout_id):
         problems.append(f"rollout_id must be an integer or None, got {rollout_id!r}")
-    if not _is_int(seed):
+    if not is_int(seed):
         problems.append(f"seed must be an integer, got {seed!r}")
 
     indices = sde_indices if sde_indices is not None else cfg.noise_steps(rollout_id)
@@ -226,7 +218,7 @@ def build_request(adapter: "GenerativeModelAdapter", prompts: Sequence[str],
     elif indices is None or (isinstance(indices, (list, tuple)) and len(indices) == 0):
         problems.append("no SDE steps: pass the driver's resolved indices (sde_indices=...) or "
                         "set the sampling config's steps; an empty set leaves nothing to train")
-    elif not isinstance(indices, (list, tuple)) or not all(_is_int(i) for i in indices):
+    elif not isinstance(indices, (list, tuple)) or not all(is_int(i) for i in indices):
         problems.append(f"sde_indices must be a list of integers, got {indices!r}")
     else:
         resolved = sorted(set(int(i) for i in indices))
@@ -255,7 +247,7 @@ def build_request(adapter: "GenerativeModelAdapter", prompts: Sequence[str],
         group = [] if bad_prompts else [first_seen.setdefault(p, len(first_seen)) for p in prompts]
     else:
         group = list(group_index)
-        if len(group) != batch or not all(_is_int(g) and g >= 0 for g in group):
+        if len(group) != batch or not all(is_int(g) and g >= 0 for g in group):
             problems.append(f"group_index must hold {batch} non-negative integers, got {group_index!r}")
 
     latent_shape = init_shape = None
@@ -345,7 +337,7 @@ def response_problems(adapter: "GenerativeModelAdapter", response: Any,
     for key, want in (("height", height), ("width", width)):
         if key not in resp:
             problems.append(f"missing '{key}': the engine must echo it (the latent grid comes from it)")
-        elif not _is_int(resp[key]) or resp[key] != want:
+        elif not is_int(resp[key]) or resp[key] != want:
             problems.append(f"'{key}' is {resp[key]!r}, the request asked for {want}")
 
     if "sde_indices" not in resp:
@@ -429,7 +421,7 @@ def response_problems(adapter: "GenerativeModelAdapter", response: Any,
         want_img = [batch, height, width, 3]
         if _shape(images) != want_img or images.dtype != torch.uint8:
             problems.append(f"'images' is {images.dtype} {_shape(images)}, expected uint8 {want_img}")
-    if "policy_version" in resp and not _is_int(resp["policy_version"]):
+    if "policy_version" in resp and not is_int(resp["policy_version"]):
         problems.append(f"'policy_version' must be an integer, got {resp['policy_version']!r}")
     return resp, problems
 
