@@ -5,11 +5,9 @@ program copies one CHUNK of one piece and folds the checksum of the words it wro
 definition in ipc/checksum.py) into that tensor's two lanes with two atomics. With STORE=False
 the same kernel only reads: that is the receiver's verification and `weights_checksum` on GPU.
 
-Throughput (H200, 4 GB of bf16, run 1 of bench/bench_ipc.py): torch's copy_ moves 2.08 TB/s
-of payload; the first version of this kernel (CHUNK 64 Ki, BLOCK 4096 16-bit words, 8 warps)
-1.11 TB/s, the same kernel at CHUNK 128 Ki / BLOCK 8192 1.49 TB/s, its read-only pass
-2.79 TB/s. The copy is limited by bytes in flight per SM (registers per thread bound the
-resident warps) and by integer issue (~6 ops per checksummed word), not by DRAM. Hence:
+The copy is limited by bytes in flight per SM (registers per thread bound the resident
+warps) and by integer issue (~6 ops per checksummed word), not by DRAM (figures:
+bench/RESULTS.md, "Figures behind code choices"). Hence:
 - 16-bit words travel as int32 pairs (PACK): the store is the loaded register, and the lanes
   need 3 accumulators per pair instead of 2 per word (1.5 vs 2 registers and adds per word),
   so more of the register file holds loads in flight;
@@ -40,15 +38,9 @@ import importlib.util
 import numpy as np
 import torch
 
-# NOTE (measured, H200, 4 GB bf16 copy+checksum, word-wise kernel): CHUNK 64 Ki / BLOCK 4096
-# words / 8 warps 1.11 TB/s of payload; CHUNK 64 Ki / 2048 / 4 warps 1.47; CHUNK 128 Ki / 8192
-# / 8 warps 1.49 (best); 64 Ki / 4096 / 16 warps 1.22 (torch copy_: 2.08). The defaults below
-# are that best config (8192 16-bit words = 4096 32-bit lanes per iteration), now with PACK.
+# The defaults are the best config of `python bench/bench_ipc.py --sweep` (bench/RESULTS.md).
 # CHUNK (words per program) keeps the chunk table of a 16 GB sync near 0.5 MB and the epilogue
-# (block reductions + two atomics) negligible. `python bench/bench_ipc.py --sweep` re-measures.
-# NOTE (measured, H200, run 2 with PACK16, 2026-11-29, `bench_ipc.py --sweep`): CHUNK 128 Ki /
-# BLOCK32 4096 / 8 warps 1.44 TB/s; BLOCK32 8192 / 8 warps 1.68 (best of 7); 64 Ki / 1024 / 4
-# 1.42; 128 Ki / 2048 / 4 1.50; 256 Ki / 4096 / 8 1.46. Default moved to the best.
+# (block reductions + two atomics) negligible.
 CHUNK = 1 << 17
 BLOCK32 = 8192      # 32-bit lanes per loop iteration (16-bit words: 2 * BLOCK32 words)
 NUM_WARPS = 8

@@ -7,7 +7,7 @@ Definition. A tensor's bytes are read as little-endian unsigned words of
     w = (u + 1) * MIX;   v = w ^ (w >> 15)
     lane_a = sum(v);     lane_b = sum(i * v)
 
-Design choices (the spec is silent on the function):
+Design choices:
 - Integer sums mod 2^32 are associative, so a kernel may split a tensor into any chunks, in any
   order, across buckets, and still produce the reference's lanes bit for bit.
 - `v` is a bijection of `u` (odd multiplier, then an xorshift), so any single changed word

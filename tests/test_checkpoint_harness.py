@@ -293,8 +293,8 @@ def worker_main(argv: list[str]) -> int:
             report.update(_failure_injection(trainer, RESUME_STEPS + 2))
         report[f"{mode}_seconds"] = time.perf_counter() - t0
     (out_dir / f"{phase}_report_rank{rank}.json").write_text(json.dumps(report))
-    # NOTE: a CI run (2026-11-29) saw rank 1 abort ("terminate called without an active
-    # exception") after writing everything: both ranks leave the group together
+    # both ranks leave the group together: a rank that tears down while its peer is still in
+    # a collective can abort ("terminate called without an active exception")
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -46,7 +46,7 @@ def resolve_recipe(name_or_path: str) -> Path:
 def load_config(recipe: str | None = None, overrides: list[str] | None = None,
                 flags: dict[str, str] | None = None, *,
                 problems_out: list[str] | None = None) -> Config:
-    """Defaults < TOML recipe < spec flags < ``--set section.key=value`` overrides.
+    """Defaults < TOML recipe < flags < ``--set section.key=value`` overrides.
 
     Every problem (unknown keys, bad types, bad syntax) is collected and raised at once; with
     ``problems_out`` they are appended there instead and the config (bad values left at their

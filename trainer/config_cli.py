@@ -66,7 +66,7 @@ def default_text(f: dataclasses.Field) -> str:
 
 
 def field_help_text() -> str:
-    """Every key with its type, default, flag (and spec-style alias) and meaning."""
+    """Every key with its type, default, flag (and its short alias) and meaning."""
     lines = ["Any key also takes --set section.key=value; tables take nested keys "
              "(--set rollout.sampling.height=512, --set reward.scorers.ocr.weight=0.5)."]
     for sec, cls in _sections().items():

@@ -18,7 +18,7 @@ from trainer.sampling import RELAX_SAMPLING
 
 
 def _f(default: Any, flag: str, doc: str) -> Any:
-    """A config field with its spec flag and docstring."""
+    """A config field with its alias flag and docstring."""
     meta = {"flag": flag, "doc": doc}
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda d=default: json.loads(json.dumps(d)), metadata=meta)
@@ -163,10 +163,9 @@ class TrainConfig:
     adam_eps: float = _f(1e-8, "--adam-eps", "AdamW eps.")
     adam_fused: bool | None = _f(None, "--adam-fused",
                                  "torch's fused AdamW (one kernel per step over all parameters) "
-                                 "instead of its foreach one; same maths (1.5e-8 apart after 3 "
-                                 "FSDP2 steps on CPU). None (default): fused when the parameters "
-                                 "are on a GPU (H200, 2.76 B fp32 params: 2 steps 0.139 -> "
-                                 "0.087 s, peak memory 50.2 -> 42.1 GB), foreach on the CPU.")
+                                 "instead of its foreach one; same maths. None (default): fused "
+                                 "when the parameters are on a GPU (faster, less peak memory), "
+                                 "foreach on the CPU.")
     clip_grad: float = _f(1.0, "--clip-grad", "Grad-norm clip before each optimizer step.")
     seed: int = _f(0, "--seed", "Seed of model init (LoRA) and everything not sampling.")
     max_rollouts_without_step: int = _f(10, "--max-rollouts-without-step",
@@ -325,7 +324,7 @@ class Config:
 
     @property
     def sync_mode(self) -> str:
-        """The weight-sync payload, derived from the LoRA flags (spec: derived, not set)."""
+        """The weight-sync payload, derived from the LoRA flags (derived, never set against them: docs/design.md#weight-sync)."""
         if self.lora.rank <= 0:
             return "full"
         return "adapter" if self.lora.adapter_mode else "merge"
@@ -340,7 +339,7 @@ class ConfigError(ValueError):
 
 @functools.lru_cache(maxsize=None)
 def _sections() -> dict[str, type]:
-    # NOTE: cached; get_type_hints re-evaluates every annotation string (was ~0.5 s per load).
+    # Cached: get_type_hints re-evaluates every annotation string on each call.
     hints = get_type_hints(Config)
     return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
 
@@ -359,7 +358,7 @@ def cli_flag(section: str, name: str) -> str:
 
 
 def flag_table() -> dict[str, tuple[str, str]]:
-    """Flag -> (section, field): each key's own flag and its spec-style alias."""
+    """Flag -> (section, field): each key's own flag and its short alias."""
     table = {}
     for sec, cls in _sections().items():
         for f in dataclasses.fields(cls):

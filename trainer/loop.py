@@ -227,7 +227,7 @@ class Trainer:
 
     def _assert_microbatch_count_aligned(self, count: int) -> None:
         """Every rank must run the same number of FSDP collectives: MAX all-reduce, then
-        error instead of deadlock (spec: _assert_microbatch_count_aligned)."""
+        error instead of deadlock."""
         if not self.distributed:
             return
         t = torch.tensor([count, -count], dtype=torch.int64, device=self._coll_device())

@@ -1,27 +1,27 @@
 """Preflight: reject a bad run configuration before anything heavy is imported.
 
-``preflight(cfg)`` applies every static rule of the spec's "预检校验" list that maps to our flags,
-plus the static rules of its sections "训练的 SDE step", "FSDP2 训练", "FlowGRPO", "奖励",
-"权重同步", "学习率" and of lora-rl.zh.txt. It collects every violation and raises ONE
-``ConfigError`` naming them all (each with its config key and spec flag); warnings are logged
+``preflight(cfg)`` applies every static rule of a run configuration (docs/design.md collects
+them: SDE steps, FSDP2 training, Flow-GRPO, rewards, weight sync, learning rate, LoRA). It
+collects every violation and raises ONE ``ConfigError`` naming them all (each with its config
+key and flag); warnings are logged
 on ``trainer.preflight`` and returned. Only the standard library, ``trainer.config`` and
 ``trainer.tasks`` are imported: no torch, numpy, diffusers or model code, so a bad config
 fails in well under a second (tests/test_preflight.py runs it in a fresh interpreter and checks
 ``sys.modules``).
 
-Spec rules with no counterpart here, because we have no such flag: fully_async / hybrid,
+Features with no flag here, refused by name when a recipe sets them: fully_async / hybrid,
 use_kl_loss, use_dynamic_batch_size / max_tokens_per_gpu, autoscaler_config, save_hf,
 load_debug_rollout_data (errors); async_save, save_debug_train_data (warnings).
 
-Design choices where the spec is silent or where we deliberately differ:
+Design choices:
 
 - ``train.kl_coef != 0`` is allowed with LoRA: the frozen reference is the same model with the
   adapter disabled, which costs no memory (our extension). Without LoRA there is no reference
-  in memory, so it is rejected, as the spec rejects every non-zero ``--kl-coef``.
+  in memory, so it is rejected.
 - ``weight_sync.wire_dtype = "fp32"`` is accepted on a CPU-only run (``device="cpu"``), or
   with an fp32 engine (``rollout.engine_dtype = "fp32"``, e.g. the toy model on a GPU): the
   wire carries the engine's own dtype, and an fp32 wire keeps the engine's weights bit-equal to
-  the actor's fp32 weights. Anywhere else the spec's bf16.
+  the actor's fp32 weights. Anywhere else bf16.
 - ``weight_sync.mode`` may be given explicitly as full, adapter or merge (our three sync
   payloads, ``Config.sync_mode``); any value contradicting the one derived from the LoRA flags
   is an error, never silently overridden.
@@ -35,7 +35,7 @@ Design choices where the spec is silent or where we deliberately differ:
   first trajectory is packed; eval SDE indices are checked like the training ones.
 - ``linear`` / ``cosine`` without ``lr_decay_iters`` is an error: the schedule would silently
   stay constant.
-- fp16 is not an accepted dtype: the actor has no gradient scaler, and the spec lists bf16|fp32.
+- fp16 is not an accepted dtype: the actor has no gradient scaler (``trainer.values.RUN_DTYPES``).
 - Dotpaths (adapter, scorer, custom reward) are only checked for their shape here: importing
   them would import torch. ``check_imports`` (the launcher's second stage) imports them and
   checks every reward scorer's options against its constructor

@@ -22,7 +22,7 @@ from trainer.models.compile import compile_blocks, compile_wanted
 from trainer.models.lora import apply_lora
 
 # Inserted by torch's checkpoint wrapper into every wrapped block's parameter names; stripped
-# before names leave the actor (spec: otherwise the engine silently skips every block).
+# before names leave the actor (otherwise the engine would silently skip every block).
 _AC_SEGMENT = "_checkpoint_wrapped_module."
 
 
@@ -150,7 +150,7 @@ def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
     t = cfg.train
     fused = t.adam_fused
-    if fused is None:  # measured on the H200 (config docstring); the CPU keeps foreach
+    if fused is None:  # fused on a GPU (faster, less memory), the CPU keeps foreach
         fused = bool(params) and all(p.device.type == "cuda" for p in params)
     return torch.optim.AdamW(params, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
                              eps=t.adam_eps, weight_decay=t.weight_decay,
@@ -226,7 +226,7 @@ def offload_actor(model: nn.Module, optimizer: torch.optim.Optimizer) -> Offload
     """Free the actor's device storage (params, grads, AdamW state) into pinned host memory.
 
     Resizing the local shard's storage to 0 is what actually frees it under fully_shard
-    (reassigning param.data would free nothing, per spec).
+    (reassigning param.data would free nothing: the shard keeps its storage).
     """
     state = OffloadState(_offload_tensors(actor_tensors(model, optimizer)))
     # hand the freed blocks back to the device, not just to this process's caching allocator:

@@ -7,7 +7,7 @@ that cannot be read back from its tensors (alpha above all: a wrong alpha silent
 the policy), and resume refuses (``contract_mismatches`` -> ``ContractMismatchError``) to
 change any of it.
 
-Design choices where the spec is silent:
+Design choices:
 
 * ``mode`` is the trainable mode (``full`` | ``lora``). The weight-sync mode (merge vs adapter)
   is recorded but not enforced: both train the same adapter, and switching between them on

@@ -23,7 +23,7 @@ independent path to the same weights), also checking it holds no lora_A/lora_B t
 exactly the base's tensor names; an adapter export by loading it with peft onto the base; a
 full export tensor for tensor.
 
-Design choices where the spec is silent:
+Design choices:
 * The transformer class always comes from ``_class_name`` in the base's config.json
   (``<base>/transformer/config.json`` for a pipeline directory): no per-family code.
 * OUT is a transformer directory, not a whole pipeline; the other pipeline parts are

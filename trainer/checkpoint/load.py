@@ -5,7 +5,7 @@ the optimizer, policy_version, lr_scheduler_steps (warmup does not restart), the
 rollout id (the saved rollout id + 1) and this rank's RNG, after checking that the adapter
 contract matches the current config.
 
-Design choices where the spec is silent:
+Design choices:
 
 * ``path`` may be the --save root, its task directory or one ``iter_*`` directory; only
   committed iterations are trusted, and rank 0 picks one and broadcasts it, so all ranks load
@@ -19,8 +19,8 @@ Design choices where the spec is silent:
 * ``metrics.jsonl`` and TensorBoard are cut back to the resumed iteration
   (``MetricsLogger.truncate_after``): the steps after it are about to be trained again.
 * The RNG is restored last, after everything else that might draw from it.
-* A missing RNG file for this rank (a different world size) is a warning: the spec calls
-  per-rank RNG best-effort. The rest still resumes exactly.
+* A missing RNG file for this rank (a different world size) is a warning: per-rank RNG is
+  best effort (docs/design.md#checkpoints). The rest still resumes exactly.
 """
 from __future__ import annotations
 

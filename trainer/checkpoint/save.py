@@ -1,6 +1,6 @@
 """``save_checkpoint(trainer, step)``: one crash-safe checkpoint of a training run.
 
-Order (spec "Checkpoint"): rotation by rank 0, broadcast -> DCP shards -> per-rank RNG ->
+Order (docs/design.md#checkpoints): rotation by rank 0, broadcast -> DCP shards -> per-rank RNG ->
 JSON sidecars (rank 0) -> MIN all-reduce of every rank's success -> COMMITTED (rank 0) ->
 ``latest_checkpointed_iteration.txt`` in the task directory, then in the root.
 
@@ -12,7 +12,7 @@ itself; disk full included: DCP wraps the OSError in a ``CheckpointException``, 
 partial directory is removed by rank 0 and no COMMITTED marker exists; training goes on,
 the previous committed checkpoint stays the resume point and the next save retries.
 
-Design choices where the spec is silent:
+Design choices:
 
 * The checkpoint root is ``--save``, or ``<run_dir>/checkpoints`` when only --save-interval
   is set (the config field's documented default).

@@ -5,7 +5,7 @@ trainer's peft LoRA layers in adapter mode) and the ipc ``WeightReceiver`` that 
 weights straight into that transformer's parameters. The pipe transport (``process.py``), the
 HTTP mode (``http_server.py``) and the in-process client all call the methods below.
 
-Design choices where the spec is silent:
+Design choices:
 - The latent state is fp32 whatever the engine dtype; the adapter casts to the transformer's
   dtype inside ``velocity``. The recorded trajectory is therefore exactly what the actor replays.
 - Prompts repeated in a request (a group's candidates) are encoded once and gathered.
@@ -17,7 +17,7 @@ Design choices where the spec is silent:
   once: they never change), moves a receiver-less transformer to the host and empties the
   allocator cache; with a receiver the transformer's weights live in transport memory that the
   trainer writes into, so they stay resident. ``generate`` refuses to run while released (the
-  trainer wakes the engine with ``resume()`` first, per spec).
+  trainer wakes the engine with ``resume()`` first).
 """
 from __future__ import annotations
 
@@ -416,7 +416,7 @@ class EngineCore:
         return moved
 
     def release(self) -> dict[str, Any]:
-        """Free device memory for the colocated actor. Raises on failure (fatal, per spec)."""
+        """Free device memory for the colocated actor. Raises on failure (fatal: docs/design.md#engine)."""
         with self._lock:
             if self.closed:
                 raise EngineStateError("engine is closed (release)")
@@ -434,7 +434,7 @@ class EngineCore:
                     "memory_allocated_bytes": self._allocated()}
 
     def resume(self) -> dict[str, Any]:
-        """Bring released parts back to the device. Raises on failure (fatal, per spec)."""
+        """Bring released parts back to the device. Raises on failure (fatal: docs/design.md#engine)."""
         with self._lock:
             if self.closed:
                 raise EngineStateError("engine is closed (resume)")

@@ -10,9 +10,8 @@ request into a ``GenerateSpec``. Two request shapes are accepted, both SGLang's 
   1, or the number of sample ids) candidates share it. Answered over HTTP with SGLang's list of
   per-output responses.
 
-Defaults where the request (or SGLang) leaves a field out, documented because the spec is
-silent: ``seed`` 0; ``rollout`` true; ``rollout_sde_type`` "sde"; ``rollout_noise_level`` 0.7
-(the spec's rollout-side default); ``rollout_sde_step_indices`` absent means every step (SGLang's
+Defaults where the request (or SGLang) leaves a field out, documented here: ``seed`` 0; ``rollout`` true; ``rollout_sde_type`` "sde"; ``rollout_noise_level`` 0.7
+(the rollout-side default, docs/design.md#sampling-and-the-sde-step); ``rollout_sde_step_indices`` absent means every step (SGLang's
 meaning), which ``sde`` then rejects for step 0; ``sigmas`` absent means the adapter's own
 schedule; sample ids absent means ``"seed:<seed>:<k>"``; ``rollout_return_dit_trajectory`` and
 ``rollout_return_denoising_env`` false (SGLang's defaults; the adapter's requests set both). ``rollout: false`` samples pure ODE and

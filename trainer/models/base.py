@@ -102,7 +102,7 @@ class GenerativeModelAdapter(abc.ABC):
         """
         return sigmas[:-1].to(torch.float32) * 1000.0
 
-    # ---- checks (spec: GENERATION_TASKS, "不支持 CFG") -----------------------------------
+    # ---- checks (tasks: trainer.tasks; guidance: docs/design.md#sampling-and-the-sde-step) --
     @classmethod
     def check_task(cls, task: str) -> None:
         """Raise ValueError unless ``task`` is in GENERATION_TASKS and this family declares it."""

@@ -61,8 +61,7 @@ JSON a tensor is ``encode_tensor``'s tagged base64 safetensors blob, or a nested
     images                  [B, H, W, 3] uint8 decoded images (optional)
     policy_version          int                the engine's committed weight version (optional)
 
-Why pairs and not the S+1 chain: the trained steps need not be contiguous ([1, 3, 5] is the
-spec's example), and each replayed transition needs exactly its own x_i and x_{i+1}.
+Why pairs and not the S+1 chain: the trained steps need not be contiguous (e.g. [1, 3, 5]), and each replayed transition needs exactly its own x_i and x_{i+1}.
 """
 from __future__ import annotations
 
