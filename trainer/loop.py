@@ -25,11 +25,12 @@ from trainer.actor.update import train_on
 from trainer.config import DEFAULT_SAMPLING, Config, write_resolved
 from trainer.ema import build_ema
 from trainer.evaluation import eval_sampling, eval_weights
-from trainer.metrics import MetricsLogger
+from trainer.metrics import MetricsLogger, step_metrics
 from trainer.models.compile import compile_events, compile_wanted
 from trainer.profiling import ComputeMeter, ProfileWindow, StageTimer, add_times, nvtx_range
 from trainer.prompts import PromptSampler, load_records
 from trainer.engine.recovery import call_with_recovery
+from trainer.state import TrainerState
 from trainer.values import import_dotpath
 from trainer.watchdog import check_progress
 
@@ -43,7 +44,10 @@ def resolve_model_path(cfg: Config) -> str:
     return cfg.model.model_path
 
 
-class Trainer:
+class Trainer(TrainerState):
+    """One rank's run: actor, engine, rollout driver, rewards, the loop. Its counters and
+    RNG are ``TrainerState`` (``state_dict`` / ``load_state_dict``, what checkpoints save)."""
+
     def __init__(self, cfg: Config, *, rank: int = 0, world: int = 1,
                  device: torch.device | str = "cpu") -> None:
         self.cfg = cfg
@@ -71,10 +75,6 @@ class Trainer:
         self.model = self._load_in_waves()
         self.optimizer = build_optimizer(self.model, cfg)
         self.ema = build_ema(self.model, cfg)
-        self.policy_version = 0
-        self.lr_steps = 0
-        self.next_rollout = 0
-        self.sync_failures = 0
         self.offloaded = None
         self.colocate = OffloadPolicy(cfg.fsdp.offload_policy,
                                       offload_rollout=cfg.rollout.offload_rollout,
@@ -326,34 +326,15 @@ class Trainer:
         metrics.update(self.colocate.metrics())
         self.profile.after(rollout_id)
         step_time = time.perf_counter() - t0
-        n = len(batch)  # this rank's samples; rates are summed over ranks below
         times = self.timer.pop()
-        metrics.update({f"perf/{k}_time": v for k, v in times.items()})
-        metrics["perf/step_time"] = step_time
-        metrics["perf/recompiles"] = float(compile_events() - compiles_before
-                                           + sum(self.driver.last_compiles))
-        self._watch_recompiles(rollout_id, metrics["perf/recompiles"])
+        recompiles = float(compile_events() - compiles_before + sum(self.driver.last_compiles))
         compute = add_times({f"engine_{k}": v for k, v in self.driver.last_compute_s.items()},
                             self.meter.pop())
-        metrics.update({f"perf/compute/{k}": v for k, v in compute.items()})
-        metrics["perf/model_compute_time"] = sum(compute.values())
-        metrics.update({f"perf/outside/{k}": v for k, v in self.outside.pop().items()})
-        # Share of the step outside transformer / VAE / text-encoder / reward-model compute
-        # (ComputeMeter's definition): the framework's own overhead, target <= 5 % on a GPU.
-        metrics["perf/outside_compute_share"] = 1.0 - sum(compute.values()) / step_time
-        metrics["perf/samples_per_s"] = n / step_time * self.world
-        metrics["perf/train_samples_per_s"] = n / times["train"] * self.world
-        metrics["perf/train_transitions_per_s"] = (n * len(batch.sde_indices) / times["train"]
-                                                   * self.world)
-        metrics["train/policy_version"] = float(self.policy_version)
-        metrics["train/weight_sync_failures"] = float(self.sync_failures)
-        metrics["train/checkpoint_failures"] = float(getattr(self, "checkpoint_failures", 0))
-        metrics["train/engine_restarts"] = float(getattr(self, "engine_restarts", 0))
-        if self.device.type == "cuda":
-            gb = 2.0 ** 30
-            metrics["perf/mem_allocated_gb"] = torch.cuda.memory_allocated(self.device) / gb
-            metrics["perf/mem_reserved_gb"] = torch.cuda.memory_reserved(self.device) / gb
-            metrics["perf/mem_peak_gb"] = torch.cuda.max_memory_allocated(self.device) / gb
+        metrics.update(step_metrics(
+            step_time=step_time, stage_times=times, recompiles=recompiles, compute=compute,
+            outside=self.outside.pop(), samples=len(batch), sde_steps=len(batch.sde_indices),
+            world=self.world, counters=self.counters(), device=self.device))
+        self._watch_recompiles(rollout_id, recompiles)
         return self._reduce_metrics(metrics)
 
     def _watch_recompiles(self, rollout_id: int, count: float) -> None:
