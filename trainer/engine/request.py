@@ -90,17 +90,9 @@ def _get_bool(req: Mapping[str, Any], key: str, default: bool, problems: list[st
     return value
 
 
-def parse_generate_request(adapter: GenerativeModelAdapter, request: Any) -> GenerateSpec:
-    """Validate ``request`` against this engine's adapter; raise ``RequestError`` listing all."""
-    if not isinstance(request, Mapping):
-        raise RequestError([f"the request must be a JSON object, got {type(request).__name__}"])
-    problems: list[str] = []
-    extra = request.get("extra_sampling_params") or {}
-    if not isinstance(extra, Mapping):
-        problems.append(f"extra_sampling_params must be an object, got {type(extra).__name__}")
-        extra = {}
-
-    # ---- candidates ----------------------------------------------------------------------
+def _candidates(request: Mapping[str, Any], extra: Mapping[str, Any], problems: list[str]
+                ) -> tuple[list[str], list[str], bool, int]:
+    """(prompts, sample ids, single-prompt form, seed): one prompt and one id per candidate."""
     prompt = request.get("prompt")
     sample_ids = extra.get("sample_ids")
     single = isinstance(prompt, str)
@@ -137,8 +129,12 @@ def parse_generate_request(adapter: GenerativeModelAdapter, request: Any) -> Gen
     dupes = sorted(s for s, c in Counter(sample_ids).items() if c > 1)
     if dupes:
         problems.append(f"duplicate sample ids {dupes[:5]}: their candidates would be identical")
+    return prompts, sample_ids, single, seed
 
-    # ---- geometry and guidance ------------------------------------------------------------
+
+def _geometry(adapter: GenerativeModelAdapter, request: Mapping[str, Any],
+              extra: Mapping[str, Any], problems: list[str]) -> tuple[Any, Any, Any, bool]:
+    """(height, width, num_inference_steps, all valid), guidance and the model family checked."""
     height, width, steps = request.get("height"), request.get("width"), request.get("num_inference_steps")
     geometry_ok = True
     for key, value in (("height", height), ("width", width), ("num_inference_steps", steps)):
@@ -166,8 +162,12 @@ def parse_generate_request(adapter: GenerativeModelAdapter, request: Any) -> Gen
             if got is not None and list(got) != list(want):
                 problems.append(f"extra_sampling_params.{key} {list(got)} does not match this "
                                 f"model's {list(want)} at {height}x{width}")
+    return height, width, steps, geometry_ok
 
-    # ---- schedule --------------------------------------------------------------------------
+
+def _schedule(adapter: GenerativeModelAdapter, extra: Mapping[str, Any], steps: Any,
+              height: Any, width: Any, geometry_ok: bool, problems: list[str]) -> list[float]:
+    """The driver's sigmas (N, or N + 1 values), else the adapter's schedule."""
     sigmas: list[float] = []
     raw_sigmas = extra.get("sigmas")
     if raw_sigmas is not None:
@@ -188,8 +188,12 @@ def parse_generate_request(adapter: GenerativeModelAdapter, request: Any) -> Gen
                 sigmas = []
     elif geometry_ok:
         sigmas = [float(s) for s in adapter.scheduler_sigmas(steps, height, width).tolist()]
+    return sigmas
 
-    # ---- SDE ---------------------------------------------------------------------------------
+
+def _sde(request: Mapping[str, Any], extra: Mapping[str, Any], steps: Any, sigmas: list[float],
+         problems: list[str]) -> tuple[list[int], Any, Any, Any, Any]:
+    """(SDE step indices, sde_type, eta, sigma_one, log_prob_form)."""
     rollout = _get_bool(request, "rollout", True, problems)
     sde_type = request.get("rollout_sde_type", "sde")
     if sde_type not in SDE_TYPES:
@@ -231,7 +235,12 @@ def parse_generate_request(adapter: GenerativeModelAdapter, request: Any) -> Gen
     if rollout and indices and float(eta) == 0.0:
         problems.append("rollout_noise_level is 0 but SDE steps were requested: an eta == 0 step "
                         "is deterministic and has no log-prob")
+    return indices, sde_type, eta, sigma_one, log_prob_form
 
+
+def _driver_noise(extra: Mapping[str, Any], seed: int, sample_ids: list[str],
+                  problems: list[str]) -> tuple[Any, Any, Any]:
+    """(noise recipe, its seed, x_T ids) when the driver draws the noise."""
     recipe = extra.get("noise_recipe")
     if recipe is not None and recipe != noise.RECIPE:
         problems.append(f"extra_sampling_params.noise_recipe {recipe!r} is not this engine's "
@@ -248,7 +257,24 @@ def parse_generate_request(adapter: GenerativeModelAdapter, request: Any) -> Gen
                 not all(isinstance(s, str) and s for s in init_ids):
             problems.append(f"extra_sampling_params.initial_noise_ids must be {len(sample_ids)} "
                             f"non-empty strings (one per candidate), got {init_ids!r}"[:300])
+    return recipe, noise_seed, init_ids
 
+
+def parse_generate_request(adapter: GenerativeModelAdapter, request: Any) -> GenerateSpec:
+    """Validate ``request`` against this engine's adapter; raise ``RequestError`` listing all."""
+    if not isinstance(request, Mapping):
+        raise RequestError([f"the request must be a JSON object, got {type(request).__name__}"])
+    problems: list[str] = []
+    extra = request.get("extra_sampling_params") or {}
+    if not isinstance(extra, Mapping):
+        problems.append(f"extra_sampling_params must be an object, got {type(extra).__name__}")
+        extra = {}
+    prompts, sample_ids, single, seed = _candidates(request, extra, problems)
+    height, width, steps, geometry_ok = _geometry(adapter, request, extra, problems)
+    sigmas = _schedule(adapter, extra, steps, height, width, geometry_ok, problems)
+    indices, sde_type, eta, sigma_one, log_prob_form = _sde(request, extra, steps, sigmas,
+                                                            problems)
+    recipe, noise_seed, init_ids = _driver_noise(extra, seed, sample_ids, problems)
     return_traj = _get_bool(request, "rollout_return_dit_trajectory", False, problems)
     return_env = _get_bool(request, "rollout_return_denoising_env", False, problems)
     if problems:
