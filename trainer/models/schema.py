@@ -5,7 +5,8 @@ HTTP (JSON, POST ``ROLLOUT_PATH``); an SGLang diffusion server answers it over H
 adapter builds the request, checks the response and packs it (``GenerativeModelAdapter``
 delegates here); the engine produces exactly the response below.
 
-Request (``build_request``, in ``trainer.models.rollout_request``; plain JSON types only, so ``json.dumps`` works as is)::
+Request (``build_request``, built in ``trainer.models.rollout_request``; plain JSON types
+only, so ``json.dumps`` works as is)::
 
     prompt                          list[str]   B candidate prompts (a group repeats its prompt)
     seed                            int         base seed of the run (the engine's own RNG seed)
