@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -17,21 +18,30 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import ipc
 from trainer.actor.model import (build_actor, build_optimizer, lora_spec, offload_actor,
                                  onload_actor, shard_actor, strip_wrapper_names)
 from trainer.actor.colocate import Footprint, OffloadPolicy, actor_footprint
 from trainer.actor.sync import sync_payload
 from trainer.actor.update import train_on
+from trainer.checkpoint import save_checkpoint
 from trainer.config import DEFAULT_SAMPLING, Config, write_resolved
 from trainer.ema import build_ema
+from trainer.engine import launch_embedded_engine
+from trainer.engine.recovery import call_with_recovery
+from trainer.engine.sglang_sync import connect_sglang
 from trainer.evaluation import eval_sampling, eval_weights
 from trainer.metrics import MetricsLogger, step_metrics
 from trainer.models.compile import compile_events, compile_wanted
 from trainer.profiling import ComputeMeter, ProfileWindow, StageTimer, add_times, nvtx_range
+from trainer.progress import RunProgress
 from trainer.prompts import PromptSampler, load_records
-from trainer.engine.recovery import call_with_recovery
+from trainer.rewards import build_reward_manager_from_config, compute_advantages
+from trainer.rollout import RolloutDriver
 from trainer.state import TrainerState
+from trainer.toy import weights_dir
 from trainer.values import import_dotpath
+from trainer.visuals import captioned_grid, captions, log_pictures
 from trainer.watchdog import check_progress
 
 log = logging.getLogger("trainer")
@@ -39,7 +49,6 @@ log = logging.getLogger("trainer")
 
 def resolve_model_path(cfg: Config) -> str:
     if cfg.model.model_path == "toy":
-        from trainer.toy import weights_dir
         return str(weights_dir())
     return cfg.model.model_path
 
@@ -115,21 +124,15 @@ class Trainer(TrainerState):
         self.groups_per_rank = cfg.rollout.rollout_batch_size // self.world
 
     def _build_engine(self) -> None:
-        import ipc
-        from trainer.engine import launch_embedded_engine
-        from trainer.rollout import RolloutDriver
-
         cfg = self.cfg
         self.sender = None
         if self.device.type == "cpu":
             # NOTE: trainer and engine time-share the cores; measured on the 2-core box, a
             # tiny forward ran 40x slower with both processes spinning 2 OpenMP threads each.
-            import os
             threads = max(1, (os.cpu_count() or 2) // (2 * self.world))
             torch.set_num_threads(threads)
             os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by the engine process
         if cfg.rollout.engine == "sglang":
-            from trainer.engine.sglang_sync import connect_sglang
             self.engine, self.sender = connect_sglang(cfg, self.rank, self.run_dir,
                                                       self.adapter)
         else:
@@ -169,7 +172,6 @@ class Trainer(TrainerState):
                 "batch": (r.wave_size or 1) * r.n_samples_per_prompt}
 
     def _build_reward(self) -> None:
-        from trainer.rewards import build_reward_manager_from_config
         r = self.cfg.reward
         device = self.device if r.runtime == "colocate" else torch.device("cpu")
         self.reward_device = device
@@ -192,7 +194,6 @@ class Trainer(TrainerState):
         return batch
 
     def score(self, batch) -> tuple[torch.Tensor, dict[str, float]]:
-        from trainer.rewards import compute_advantages
         r = self.cfg.reward
         with self.timer.stage("reward"):
             with self.meter.region("reward_model", self.reward_device):
@@ -248,7 +249,6 @@ class Trainer(TrainerState):
 
     def sync_weights(self, first: bool = False) -> dict[str, float]:
         """Push the actor's weights into the engine; the version advances only on success."""
-        import ipc
         if self.sender is None:
             return {}
         cfg = self.cfg
@@ -391,7 +391,6 @@ class Trainer(TrainerState):
         self.timer.pop()
         out = self._reduce_metrics(out)
         if self.rank == 0 and batch.images is not None:
-            from trainer.visuals import captioned_grid, captions
             rewards = (total[:32] / wsum).tolist()
             grid = captioned_grid(batch.images[:32], captions(batch.prompts[:32], rewards))
             self.metrics.image(f"{tag}/samples", step, grid,
@@ -412,8 +411,6 @@ class Trainer(TrainerState):
 
     # ---- the run ----------------------------------------------------------------------
     def train(self) -> dict[str, float]:
-        from trainer.progress import RunProgress
-        from trainer.visuals import log_pictures
         cfg = self.cfg
         history = {}
         progress = RunProgress(cfg.train.num_rollouts, self.next_rollout,
@@ -455,7 +452,6 @@ class Trainer(TrainerState):
         if ck.save_interval < 0:
             return
         if is_last or (ck.save_interval and step % ck.save_interval == 0):
-            from trainer.checkpoint import save_checkpoint
             with nvtx_range("checkpoint"):
                 save_checkpoint(self, step)
 
