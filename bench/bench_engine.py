@@ -7,7 +7,7 @@ Model: ``QwenImageTransformer2DModel`` with the real width (24 heads x 128, join
 3584, in_channels 64, out_channels 16, axes_dims_rope (16, 56, 56)) at reduced depth
 (``--layers``, default 8), random weights, bf16. Batch 8 (one group), 384x384 (576 image
 tokens), 12 steps, random prompt embeddings of 128 tokens (no text encoder), Qwen-Image's
-shifted schedule. Trained SDE steps [3, 4, 5] (eta 0.7, "sde"), as the spec's recipe evaluates.
+shifted schedule. Trained SDE steps [3, 4, 5] (eta 0.7, "sde"), as the Qwen-Image recipes train.
 
 Paths timed (median of ``--repeats`` after ``--warmup``; host clock around a device sync, so
 Python and launch overheads count):

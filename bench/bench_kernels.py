@@ -5,7 +5,7 @@
     python bench/bench_kernels.py --sweep --out sweep.md      # + forward tilings, for tuning
     python -m pytest bench/bench_kernels.py --benchmark-enable   # the same cases, pytest-benchmark
 
-The baseline ("eager") is the spec's Flow-GRPO formula written plainly in torch, fp32 math on
+The baseline ("eager") is Flow-GRPO's formula written plainly in torch, fp32 math on
 the stored dtype, autograd for the backward; "compile" is ``torch.compile`` of that function;
 "triton" is ``kernels.sde_log_prob(..., backend="triton", validate=False)`` (the actor's hot
 path after its schedule was validated once). Sigmas are per-sample [B] tensors, eta = 0.7.
@@ -40,9 +40,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import kernels  # noqa: E402
+from trainer.dtypes import RUN_DTYPES, TORCH_DTYPES  # noqa: E402
 
 SHAPES = ((8, 36_864), (32, 262_144), (64, 1_048_576))
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {name: TORCH_DTYPES[name] for name in RUN_DTYPES}
 OPS = ("fwd", "bwd", "fwd+bwd")
 IMPLS = ("eager", "compile", "triton")
 ETA = 0.7
@@ -50,7 +51,7 @@ LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
 def eager_log_prob(x, v, prev, sigma, sigma_next):
-    """Flow-GRPO's sde_step_with_logprob replay (spec, paper notes A.4), fp32 math."""
+    """Flow-GRPO's sde_step_with_logprob replay (paper, appendix A.4), fp32 math."""
     x, v, prev = x.float(), v.float(), prev.float()
     sigma, sigma_next = sigma.float()[:, None], sigma_next.float()[:, None]
     dt = sigma_next - sigma

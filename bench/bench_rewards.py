@@ -12,7 +12,7 @@ scores on the host. Needs only torch and transformers (no open_clip, no diffuser
 
 The tokenizer is byte-level (no BPE merges; ids padded to CLIP's 49408 with the real special
 ids), so prompts are a few times more tokens than with CLIP's vocabulary: text cost is, if
-anything, overstated. The GRPO geometry of the spec's recipe is kept: 32 prompts x 8 images.
+anything, overstated. The GRPO geometry of the Qwen-Image recipes is kept: 32 prompts x 8 images.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 TARGET_IMAGES_PER_S = 200.0
-SPEC_CPU_S_PER_ROLLOUT = 104.0  # spec: reward + convert + TransferQueue, 256 samples, on CPU
+CPU_PATH_S_PER_ROLLOUT = 104.0  # a CPU scoring path: reward + convert + transfer, 256 samples
 VOCAB_SIZE = 49408
 
 
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
            f"{args.prompts} prompts, {runtime}, batch {default_batch} | {result['device']} | "
            f"{result['images_per_s']:.0f} images/s ({result['s_per_rollout']:.2f} s per "
            f"rollout; peak {result.get('peak_gb', float('nan')):.1f} GB) | target ≥ "
-           f"{TARGET_IMAGES_PER_S:.0f} images/s; spec CPU ≈ {SPEC_CPU_S_PER_ROLLOUT:.0f} s "
+           f"{TARGET_IMAGES_PER_S:.0f} images/s; CPU path ≈ {CPU_PATH_S_PER_ROLLOUT:.0f} s "
            f"per rollout |")
     result["markdown_row"] = row
     print(row)

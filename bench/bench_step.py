@@ -109,8 +109,8 @@ def step_overrides(mode: str, model_dir: Path, reward_dir: Path | None, args, wo
             "data.eval_prompt_data=none", f"data.prompt_data={work / 'prompts.jsonl'}",
             f"logging.run_dir={run_dir}", "rollout.write_artifacts=false",
             "logging.progress=false", "logging.tensorboard=false", "fsdp.load_wave_size=0",
-            # no checkpoint: the end-of-run save of the full model took 47-66 s on the H200
-            # host's disk (session 4) and is not part of a step
+            # no checkpoint: the end-of-run save of the full model takes tens of seconds
+            # and is not part of a step
             "checkpoint.save=none", "checkpoint.save_interval=-1",
             f"train.micro_batch_size={args.micro_batch}", f"launch.device={args.device}"]
     if args.tiny:
@@ -157,9 +157,8 @@ def run_mode(mode: str, model_dir: Path, reward_dir: Path | None, args, work: Pa
             busy.append(sampler.mean)
     finally:
         trainer.close()
-    # NOTE (H200 run, 2026-11-29): without this the previous mode's actor (reference cycles)
-    # stayed allocated through the next mode: "full" read 12.3 GiB after offload, of which
-    # 10.3 GiB was the LoRA run's fp32 base
+    # without this the previous mode's actor (reference cycles) stays allocated through the
+    # next mode and inflates its memory figures
     del trainer
     gc.collect()
     if device.type == "cuda":
@@ -175,8 +174,8 @@ def summarize(mode: str, steps: list[dict], busy: list | None = None) -> dict:
         print(f"WARNING [{mode}]: some steps did not train (degenerate rewards): their step "
               "times are not training-step figures", flush=True)
     keep = steps[1:] or steps
-    # the median of the kept steps, per metric (= the mean for 2 steps): the lent 2-GPU host
-    # showed single 3x steps (session 4: 1.9 s then 6.3 s on the same run)
+    # the median of the kept steps, per metric (= the mean for 2 steps): a shared host can
+    # show single steps several times slower than the rest
     avg = {k: statistics.median(s.get(k, 0.0) for s in keep) for k in keep[-1]}
     compute = {k.removeprefix("perf/compute/"): v for k, v in avg.items()
                if k.startswith("perf/compute/")}

@@ -5,11 +5,9 @@ program copies one CHUNK of one piece and folds the checksum of the words it wro
 definition in ipc/checksum.py) into that tensor's two lanes with two atomics. With STORE=False
 the same kernel only reads: that is the receiver's verification and `weights_checksum` on GPU.
 
-Throughput (H200, 4 GB of bf16, run 1 of bench/bench_ipc.py): torch's copy_ moves 2.08 TB/s
-of payload; the first version of this kernel (CHUNK 64 Ki, BLOCK 4096 16-bit words, 8 warps)
-1.11 TB/s, the same kernel at CHUNK 128 Ki / BLOCK 8192 1.49 TB/s, its read-only pass
-2.79 TB/s. The copy is limited by bytes in flight per SM (registers per thread bound the
-resident warps) and by integer issue (~6 ops per checksummed word), not by DRAM. Hence:
+The copy is limited by bytes in flight per SM (registers per thread bound the resident
+warps) and by integer issue (~6 ops per checksummed word), not by DRAM (figures:
+bench/RESULTS.md, "Figures behind code choices"). Hence:
 - 16-bit words travel as int32 pairs (PACK): the store is the loaded register, and the lanes
   need 3 accumulators per pair instead of 2 per word (1.5 vs 2 registers and adds per word),
   so more of the register file holds loads in flight;
@@ -40,15 +38,9 @@ import importlib.util
 import numpy as np
 import torch
 
-# NOTE (measured, H200, 4 GB bf16 copy+checksum, word-wise kernel): CHUNK 64 Ki / BLOCK 4096
-# words / 8 warps 1.11 TB/s of payload; CHUNK 64 Ki / 2048 / 4 warps 1.47; CHUNK 128 Ki / 8192
-# / 8 warps 1.49 (best); 64 Ki / 4096 / 16 warps 1.22 (torch copy_: 2.08). The defaults below
-# are that best config (8192 16-bit words = 4096 32-bit lanes per iteration), now with PACK.
+# The defaults are the best config of `python bench/bench_ipc.py --sweep` (bench/RESULTS.md).
 # CHUNK (words per program) keeps the chunk table of a 16 GB sync near 0.5 MB and the epilogue
-# (block reductions + two atomics) negligible. `python bench/bench_ipc.py --sweep` re-measures.
-# NOTE (measured, H200, run 2 with PACK16, 2026-11-29, `bench_ipc.py --sweep`): CHUNK 128 Ki /
-# BLOCK32 4096 / 8 warps 1.44 TB/s; BLOCK32 8192 / 8 warps 1.68 (best of 7); 64 Ki / 1024 / 4
-# 1.42; 128 Ki / 2048 / 4 1.50; 256 Ki / 4096 / 8 1.46. Default moved to the best.
+# (block reductions + two atomics) negligible.
 CHUNK = 1 << 17
 BLOCK32 = 8192      # 32-bit lanes per loop iteration (16-bit words: 2 * BLOCK32 words)
 NUM_WARPS = 8
@@ -123,45 +115,3 @@ def launch(base: torch.Tensor, launch_: Launch, chunks: torch.Tensor, pieces: to
         chunks[launch_.c0:launch_.c1], pieces, src16, sums,
         CHUNK=CHUNK, BLOCK=block, SRC_BITS=src_bits, DST_BITS=dst_bits, CAST=cast,
         STORE=store, PACK=pack, num_warps=NUM_WARPS)
-
-
-def tensors_lanes(tensors: list[torch.Tensor]) -> np.ndarray:
-    """[n, 2] uint32 lanes of CUDA (or, under TRITON_INTERPRET=1, CPU) tensors: one read-only
-    launch per word size; dtypes the kernel does not read go through the torch reference."""
-    from ipc.checksum import tensor_lanes
-
-    out = np.zeros((len(tensors), 2), dtype=np.uint32)
-    if not tensors:
-        return out
-    device = tensors[0].device
-    groups: dict[int, list[int]] = {}
-    srcs: list[torch.Tensor] = []
-    for k, t in enumerate(tensors):
-        kind = kernel_kind(t.dtype, t.dtype)
-        if kind is None or t.device != device:
-            out[k] = tensor_lanes(t)
-            srcs.append(t)
-            continue
-        if not t.is_contiguous() or t.data_ptr() % 16:
-            t = torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t)
-        srcs.append(t)
-        groups.setdefault(kind[0], []).append(k)
-    if not groups:
-        return out
-    base = torch.empty(16, dtype=torch.uint8, device=device)  # any 16-byte aligned anchor
-    base_ptr = base.data_ptr()
-    sums = torch.zeros((len(tensors), 2), dtype=torch.int32, device=device)
-    for bits, ks in groups.items():
-        counts = np.array([srcs[k].numel() for k in ks], dtype=np.int64)
-        offs = np.array([srcs[k].data_ptr() - base_ptr for k in ks], dtype=np.int64) // 16
-        pieces = np.stack([offs, np.zeros_like(counts), counts,
-                           np.array(ks, dtype=np.int64)], axis=1)
-        table = chunk_table(counts)
-        dev = dict(device=device)
-        launch(base, Launch((bits, bits, 0), 0, len(ks), 0, len(table)),
-               torch.from_numpy(table).to(**dev), torch.from_numpy(pieces).to(**dev),
-               torch.from_numpy(np.ascontiguousarray(offs)).to(**dev), sums, store=False)
-    got = sums.cpu().numpy().view(np.uint32)  # NOTE: host sync
-    for ks in groups.values():
-        out[ks] = got[ks]
-    return out

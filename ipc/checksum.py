@@ -7,7 +7,7 @@ Definition. A tensor's bytes are read as little-endian unsigned words of
     w = (u + 1) * MIX;   v = w ^ (w >> 15)
     lane_a = sum(v);     lane_b = sum(i * v)
 
-Design choices (the spec is silent on the function):
+Design choices:
 - Integer sums mod 2^32 are associative, so a kernel may split a tensor into any chunks, in any
   order, across buckets, and still produce the reference's lanes bit for bit.
 - `v` is a bijection of `u` (odd multiplier, then an xorshift), so any single changed word
@@ -28,6 +28,10 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
+
+# One direction only: the kernels module knows nothing of this one; the lanes of both
+# implementations (reference and kernel) are computed here.
+from ipc import _kernels
 
 MIX = 0x2545F491
 M32 = 0xFFFFFFFF
@@ -127,7 +131,6 @@ def weights_checksum(tensors, *, impl: str = "auto") -> str:
     use_triton = impl == "triton" or (
         impl == "auto" and ts and all(t.is_cuda for t in ts) and _kernels_available())
     if use_triton:
-        from ipc._kernels import tensors_lanes
         lanes = tensors_lanes(ts)
     else:
         lanes = reference_lanes(ts)
@@ -135,5 +138,45 @@ def weights_checksum(tensors, *, impl: str = "auto") -> str:
 
 
 def _kernels_available() -> bool:
-    from ipc._kernels import triton_available
-    return triton_available()
+    return _kernels.triton_available()
+
+
+def tensors_lanes(tensors: list[torch.Tensor]) -> np.ndarray:
+    """[n, 2] uint32 lanes of CUDA (or, under TRITON_INTERPRET=1, CPU) tensors: one read-only
+    launch per word size; dtypes the kernel does not read go through the torch reference."""
+    out = np.zeros((len(tensors), 2), dtype=np.uint32)
+    if not tensors:
+        return out
+    device = tensors[0].device
+    groups: dict[int, list[int]] = {}
+    srcs: list[torch.Tensor] = []
+    for k, t in enumerate(tensors):
+        kind = _kernels.kernel_kind(t.dtype, t.dtype)
+        if kind is None or t.device != device:
+            out[k] = tensor_lanes(t)
+            srcs.append(t)
+            continue
+        if not t.is_contiguous() or t.data_ptr() % 16:
+            t = torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t)
+        srcs.append(t)
+        groups.setdefault(kind[0], []).append(k)
+    if not groups:
+        return out
+    base = torch.empty(16, dtype=torch.uint8, device=device)  # any 16-byte aligned anchor
+    base_ptr = base.data_ptr()
+    sums = torch.zeros((len(tensors), 2), dtype=torch.int32, device=device)
+    for bits, ks in groups.items():
+        counts = np.array([srcs[k].numel() for k in ks], dtype=np.int64)
+        offs = np.array([srcs[k].data_ptr() - base_ptr for k in ks], dtype=np.int64) // 16
+        pieces = np.stack([offs, np.zeros_like(counts), counts,
+                           np.array(ks, dtype=np.int64)], axis=1)
+        table = _kernels.chunk_table(counts)
+        dev = dict(device=device)
+        _kernels.launch(base, _kernels.Launch((bits, bits, 0), 0, len(ks), 0, len(table)),
+               torch.from_numpy(table).to(**dev), torch.from_numpy(pieces).to(**dev),
+               torch.from_numpy(np.ascontiguousarray(offs)).to(**dev), sums, store=False)
+    got = sums.cpu().numpy().view(np.uint32)  # NOTE: host sync
+    for ks in groups.values():
+        out[ks] = got[ks]
+    return out
+

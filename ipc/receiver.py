@@ -1,6 +1,6 @@
 """Engine side of the weight sync: `WeightReceiver`.
 
-Design choices (where the spec is silent):
+Design choices:
 - The engine's tensors are re-homed, once, into one transport allocation (each tensor
   256-byte aligned, in the order given), and rebound in place (`t.data = view`), so the module
   keeps using them and the sender writes each byte exactly once, straight into the weights.
@@ -13,9 +13,8 @@ Design choices (where the spec is silent):
   checksum from its own memory and compares it, per tensor, with what the sender's fused
   copy computed; that costs one extra read of the synced bytes. verify="fused" trusts the
   fused checksum (sender side) plus the manifest's counts: no second pass.
-  NOTE: "full" stays the default on both backends although it costs one read of the synced
-  bytes: 1.4 ms per 4 GB sync and 5.0 ms per 16 GB sync on the H200 (run 1: commit 1.76 vs
-  0.37 ms and 5.50 vs 0.49 ms, i.e. 0.64 vs 0.82 and 0.73 vs 0.94 TB/s end to end). With
+  "full" stays the default on both backends although it costs one read of the synced bytes
+  (bench/RESULTS.md, "Figures behind code choices"). With
   "fused" nobody reads the receiver's memory: the sender checksums the registers it stores,
   the receiver echoes those lanes, so a write that lands wrong (bad offset, a peer
   scribbling, a fault injected after the copy, as the tests do) commits undetected. Choose

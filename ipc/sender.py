@@ -1,6 +1,6 @@
 """Trainer side of the weight sync: `WeightSender`.
 
-Design choices (where the spec is silent):
+Design choices:
 - The manifest needs every (name, shape, dtype) before the first byte moves, so `sync`
   reads the whole iterable first. To stream a model that does not fit twice on the trainer
   GPU, pass DTensors (or `ipc.LazyTensor`s) instead of full tensors: their shape and dtype
@@ -400,11 +400,9 @@ class _Scan:
     """One pass over the payload. For plain tensors it also collects data pointers,
     contiguity and device in the same comprehension.
 
-    NOTE: per-tensor Python cost is what bounds the adapter sync (1,440 tensors, 2 ms
-    budget; run 1 on the H200 host measured prepare = 1.97 ms). On the 2-core dev box, for
-    1,440 tensors: `zip(*items)` 6.0 ms (!), the five-attribute comprehension 3.7 ms, whereas
-    identity (`map(operator.is_)`) 0.13 ms, `map(Tensor.data_ptr)` + compare 0.6 ms and
-    `map(attrgetter("shape"))` + compare 1.1 ms. So when the same tensor objects come back at
+    Per-tensor Python cost is what bounds the adapter sync (1,440 tensors): attribute reads
+    and `zip(*items)` cost milliseconds, identity and data-pointer compares a fraction of one
+    (figures: bench/RESULTS.md, "Figures behind code choices"). So when the same tensor objects come back at
     the same addresses with the same shapes (parameters updated in place, step after step),
     everything else is reused from `last`: dtype, contiguity and device of an object cannot
     change without its data pointer or shape changing, except by rebinding `.data` to a

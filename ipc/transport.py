@@ -224,8 +224,8 @@ class IpcEvent:
                 self.ptr = 0
 
 
-# NOTE: time.sleep(20e-6) sleeps ~60-80 µs on Linux (timer slack), which the end of every
-# wait paid (run 1 on the H200: adapter sync write 0.87 ms for a 0.41 ms kernel). Waits spin
+# time.sleep(20e-6) sleeps ~60-80 µs on Linux (timer slack), which the end of every wait
+# would pay (bench/RESULTS.md, "Figures behind code choices"). Waits spin
 # (yielding the GIL) for this long before they start sleeping: a sync's waits are a few ms.
 _SPIN_S = 0.02
 

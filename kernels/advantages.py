@@ -26,7 +26,7 @@ def normalize_grouped(values: torch.Tensor, group_index: torch.Tensor, *, std_mo
     - ``"batch"``: one std over all values of the batch (Flow-GRPO's ``global_std``),
     - ``"none"``: no division (Dr. GRPO).
 
-    Design choices the spec leaves open: stds are population stds (``correction=0``, so a group of
+    Design choices: stds are population stds (``correction=0``, so a group of
     one has std 0 rather than NaN); the divisor is ``std + eps``; a group whose variance is below
     1e-6 is *degenerate* (its candidates are indistinguishable to the scorer) and gets advantage 0
     in every mode, so that rounding noise divided by a tiny std is never turned into a signal.

@@ -8,7 +8,7 @@ upcast before any arithmetic).
 Notation: latent ``x`` at noise level ``s = sigma``, velocity ``v``, next level ``s' = sigma_next``
 (``s' < s``), ``dt = s' - s < 0``, noise level ``eta``. Each transition is an isotropic Gaussian
 ``x' ~ N(mean, std^2)`` whose mean is affine in ``x`` and ``v``: ``mean = a * x + b * v`` with
-per-sample scalars ``a``, ``b``. The formulas, literally as in the spec (paper notes A.4):
+per-sample scalars ``a``, ``b``. The formulas, written plainly (Flow-GRPO paper, appendix A.4):
 
 - ``sde`` (Flow-GRPO): ``std_dev_t = eta * sqrt(s / (1 - s))``,
   ``mean = x * (1 + std_dev_t^2 / (2 s) * dt) + v * (1 + std_dev_t^2 * (1 - s) / (2 s)) * dt``,
@@ -130,7 +130,7 @@ def sde_transition_ref(x: torch.Tensor, v: torch.Tensor, sigma, sigma_next, *, e
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(mean, std)`` of the transition ``x -> x'``; mean like ``x`` in the compute dtype, std ``[B]``.
 
-    Written as the spec writes it (not in the ``a, b`` form), so that it is a readable oracle.
+    Written in the paper's form (not in the ``a, b`` form), so that it is a readable oracle.
     """
     dtype = compute_dtype(x, v)
     batch, ndim, device = x.shape[0], x.dim(), x.device

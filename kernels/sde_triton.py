@@ -31,22 +31,10 @@ Design choices:
   the counters at zero, so the workspace is never cleared between calls and the whole forward is
   one launch (and stays valid inside a CUDA graph). Warm each shape up once before capturing.
 
-NOTE (H200 run 1, torch 2.11 / triton 3.6, bench/bench_kernels.py): at 64 x 1,048,576 fp32
-fwd+bwd took 0.450 ms (1.01x the bytes floor) but bf16 0.775 ms (3.5x); bf16 fwd 0.212 ms and
-bwd 0.365 ms were no faster than fp32's 0.195 / 0.249 ms, although the PTX of both dtypes has
-16-byte vector loads and stores (checked by compiling for sm_90 without a GPU). Time that does
-not shrink with the bytes is latency: each program loaded its sigmas, waited for them, computed
-the coefficients (three divisions) and only then issued its data loads, two dependent round
-trips, and in bf16 a 4096-element tile carries half the bytes per round trip. Changes: (1) every
-kernel issues its data loads before the sigma loads (one round trip per program; the PTX now
-shows all loads ahead of the first division); (2) the forward tile is 16 KiB per input, 8192
-bf16 elements (``reduction_config``); (3) the launch path lost its hidden tensor ops (sigma
-reshapes, ``torch.cuda.current_stream`` objects, detaches, the autograd.Function when no
-gradient can reach v). The 8 x 36,864 case (fwd 0.09 ms, fwd+bwd 0.37 ms device, 0.315 ms
-host-inclusive, target 50 us) is host time: do_bench's "device" time includes the host gap
-when Python is slower than the GPU. Expected: bf16 64 x 1,048,576 near fp32's bytes/s, i.e.
-~0.1 ms fwd, ~0.13 ms bwd, ~0.25 ms fwd+bwd (~1.1x floor) once the host keeps up; the bench's
-CUDA-graph table separates the kernels from the host so the next run shows which one remains.
+Latency, not bandwidth, limited the bf16 case, so: every kernel issues its data loads before
+the sigma loads (one round trip per program), the forward tile is 16 KiB per input
+(``reduction_config``), and the launch path holds no hidden tensor ops (figures: bench/RESULTS.md,
+"Figures behind code choices").
 """
 from __future__ import annotations
 

@@ -22,6 +22,8 @@ from torch import nn
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from trainer.state import TrainerState  # noqa: E402
+
 
 class TinyBlock(nn.Module):
     def __init__(self, dim: int):
@@ -95,8 +97,9 @@ class DiffusersDirAdapter(TinyNetAdapter):
         return ["to_q", "to_k", "to_v", "to_out.0"]
 
 
-class FakeTrainer:
-    """The attributes of ``trainer.loop.Trainer`` that checkpoints read and restore."""
+class FakeTrainer(TrainerState):
+    """The attributes of ``trainer.loop.Trainer`` that checkpoints read and restore; its
+    counters and RNG are the real ``TrainerState``."""
 
     def __init__(self, cfg, adapter, model_path: str, *, rank: int = 0, world: int = 1,
                  device: str = "cpu"):
@@ -109,10 +112,6 @@ class FakeTrainer:
         self.model = build_actor(adapter, cfg, self.device,
                                  distributed=dist.is_available() and dist.is_initialized())
         self.optimizer = build_optimizer(self.model, cfg)
-        self.policy_version = 0
-        self.lr_steps = 0
-        self.next_rollout = 0
-        self.sync_failures = 0
         self.metrics = None
 
 
@@ -293,8 +292,8 @@ def worker_main(argv: list[str]) -> int:
             report.update(_failure_injection(trainer, RESUME_STEPS + 2))
         report[f"{mode}_seconds"] = time.perf_counter() - t0
     (out_dir / f"{phase}_report_rank{rank}.json").write_text(json.dumps(report))
-    # NOTE: a CI run (2026-11-29) saw rank 1 abort ("terminate called without an active
-    # exception") after writing everything: both ranks leave the group together
+    # both ranks leave the group together: a rank that tears down while its peer is still in
+    # a collective can abort ("terminate called without an active exception")
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -14,7 +14,8 @@ from engine_fixtures import (ADAPTER_PATH, FixtureAdapter, build_fixture_model_d
                              make_request)
 from trainer.actor import update
 from trainer.actor.micro_batch import largest_fitting_divisor, resolve_micro_batch
-from trainer.actor.model import apply_lora, build_actor, build_optimizer
+from trainer.actor.model import build_actor, build_optimizer, lora_options
+from trainer.models.lora import apply_lora
 from trainer.actor.replay import plan_updates, replay_log_probs, replay_log_probs_per_step
 from trainer.config import load_config
 from trainer.engine import launch_embedded_engine
@@ -60,7 +61,7 @@ def _lora_model(adapter, cfg):
     torch.manual_seed(0)
     model = adapter.load_train_model(dtype=torch.float32)
     model.requires_grad_(False)
-    model = apply_lora(model, cfg, adapter)
+    model = apply_lora(model, **lora_options(cfg, adapter))
     with torch.no_grad():  # a policy whose LoRA is live (B != 0), so updates move it
         for name, p in model.named_parameters():
             if "lora_B" in name:

@@ -161,16 +161,16 @@ def test_recipe_lookup_by_name_and_path(tmp_path):
     assert load_config(own).train.lr == 0.5
 
 
-def test_every_field_has_a_unique_spec_flag_and_a_docstring():
+def test_every_field_has_a_unique_alias_flag_and_a_docstring():
     table = flag_table()
     fields = [(s.name, f) for s in dataclasses.fields(Config)
               for f in dataclasses.fields(s.default_factory)]
     assert len(set(table.values())) == len(fields)
     for section, f in fields:  # a flag shared by two fields would map one of them wrongly
         assert f.metadata["doc"].strip() and f.metadata["flag"].startswith("--")
-        assert table[f.metadata["flag"]] == (section, f.name)  # the spec-style alias
+        assert table[f.metadata["flag"]] == (section, f.name)  # the short alias
         assert table[cli_flag(section, f.name)] == (section, f.name)  # the key's own flag
-    # Spec flag names where the spec has one.
+    # Short alias names where a key has one.
     for flag, target in {"--rollout-batch-size": ("rollout", "rollout_batch_size"),
                          "--n-samples-per-prompt": ("rollout", "n_samples_per_prompt"),
                          "--num-updates-per-batch": ("train", "num_updates_per_batch"),

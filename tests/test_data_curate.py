@@ -32,7 +32,7 @@ def corpus(n=300):
                 f"pickapic_{i:07d}") for i in range(n)]
 
 
-def test_spec_preset_files_split_and_nesting(tmp_path):
+def test_pickapic_preset_files_split_and_nesting(tmp_path):
     raw = write(tmp_path / "raw.jsonl", corpus())
     out = tmp_path / "processed"
     assert main(["curate", "--input", raw, "--out-dir", str(out), "--prefix", "pickapic_",

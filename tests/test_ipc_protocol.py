@@ -13,6 +13,7 @@ if not torch.cuda.is_available():
 import ipc  # noqa: E402
 from ipc import _kernels  # noqa: E402
 from ipc._copyplan import CopyPlan, fold_lanes  # noqa: E402
+from ipc import checksum  # noqa: E402
 from ipc.checksum import (lanes_of_words, reference_lanes, tensor_lanes,  # noqa: E402
                           weights_checksum, words_of)
 from ipc.protocol import (SPLIT_ALIGN, check_manifest, manifest_hash,  # noqa: E402
@@ -198,7 +199,7 @@ def test_kernel_read_only_lanes_match_reference():
     ts = [torch.randn(5, 1001, generator=g).to(torch.bfloat16), torch.randn(70_001, generator=g),
           torch.zeros(0, dtype=torch.bfloat16), torch.randint(0, 9, (17,), generator=g),
           torch.randn(64, generator=g)[1:]]  # misaligned view: copied before reading
-    got = _kernels.tensors_lanes([t.to(DEVICE) for t in ts])
+    got = checksum.tensors_lanes([t.to(DEVICE) for t in ts])
     assert (got == reference_lanes(ts)).all()
     named = {f"t{k}": t.to(DEVICE) for k, t in enumerate(ts)}
     assert weights_checksum(named, impl="triton") == weights_checksum(named, impl="torch")

@@ -75,7 +75,7 @@ def test_coefficient_form_equals_literal_formulas(sde_type):
 
 
 def test_sde_transition_is_flow_grpo_formula():
-    """Spot check against the spec's sd3_sde_with_logprob formula written out by hand."""
+    """Spot check against Flow-GRPO's sd3_sde_with_logprob formula written out by hand."""
     x, v, _ = _inputs((2, 9), torch.float64)
     s, sn = 0.6, 0.45
     std_dev_t = math.sqrt(s / (1 - s)) * ETA

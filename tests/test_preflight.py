@@ -73,7 +73,7 @@ ERROR_RULES = [
      ["lora.adapter_mode (--lora-adapter-mode)", "needs LoRA"]),
     ("step0_explicit", [sampling(sde_indices=[0, 2])], {}, ["step 0", "sde_indices contains 0"]),
     ("step0_pool", [sampling(sde_pool=[0, 1, 2])], {}, ["step 0", "sde_pool contains 0"]),
-    ("step0_fraction_window",  # the spec's own example: [0.0, 0.5] over 12 steps -> [0, 2, 4]
+    ("step0_fraction_window",  # the stride example of docs/design.md: [0.0, 0.5] over 12 steps -> [0, 2, 4]
      [sampling(num_inference_steps=12, sde_indices=None, sde_resample_per_rollout=False,
                num_sde_steps=3, sde_timestep_fraction=[0.0, 0.5])], {},
      ["step 0", "resolves to [0, 2, 4]"]),

@@ -262,14 +262,14 @@ def test_client_option_and_payload_errors():
 
 
 def test_serving_module_end_to_end():
-    """`python -m trainer.rewards.remote` serves a scorer; the client talks to it."""
+    """`python -m trainer.rewards.serve` serves a scorer; the client talks to it."""
     import os
     import subprocess
     import sys
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "trainer.rewards.remote", "--scorer-path",
+        [sys.executable, "-m", "trainer.rewards.serve", "--scorer-path",
          "trainer.rewards.jpeg.JpegIncompressibilityScorer", "--port", "0"],
         cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     watchdog = threading.Timer(120, proc.kill)  # bounded even if the server never starts

@@ -1,4 +1,4 @@
-"""SDE-step resolution (spec: "训练的 SDE step"): priority order, the stride table, step 0."""
+"""SDE-step resolution: priority order, the stride table, step 0."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,7 +13,7 @@ RECIPE = {"height": 384, "width": 384, "num_inference_steps": 12, "guidance_scal
 
 
 @pytest.mark.parametrize("sampling, expected", [
-    # the spec's example: fraction [0.0, 0.5] over 12 steps, 3 steps -> stride over 0..5
+    # the example of docs/design.md: fraction [0.0, 0.5] over 12 steps, 3 steps -> stride over 0..5
     ({"num_inference_steps": 12, "sde_type": "dance", "num_sde_steps": 3,
       "sde_timestep_fraction": [0.0, 0.5]}, [0, 2, 4]),
     ({"num_inference_steps": 12, "num_sde_steps": 3, "sde_timestep_fraction": [0.25, 0.75]}, [3, 5, 7]),

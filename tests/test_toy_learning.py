@@ -10,10 +10,8 @@ from __future__ import annotations
 import pytest
 from eval_gain import train_and_measure
 
-# NOTE (2026-11-29, this 2-core CPU, session 3; bench_toy_learning.py --paired-seeds): with the
-# recipe as shipped, before [0.690, 0.695, 0.706] after 20 rollouts [0.720, 0.726, 0.725]:
-# gain 0.027 against a spread of 0.016. The recipe's own 64-prompt eval is too noisy for this
-# (spread 0.027 against a gain of 0.008 measured here), hence 256 prompts.
+# The recipe's own 64-prompt eval is too noisy to see the gain of 20 rollouts (its seed spread
+# exceeds the gain; `bench_toy_learning.py --paired-seeds`, bench/RESULTS.md), hence 256 prompts.
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
 ROLLOUTS = 20

@@ -121,7 +121,7 @@ def test_compute_meter_regions_do_not_nest_and_pop_resets():
 
 def test_single_update_loss_is_zero(make_trainer):
     """--num-updates-per-batch 1: ratio == 1 throughout, so the clipped loss is -mean(A) = 0
-    up to rounding (group-centred advantages), by construction (spec)."""
+    up to rounding (group-centred advantages), by construction."""
     trainer = make_trainer(["train.num_updates_per_batch=1", "train.micro_batch_size=8"])
     m = trainer.train_step(0)
     assert m["train/ratio_mean"] == 1.0 and m["train/clip_fraction"] == 0.0

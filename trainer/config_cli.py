@@ -1,4 +1,4 @@
-"""The command-line side of the config: nested ``--set`` into tables, the global batch size
+"""Applying one config value: coercion to the field's type, nested ``--set`` into tables, the global batch size
 that follows its factors, and the ``--help`` listing. Torch-free, like ``trainer.config``.
 
 * ``--set rollout.sampling.height=512`` / ``--set reward.scorers.ocr.weight=0.5``: one entry
@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Any
+
+from trainer.config_sections import Config, _field_types, _sections, _type_name, cli_flag
 
 _FACTORS = ("rollout_batch_size", "n_samples_per_prompt")
 _STATED = "_global_batch_size_on_command_line"  # attribute on the Config instance, not a field
@@ -22,11 +25,10 @@ _STATED = "_global_batch_size_on_command_line"  # attribute on the Config instan
 
 def apply_nested(cfg, section: str, dotted: str, value: Any, where: str,
                  problems: list[str]) -> None:
-    from trainer.config import _apply, _field_types, _sections, _type_name
     key, *path = dotted.split(".")
     secs = _sections()
     if section not in secs or key not in {f.name for f in dataclasses.fields(secs[section])}:
-        _apply(cfg, section, key, None, where, problems)  # names the unknown section / key
+        apply_value(cfg, section, key, None, where, problems)  # names the unknown section / key
         return
     if not _type_name(_field_types(secs[section])[key]).startswith("dict"):
         problems.append(f"{where}: {section}.{key} is not a table; nested keys need one")
@@ -64,8 +66,7 @@ def default_text(f: dataclasses.Field) -> str:
 
 
 def field_help_text() -> str:
-    """Every key with its type, default, flag (and spec-style alias) and meaning."""
-    from trainer.config import _field_types, _sections, _type_name, cli_flag
+    """Every key with its type, default, flag (and its short alias) and meaning."""
     lines = ["Any key also takes --set section.key=value; tables take nested keys "
              "(--set rollout.sampling.height=512, --set reward.scorers.ocr.weight=0.5)."]
     for sec, cls in _sections().items():
@@ -80,3 +81,78 @@ def field_help_text() -> str:
             lines.append(f"  {sec}.{f.name}: {_type_name(hints[f.name])} = {default}")
             lines.append(f"      {flags}  {f.metadata['doc']}")
     return "\n".join(lines)
+
+
+def _coerce(value: Any, typ: Any, where: str, problems: list[str]) -> Any:
+    """Coerce a TOML or CLI value to the field's annotated type."""
+    t = _type_name(typ)
+    if t == "int | str" and isinstance(value, str):  # an integer or "auto" (micro-batch)
+        text = value.strip()
+        if re.fullmatch(r"-?\d+", text):
+            return int(text)
+        if text != "auto":
+            problems.append(f"{where}: expected an integer or 'auto', got {value!r}")
+        return text
+    if isinstance(value, str) and "None" in t and value.strip().lower() in ("none", "null"):
+        return None  # also for str | None: how --set and dump_toml spell "unset"
+    if isinstance(value, str) and not t.startswith("str"):
+        text = value.strip()
+        if t.startswith("bool"):
+            if text.lower() in ("1", "true", "yes", "on"):
+                return True
+            if text.lower() in ("0", "false", "no", "off"):
+                return False
+            problems.append(f"{where}: expected a boolean, got {value!r}")
+            return value
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            if t.startswith(("dict", "list", "int", "float")):
+                problems.append(f"{where}: cannot parse {value!r} as {t}")
+            return value
+    if value is None:
+        if "None" not in t:
+            problems.append(f"{where}: may not be null")
+        return value
+    if t.startswith("bool") and not isinstance(value, bool):
+        problems.append(f"{where}: expected a boolean, got {value!r}")
+    elif t.startswith("int") and (isinstance(value, bool) or not isinstance(value, int)):
+        problems.append(f"{where}: expected an integer, got {value!r}")
+    elif t.startswith("float"):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            problems.append(f"{where}: expected a number, got {value!r}")
+        else:
+            value = float(value)
+    elif t.startswith("dict") and not isinstance(value, dict):
+        problems.append(f"{where}: expected a table/dict, got {value!r}")
+    elif t.startswith("list") and not isinstance(value, list):
+        problems.append(f"{where}: expected a list, got {value!r}")
+    elif t.startswith("str") and not isinstance(value, str):
+        problems.append(f"{where}: expected a string, got {value!r}")
+    return value
+
+
+def apply_value(cfg: Config, section: str, key: str, value: Any, where: str,
+           problems: list[str]) -> None:
+    secs = _sections()
+    if "." in key:  # --set section.table.a.b=value
+        return apply_nested(cfg, section, key, value, where, problems)
+    if section not in secs:
+        problems.append(f"{where}: unknown section [{section}] (known: {', '.join(secs)})")
+        return
+    fields = {f.name: f for f in dataclasses.fields(secs[section])}
+    if key not in fields:
+        problems.append(f"{where}: unknown key {section}.{key}")
+        return
+    hints = _field_types(secs[section])
+    before = len(problems)
+    value = _coerce(value, hints[key], where, problems)
+    if len(problems) > before:
+        return  # a badly typed value is reported, never applied: later checks see the default
+    if section == "rollout" and key == "sampling" and isinstance(value, dict):
+        merged = dict(getattr(cfg.rollout, "sampling"))
+        merged.update(value)  # a partial sampling table overrides keys, not the whole dict
+        value = merged
+    setattr(getattr(cfg, section), key, value)
+    if where.startswith("--") and section == "rollout":  # flags and --set, not the TOML
+        follow_batch_factors(cfg, key)

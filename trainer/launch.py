@@ -29,7 +29,7 @@ def parse_args(argv: list[str], problems_out: list[str] | None = None
                ) -> tuple[argparse.Namespace, dict[str, str]]:
     parser = argparse.ArgumentParser(
         prog="python -m trainer launch",
-        description="Launch FlowGRPO training. Spec-style flags (e.g. --rollout-batch-size 8) "
+        description="Launch FlowGRPO training. Short flags (e.g. --rollout-batch-size 8) "
                     "and --set section.key=value override the recipe.",
         epilog="Config fields and their flags:\n" + field_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter)

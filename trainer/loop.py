@@ -8,9 +8,9 @@ The only cross-rank traffic is FSDP's own collectives, a handful of scalar all-r
 """
 from __future__ import annotations
 
-import importlib
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -18,39 +18,45 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import ipc
 from trainer.actor.model import (build_actor, build_optimizer, lora_spec, offload_actor,
                                  onload_actor, shard_actor, strip_wrapper_names)
 from trainer.actor.colocate import Footprint, OffloadPolicy, actor_footprint
 from trainer.actor.sync import sync_payload
 from trainer.actor.update import train_on
+from trainer.checkpoint import save_checkpoint
 from trainer.config import DEFAULT_SAMPLING, Config, write_resolved
 from trainer.ema import build_ema
+from trainer.engine import launch_embedded_engine
+from trainer.engine.recovery import call_with_recovery
+from trainer.engine.sglang_sync import connect_sglang
 from trainer.evaluation import eval_sampling, eval_weights
-from trainer.metrics import MetricsLogger
+from trainer.metrics import MetricsLogger, step_metrics
 from trainer.models.compile import compile_events, compile_wanted
 from trainer.profiling import ComputeMeter, ProfileWindow, StageTimer, add_times, nvtx_range
+from trainer.progress import RunProgress
 from trainer.prompts import PromptSampler, load_records
-from trainer.engine.recovery import call_with_recovery
+from trainer.rewards import build_reward_manager_from_config, compute_advantages
+from trainer.rollout import RolloutDriver
+from trainer.state import TrainerState
+from trainer.toy import weights_dir
+from trainer.values import import_dotpath
+from trainer.visuals import captioned_grid, captions, log_pictures
 from trainer.watchdog import check_progress
 
 log = logging.getLogger("trainer")
 
 
-def import_dotpath(path: str):
-    module, _, attr = path.rpartition(".")
-    if not module:
-        raise ValueError(f"{path!r} is not a dotpath module.attr")
-    return getattr(importlib.import_module(module), attr)
-
-
 def resolve_model_path(cfg: Config) -> str:
     if cfg.model.model_path == "toy":
-        from trainer.toy import weights_dir
         return str(weights_dir())
     return cfg.model.model_path
 
 
-class Trainer:
+class Trainer(TrainerState):
+    """One rank's run: actor, engine, rollout driver, rewards, the loop. Its counters and
+    RNG are ``TrainerState`` (``state_dict`` / ``load_state_dict``, what checkpoints save)."""
+
     def __init__(self, cfg: Config, *, rank: int = 0, world: int = 1,
                  device: torch.device | str = "cpu") -> None:
         self.cfg = cfg
@@ -78,10 +84,6 @@ class Trainer:
         self.model = self._load_in_waves()
         self.optimizer = build_optimizer(self.model, cfg)
         self.ema = build_ema(self.model, cfg)
-        self.policy_version = 0
-        self.lr_steps = 0
-        self.next_rollout = 0
-        self.sync_failures = 0
         self.offloaded = None
         self.colocate = OffloadPolicy(cfg.fsdp.offload_policy,
                                       offload_rollout=cfg.rollout.offload_rollout,
@@ -122,21 +124,15 @@ class Trainer:
         self.groups_per_rank = cfg.rollout.rollout_batch_size // self.world
 
     def _build_engine(self) -> None:
-        import ipc
-        from trainer.engine import launch_embedded_engine
-        from trainer.rollout import RolloutDriver
-
         cfg = self.cfg
         self.sender = None
         if self.device.type == "cpu":
             # NOTE: trainer and engine time-share the cores; measured on the 2-core box, a
             # tiny forward ran 40x slower with both processes spinning 2 OpenMP threads each.
-            import os
             threads = max(1, (os.cpu_count() or 2) // (2 * self.world))
             torch.set_num_threads(threads)
             os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by the engine process
         if cfg.rollout.engine == "sglang":
-            from trainer.engine.sglang_sync import connect_sglang
             self.engine, self.sender = connect_sglang(cfg, self.rank, self.run_dir,
                                                       self.adapter)
         else:
@@ -176,7 +172,6 @@ class Trainer:
                 "batch": (r.wave_size or 1) * r.n_samples_per_prompt}
 
     def _build_reward(self) -> None:
-        from trainer.rewards import build_reward_manager_from_config
         r = self.cfg.reward
         device = self.device if r.runtime == "colocate" else torch.device("cpu")
         self.reward_device = device
@@ -199,7 +194,6 @@ class Trainer:
         return batch
 
     def score(self, batch) -> tuple[torch.Tensor, dict[str, float]]:
-        from trainer.rewards import compute_advantages
         r = self.cfg.reward
         with self.timer.stage("reward"):
             with self.meter.region("reward_model", self.reward_device):
@@ -234,7 +228,7 @@ class Trainer:
 
     def _assert_microbatch_count_aligned(self, count: int) -> None:
         """Every rank must run the same number of FSDP collectives: MAX all-reduce, then
-        error instead of deadlock (spec: _assert_microbatch_count_aligned)."""
+        error instead of deadlock."""
         if not self.distributed:
             return
         t = torch.tensor([count, -count], dtype=torch.int64, device=self._coll_device())
@@ -255,7 +249,6 @@ class Trainer:
 
     def sync_weights(self, first: bool = False) -> dict[str, float]:
         """Push the actor's weights into the engine; the version advances only on success."""
-        import ipc
         if self.sender is None:
             return {}
         cfg = self.cfg
@@ -333,34 +326,15 @@ class Trainer:
         metrics.update(self.colocate.metrics())
         self.profile.after(rollout_id)
         step_time = time.perf_counter() - t0
-        n = len(batch)  # this rank's samples; rates are summed over ranks below
         times = self.timer.pop()
-        metrics.update({f"perf/{k}_time": v for k, v in times.items()})
-        metrics["perf/step_time"] = step_time
-        metrics["perf/recompiles"] = float(compile_events() - compiles_before
-                                           + sum(self.driver.last_compiles))
-        self._watch_recompiles(rollout_id, metrics["perf/recompiles"])
+        recompiles = float(compile_events() - compiles_before + sum(self.driver.last_compiles))
         compute = add_times({f"engine_{k}": v for k, v in self.driver.last_compute_s.items()},
                             self.meter.pop())
-        metrics.update({f"perf/compute/{k}": v for k, v in compute.items()})
-        metrics["perf/model_compute_time"] = sum(compute.values())
-        metrics.update({f"perf/outside/{k}": v for k, v in self.outside.pop().items()})
-        # Share of the step outside transformer / VAE / text-encoder / reward-model compute
-        # (ComputeMeter's definition): the framework's own overhead, target <= 5 % on a GPU.
-        metrics["perf/outside_compute_share"] = 1.0 - sum(compute.values()) / step_time
-        metrics["perf/samples_per_s"] = n / step_time * self.world
-        metrics["perf/train_samples_per_s"] = n / times["train"] * self.world
-        metrics["perf/train_transitions_per_s"] = (n * len(batch.sde_indices) / times["train"]
-                                                   * self.world)
-        metrics["train/policy_version"] = float(self.policy_version)
-        metrics["train/weight_sync_failures"] = float(self.sync_failures)
-        metrics["train/checkpoint_failures"] = float(getattr(self, "checkpoint_failures", 0))
-        metrics["train/engine_restarts"] = float(getattr(self, "engine_restarts", 0))
-        if self.device.type == "cuda":
-            gb = 2.0 ** 30
-            metrics["perf/mem_allocated_gb"] = torch.cuda.memory_allocated(self.device) / gb
-            metrics["perf/mem_reserved_gb"] = torch.cuda.memory_reserved(self.device) / gb
-            metrics["perf/mem_peak_gb"] = torch.cuda.max_memory_allocated(self.device) / gb
+        metrics.update(step_metrics(
+            step_time=step_time, stage_times=times, recompiles=recompiles, compute=compute,
+            outside=self.outside.pop(), samples=len(batch), sde_steps=len(batch.sde_indices),
+            world=self.world, counters=self.counters(), device=self.device))
+        self._watch_recompiles(rollout_id, recompiles)
         return self._reduce_metrics(metrics)
 
     def _watch_recompiles(self, rollout_id: int, count: float) -> None:
@@ -417,7 +391,6 @@ class Trainer:
         self.timer.pop()
         out = self._reduce_metrics(out)
         if self.rank == 0 and batch.images is not None:
-            from trainer.visuals import captioned_grid, captions
             rewards = (total[:32] / wsum).tolist()
             grid = captioned_grid(batch.images[:32], captions(batch.prompts[:32], rewards))
             self.metrics.image(f"{tag}/samples", step, grid,
@@ -438,8 +411,6 @@ class Trainer:
 
     # ---- the run ----------------------------------------------------------------------
     def train(self) -> dict[str, float]:
-        from trainer.progress import RunProgress
-        from trainer.visuals import log_pictures
         cfg = self.cfg
         history = {}
         progress = RunProgress(cfg.train.num_rollouts, self.next_rollout,
@@ -481,7 +452,6 @@ class Trainer:
         if ck.save_interval < 0:
             return
         if is_last or (ck.save_interval and step % ck.save_interval == 0):
-            from trainer.checkpoint import save_checkpoint
             with nvtx_range("checkpoint"):
                 save_checkpoint(self, step)
 

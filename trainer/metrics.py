@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 
 class MetricsLogger:
@@ -136,6 +137,38 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def step_metrics(*, step_time: float, stage_times: dict[str, float], recompiles: float,
+                 compute: dict[str, float], outside: dict[str, float], samples: int,
+                 sde_steps: int, world: int, counters: dict[str, int],
+                 device: torch.device) -> dict[str, float]:
+    """The perf/* and train/* figures of one training step (this rank's; the loop reduces).
+
+    ``samples`` is this rank's; rates are multiplied by ``world`` (every rank trains as many).
+    ``counters``: ``TrainerState``'s counters (policy version, failures, restarts)."""
+    m = {f"perf/{k}_time": v for k, v in stage_times.items()}
+    m["perf/step_time"] = step_time
+    m["perf/recompiles"] = recompiles
+    m.update({f"perf/compute/{k}": v for k, v in compute.items()})
+    m["perf/model_compute_time"] = sum(compute.values())
+    m.update({f"perf/outside/{k}": v for k, v in outside.items()})
+    # Share of the step outside transformer / VAE / text-encoder / reward-model compute
+    # (ComputeMeter's definition): the framework's own overhead, target <= 5 % on a GPU.
+    m["perf/outside_compute_share"] = 1.0 - sum(compute.values()) / step_time
+    m["perf/samples_per_s"] = samples / step_time * world
+    m["perf/train_samples_per_s"] = samples / stage_times["train"] * world
+    m["perf/train_transitions_per_s"] = samples * sde_steps / stage_times["train"] * world
+    m["train/policy_version"] = float(counters["policy_version"])
+    m["train/weight_sync_failures"] = float(counters["weight_sync_failures"])
+    m["train/checkpoint_failures"] = float(counters["checkpoint_failures"])
+    m["train/engine_restarts"] = float(counters["engine_restarts"])
+    if device.type == "cuda":
+        gb = 2.0 ** 30
+        m["perf/mem_allocated_gb"] = torch.cuda.memory_allocated(device) / gb
+        m["perf/mem_reserved_gb"] = torch.cuda.memory_reserved(device) / gb
+        m["perf/mem_peak_gb"] = torch.cuda.max_memory_allocated(device) / gb
+    return m
 
 
 def make_grid(images: np.ndarray, ncol: int = 8, pad: int = 2) -> np.ndarray:

@@ -6,12 +6,12 @@ weights. A typo then fails before any process starts, as one line of one error.
 from __future__ import annotations
 
 from trainer.config import Config, ConfigError
+from trainer.models import adapter_class
+from trainer.rewards.spec import import_problems
 
 
 def check_imports(cfg: Config) -> None:
     """Raise ONE ConfigError naming every problem found."""
-    from trainer.models import adapter_class
-    from trainer.rewards.spec import import_problems
     problems = []
     try:
         adapter_class(cfg.model.adapter_path)

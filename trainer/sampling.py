@@ -36,6 +36,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from trainer.values import is_int, is_number
+
 #: SDE types that have a log-prob (kernels also know "ode", the deterministic step).
 SDE_TYPES: tuple[str, ...] = ("sde", "dance", "cps")
 SDE_STEP_MODES: tuple[str, ...] = ("indices", "every_step", "ode")  # ode: evaluation only
@@ -272,20 +274,12 @@ class SamplingConfig:
 
 
 # ---- value checks ---------------------------------------------------------------------------
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
 def _check_types(values: dict[str, Any], problems: list[str]) -> None:
     """Type/range problems; converts lists to tuples in ``values`` in place."""
     for key in ("height", "width", "num_inference_steps"):
-        if key in values and (not _is_int(values[key]) or values[key] < 1):
+        if key in values and (not is_int(values[key]) or values[key] < 1):
             problems.append(f"{key} must be a positive integer, got {values[key]!r}")
-    if "num_sde_steps" in values and (not _is_int(values["num_sde_steps"]) or values["num_sde_steps"] < 0):
+    if "num_sde_steps" in values and (not is_int(values["num_sde_steps"]) or values["num_sde_steps"] < 0):
         problems.append(f"num_sde_steps must be a non-negative integer, got {values['num_sde_steps']!r}")
     choices = {"sde_type": SDE_TYPES, "sde_step_mode": SDE_STEP_MODES,
                "sigma_one": SIGMA_ONE_TREATMENTS, "cps_log_prob": CPS_LOG_PROB_FORMS,
@@ -300,29 +294,29 @@ def _check_types(values: dict[str, Any], problems: list[str]) -> None:
         problems.append("init_same_noise needs driver_xt: without the driver's x_T recipe "
                         "the engine draws x_T itself and cannot share it within a group")
     g = values.get("guidance_scale", 1.0)
-    if not _is_number(g) or g < 1.0:
+    if not is_number(g) or g < 1.0:
         problems.append(f"guidance_scale must be a number >= 1.0 (1.0: no CFG), got {g!r}")
     eta = values.get("eta", SamplingConfig.eta)
     sde_type = values.get("sde_type", SamplingConfig.sde_type)
-    if not _is_number(eta) or not eta > 0:
+    if not is_number(eta) or not eta > 0:
         problems.append(f"eta must be > 0 with sde_type={sde_type!r}, got {eta!r} (eta 0 is the "
                         "ODE: no noise, no log-prob to train)")
     elif sde_type == "cps" and eta > 1:
         problems.append(f"eta must be in (0, 1] with sde_type='cps', got {eta!r} "
                         "(std_dev_t = sigma_next * sin(eta * pi / 2))")
     tf = values.get("timestep_fraction", 1.0)
-    if not _is_number(tf) or not 0.0 < tf <= 1.0:
+    if not is_number(tf) or not 0.0 < tf <= 1.0:
         problems.append(f"timestep_fraction must be in (0, 1], got {tf!r}")
     for key in ("sde_indices", "sde_pool", "init_noise_latent_shape"):
         if key not in values:
             continue
         v = values[key]
-        if not isinstance(v, (list, tuple)) or not all(_is_int(i) for i in v):
+        if not isinstance(v, (list, tuple)) or not all(is_int(i) for i in v):
             problems.append(f"{key} must be a list of integers, got {v!r}")
             continue
         values[key] = tuple(int(i) for i in v)
         steps = values.get("num_inference_steps", SamplingConfig.num_inference_steps)
-        bad = sorted({i for i in v if not 0 <= i < steps}) if _is_int(steps) else []
+        bad = sorted({i for i in v if not 0 <= i < steps}) if is_int(steps) else []
         if bad and key != "init_noise_latent_shape":
             problems.append(f"{key} {bad} outside the schedule's steps 0..{steps - 1}")
     if "sde_timestep_fraction" in values:
@@ -336,5 +330,5 @@ def _check_types(values: dict[str, Any], problems: list[str]) -> None:
                 problems.append(f"sde_timestep_fraction must satisfy 0 <= lo < hi <= 1, got {list(frac)}")
             values["sde_timestep_fraction"] = (lo, hi)
     for key in ("guidance_scale", "eta", "timestep_fraction"):
-        if key in values and _is_number(values[key]):
+        if key in values and is_number(values[key]):
             values[key] = float(values[key])

@@ -1,6 +1,6 @@
 """The generation-task vocabulary, importable without torch.
 
-Spec (generative-rl-path, "任务与适配器"): only text-to-image exists. A family that brings its
+Only text-to-image exists. A family that brings its
 own adapter for another task must add the task name here too, so that the vocabulary never
 lists a task without a replay path. ``trainer.preflight`` checks ``--generation-task`` against
 this tuple before anything heavy is imported; ``trainer.models.base`` re-exports it.

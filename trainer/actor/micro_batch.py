@@ -18,6 +18,8 @@ import logging
 import torch
 import torch.distributed as dist
 
+from trainer.actor.micro_step import forward_backward
+
 log = logging.getLogger("trainer")
 
 _GB = float(2 ** 30)
@@ -99,8 +101,6 @@ def probe_sample_bytes(trainer, batch, advantages) -> float:
 
     The probe's loss is scaled by 0, its gradients are dropped and no optimizer step runs, so
     the policy is untouched."""
-    from trainer.actor.update import forward_backward
-
     dev = trainer.device
     torch.cuda.synchronize(dev)
     before = torch.cuda.memory_allocated(dev)

@@ -15,14 +15,14 @@ import torch
 from torch import nn
 
 from trainer.config import Config
+from trainer.dtypes import TORCH_DTYPES
 from trainer.lora_init import load_lora_init
 from trainer.models.base import GenerativeModelAdapter
 from trainer.models.compile import compile_blocks, compile_wanted
-
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+from trainer.models.lora import apply_lora
 
 # Inserted by torch's checkpoint wrapper into every wrapped block's parameter names; stripped
-# before names leave the actor (spec: otherwise the engine silently skips every block).
+# before names leave the actor (otherwise the engine would silently skip every block).
 _AC_SEGMENT = "_checkpoint_wrapped_module."
 
 
@@ -30,15 +30,11 @@ def strip_wrapper_names(name: str) -> str:
     return name.replace(_AC_SEGMENT, "")
 
 
-def apply_lora(model: nn.Module, cfg: Config, adapter: GenerativeModelAdapter) -> nn.Module:
-    """peft LoRA on the adapter's target modules; base frozen, dropout 0 (replay == sampling)."""
-    from peft import LoraConfig, get_peft_model
-
-    targets = cfg.lora.target_modules or adapter.lora_target_modules()
-    lcfg = LoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha or cfg.lora.rank,
-                      lora_dropout=cfg.lora.dropout, target_modules=list(targets),
-                      init_lora_weights=True)
-    return get_peft_model(model, lcfg)
+def lora_options(cfg: Config, adapter: GenerativeModelAdapter) -> dict:
+    """``trainer.models.lora.apply_lora`` keywords for this run's LoRA layers."""
+    return {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha or cfg.lora.rank,
+            "target_modules": list(cfg.lora.target_modules or adapter.lora_target_modules()),
+            "dropout": cfg.lora.dropout}
 
 
 def lora_spec(cfg: Config, adapter: GenerativeModelAdapter) -> dict | None:
@@ -86,8 +82,8 @@ def apply_activation_checkpointing(model: nn.Module, blocks: list[nn.Module]) ->
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], cfg: Config) -> nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.fsdp.param_dtype],
-                              reduce_dtype=DTYPES[cfg.fsdp.reduce_dtype])
+    mp = MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[cfg.fsdp.param_dtype],
+                              reduce_dtype=TORCH_DTYPES[cfg.fsdp.reduce_dtype])
     kwargs = {"mp_policy": mp, "reshard_after_forward": cfg.fsdp.reshard_after_forward}
     if cfg.fsdp.cpu_offload:
         from torch.distributed.fsdp import CPUOffloadPolicy
@@ -118,14 +114,14 @@ def build_actor(adapter: GenerativeModelAdapter, cfg: Config, device: torch.devi
     lora = cfg.lora.rank > 0
     # LoRA: the frozen base is stored in the compute dtype (half the memory and offload traffic
     # of fp32, no cast per forward); only the trainable tensors get the master dtype below.
-    load_dtype = DTYPES[cfg.fsdp.param_dtype] if lora else torch.float32
+    load_dtype = TORCH_DTYPES[cfg.fsdp.param_dtype] if lora else torch.float32
     model = adapter.load_train_model(dtype=load_dtype, device="cpu")
     if lora:
         model.requires_grad_(False)
-        model = apply_lora(model, cfg, adapter)
+        model = apply_lora(model, **lora_options(cfg, adapter))
     else:
         model.requires_grad_(True)
-    master = DTYPES[cfg.fsdp.master_dtype] if cfg.fsdp.master_dtype else None
+    master = TORCH_DTYPES[cfg.fsdp.master_dtype] if cfg.fsdp.master_dtype else None
     if master is not None:
         for p in model.parameters():
             if p.requires_grad:
@@ -154,7 +150,7 @@ def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
     t = cfg.train
     fused = t.adam_fused
-    if fused is None:  # measured on the H200 (config docstring); the CPU keeps foreach
+    if fused is None:  # fused on a GPU (faster, less memory), the CPU keeps foreach
         fused = bool(params) and all(p.device.type == "cuda" for p in params)
     return torch.optim.AdamW(params, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
                              eps=t.adam_eps, weight_decay=t.weight_decay,
@@ -230,7 +226,7 @@ def offload_actor(model: nn.Module, optimizer: torch.optim.Optimizer) -> Offload
     """Free the actor's device storage (params, grads, AdamW state) into pinned host memory.
 
     Resizing the local shard's storage to 0 is what actually frees it under fully_shard
-    (reassigning param.data would free nothing, per spec).
+    (reassigning param.data would free nothing: the shard keeps its storage).
     """
     state = OffloadState(_offload_tensors(actor_tensors(model, optimizer)))
     # hand the freed blocks back to the device, not just to this process's caching allocator:

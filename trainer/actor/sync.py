@@ -1,6 +1,6 @@
 """Trainer side of the weight sync: the actor's tensors, named as the engine names them.
 
-Payloads (derived from the LoRA flags, spec "权重同步" / lora-rl):
+Payloads (derived from the LoRA flags; docs/design.md#weight-sync):
 - full:    every trainable-model tensor (full training);
 - adapter: LoRA tensors only; the base goes once, in the first (full) sync;
 - merge:   LoRA folded into the base, sent under the plain model's names (the engine holds
@@ -10,10 +10,9 @@ the transport gathers / produces one tensor at a time in bucket order and the fu
 exists twice on the trainer side. Every rank yields the same sequence, so the collectives
 inside the gathers line up.
 
-FSDP2 parameters bypass DTensor's dispatch (measured on the 2-core dev box: 200 us per
-``full_tensor()``, 50-90 us per ``detach()`` / ``to_local()`` of a DTensor; an 8-layer
-Qwen-shaped model has 270 tensors, and the full-model sync took 61 ms on the H200 for 5.5 GB
-that the copy kernel moves in under 10 ms):
+FSDP2 parameters bypass DTensor's dispatch, whose per-call cost (tens to hundreds of us per
+DTensor op) dominated a full-model sync otherwise (bench/RESULTS.md, "Figures behind code
+choices"):
 - a mesh of one rank: the local tensor IS the whole tensor; it goes out as a plain tensor, the
   same object at the same address step after step, so the transport's scan is reused;
 - a 1-D mesh sharded on dim 0 (FSDP2's layout): one ``all_gather_into_tensor`` of the local

@@ -12,43 +12,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-import kernels
 from trainer.actor.micro_batch import resolve_micro_batch
+from trainer.actor.micro_step import forward_backward
 from trainer.actor.model import lr_at_step
-from trainer.actor.replay import (plan_updates, replay_kl, replay_log_probs, replay_rows,
-                                  rows_velocity)
+from trainer.actor.replay import plan_updates, replay_log_probs
 from trainer.profiling import nvtx_range
-from trainer.rewards.advantages import kl_term, micro_batch_scale
-
-
-def forward_backward(trainer, mb, adv: torch.Tensor, scale: float,
-                     anchor: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """One micro-batch: a forward of all its (sample, step) rows, the loss, its backward.
-
-    ``anchor`` is pi_old for these rows; None means "this forward is itself the anchor" (an
-    update-0 micro-batch: no optimizer step has happened yet)."""
-    t = trainer.cfg.train
-    model, adapter = trainer.model, trainer.adapter
-    rows = replay_rows(mb, next(model.parameters()).device)
-    with nvtx_range("train/replay"):
-        v = rows_velocity(adapter, model, rows, mb, trainer.meter)
-        logp = kernels.sde_log_prob(rows.x, v, rows.x_next, rows.sigma, rows.sigma_next,
-                                    **mb.kernel_options(),
-                                    validate=False).reshape(rows.samples, rows.steps)
-    old = logp.detach() if anchor is None else anchor.to(logp.device)
-    loss, stats = kernels.grpo_clip_loss(logp, old, adv.to(logp.device), eps=t.eps_clip,
-                                         eps_high=t.eps_clip_high)
-    if t.kl_coef > 0:
-        kl = replay_kl(adapter, model, mb, rows, v=v, meter=trainer.meter, kl_form=t.kl_form)
-        loss = loss + t.kl_coef * kl_term(kl, adv, drop_zero_advantage=t.drop_zero_advantage)
-        stats["kl"] = kl.mean().detach()
-    with nvtx_range("train/backward"), \
-            trainer.meter.region("transformer_backward", trainer.device):
-        (loss * scale).backward()
-    stats["loss"] = loss.detach()
-    if anchor is None:  # replay vs the engine's own sampling log-prob, same weights
-        stats["logp_parity"] = (logp.detach() - mb.log_probs.to(logp.device)).abs().max()
-    return stats
+from trainer.rewards.advantages import micro_batch_scale
 
 
 def anchors(trainer, batch, plan) -> torch.Tensor:

@@ -7,7 +7,7 @@ that cannot be read back from its tensors (alpha above all: a wrong alpha silent
 the policy), and resume refuses (``contract_mismatches`` -> ``ContractMismatchError``) to
 change any of it.
 
-Design choices where the spec is silent:
+Design choices:
 
 * ``mode`` is the trainable mode (``full`` | ``lora``). The weight-sync mode (merge vs adapter)
   is recorded but not enforced: both train the same adapter, and switching between them on
@@ -26,7 +26,8 @@ from typing import Any, Iterator
 
 import torch
 
-from trainer.actor.model import DTYPES, strip_wrapper_names
+from trainer.actor.model import strip_wrapper_names
+from trainer.dtypes import TORCH_DTYPES
 from trainer.actor.sync import sync_payload
 
 # The base hash samples 16 x 64 KiB per weight file instead of reading every byte: a 40 GB
@@ -154,7 +155,7 @@ def weight_sync_manifest(model: torch.nn.Module, cfg, adapter=None) -> dict[str,
     from ipc.protocol import manifest_hash
 
     mode = cfg.sync_mode
-    wire = DTYPES.get(cfg.rollout.engine_dtype)
+    wire = TORCH_DTYPES.get(cfg.rollout.engine_dtype)
     name_map = None
     if hasattr(adapter, "weight_name_map"):
         name_map = adapter.weight_name_map([strip_wrapper_names(n)

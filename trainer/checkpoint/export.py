@@ -23,7 +23,7 @@ independent path to the same weights), also checking it holds no lora_A/lora_B t
 exactly the base's tensor names; an adapter export by loading it with peft onto the base; a
 full export tensor for tensor.
 
-Design choices where the spec is silent:
+Design choices:
 * The transformer class always comes from ``_class_name`` in the base's config.json
   (``<base>/transformer/config.json`` for a pipeline directory): no per-family code.
 * OUT is a transformer directory, not a whole pipeline; the other pipeline parts are
@@ -49,9 +49,10 @@ import torch
 from trainer.checkpoint import layout
 from trainer.checkpoint.contract import base_model_hash, lora_scaling
 from trainer.checkpoint.diffusers_lora import verify_diffusers_lora, write_diffusers_lora
+from trainer.dtypes import TORCH_DTYPES
 
 FORMS = ("merged", "adapter", "full")
-DTYPES = {"keep": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"keep": None, **TORCH_DTYPES}  # "keep": the dtype the checkpoint holds
 _PEFT_PREFIX = "base_model.model."
 _LORA_KEY = re.compile(r"^(?P<mod>.+)\.lora_(?P<kind>[AB])\.(?P<adapter>[^.]+)\.weight$")
 

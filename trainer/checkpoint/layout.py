@@ -8,7 +8,7 @@
     <save>/<task>/latest_checkpointed_iteration.txt
     <save>/latest_checkpointed_iteration.txt
 
-Design choices where the spec is silent:
+Design choices:
 
 * COMMITTED is a JSON list of every file of the checkpoint with its size and a content
   checksum (xxh3-128 when the ``xxhash`` package is installed, else sha256: xxh3 adds a few

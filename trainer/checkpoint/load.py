@@ -1,17 +1,19 @@
 """``load_checkpoint(trainer, path)``: exact resume from the newest COMMITTED iteration.
 
-Restores the model (LoRA: the adapter; the base was already reloaded from --model-path),
-the optimizer, policy_version, lr_scheduler_steps (warmup does not restart), the next
-rollout id (the saved rollout id + 1) and this rank's RNG, after checking that the adapter
-contract matches the current config.
+Restores the model (LoRA: the adapter; the base was already reloaded from --model-path) and
+the optimizer, then hands ``trainer_state.json`` and this rank's RNG to
+``trainer.load_state_dict`` (``trainer.state.TrainerState``: policy version, LR step, next
+rollout, failure counters, RNG), after checking that the adapter contract matches the current
+config.
 
-Design choices where the spec is silent:
+Design choices:
 
 * ``path`` may be the --save root, its task directory or one ``iter_*`` directory; only
   committed iterations are trusted, and rank 0 picks one and broadcasts it, so all ranks load
   the same iteration even if a save lands on the filesystem meanwhile.
 * The engine already holds the base weights from the trainer's construction, so after the
-  restore the weights are pushed again as the saved policy version (``resync_engine``);
+  restore the weights are pushed again as the saved policy version
+  (``TrainerState.resync_engine``);
   without this the first resumed rollout would sample from the base model.
 * Only an iteration whose content checksums verify is loaded; newer ones that fail are
   logged and renamed ``iter_N.rejected-<time>`` (kept for inspection, out of the timeline, so
@@ -19,8 +21,8 @@ Design choices where the spec is silent:
 * ``metrics.jsonl`` and TensorBoard are cut back to the resumed iteration
   (``MetricsLogger.truncate_after``): the steps after it are about to be trained again.
 * The RNG is restored last, after everything else that might draw from it.
-* A missing RNG file for this rank (a different world size) is a warning: the spec calls
-  per-rank RNG best-effort. The rest still resumes exactly.
+* A missing RNG file for this rank (a different world size) is a warning: per-rank RNG is
+  best effort (docs/design.md#checkpoints). The rest still resumes exactly.
 """
 from __future__ import annotations
 
@@ -32,33 +34,10 @@ from pathlib import Path
 from trainer.checkpoint import layout
 from trainer.checkpoint.contract import (ContractMismatchError, adapter_contract,
                                          contract_mismatches, sampling_fingerprint)
-from trainer.checkpoint.rng import read_rng, restore_rng
+from trainer.checkpoint.rng import read_rng
 from trainer.checkpoint.shards import broadcast_from_rank0, read_shards
 
 log = logging.getLogger("trainer.checkpoint")
-
-
-def resync_engine(trainer, version: int) -> None:
-    """Push the restored weights to the engine as policy ``version``: the rollout driver
-    refuses samples from an engine whose version differs from the trainer's.
-
-    ``sync_weights()`` sends version ``policy_version + 1`` and advances to it only on
-    success; the engine holds the base (version 0) from construction, so an ordinary step
-    sync (adapter mode: the LoRA tensors) completes it. Version 0 (nothing synced before the
-    save) repeats the first, full sync.
-    """
-    if not callable(getattr(trainer, "sync_weights", None)) or \
-            getattr(trainer, "sender", None) is None:
-        trainer.policy_version = version
-        return
-    if version == 0:
-        trainer.sync_weights(first=True)
-    else:
-        trainer.policy_version = version - 1
-        trainer.sync_weights()
-    if trainer.policy_version != version:
-        raise layout.CheckpointError(f"re-syncing the engine to policy version {version} left "
-                                     f"version {trainer.policy_version}")
 
 
 def _set_aside_rejected(chosen: Path) -> None:
@@ -107,18 +86,13 @@ def load_checkpoint(trainer, path: str | Path) -> Path:
         if not (iter_dir / "ema").is_dir():
             raise layout.CheckpointError(f"{iter_dir} has no EMA state but ema.enabled is set")
         trainer.ema.load(iter_dir / "ema")
-    trainer.lr_steps = int(state["lr_scheduler_steps"])
-    trainer.next_rollout = int(state["rollout_id"]) + 1
-    trainer.checkpoint_failures = int(state.get("checkpoint_failures", 0))
-    resync_engine(trainer, int(state["policy_version"]))
-
     rng_path = iter_dir / layout.rng_file(trainer.rank)
-    if rng_path.is_file():
-        restore_rng(read_rng(rng_path), getattr(trainer, "device", None))
-    else:
+    rng = read_rng(rng_path) if rng_path.is_file() else None
+    if rng is None:
         log.warning("%s has no RNG state for rank %d (saved with world size %s, now %d): "
                     "RNG not restored on this rank", iter_dir, trainer.rank,
                     state.get("world_size"), trainer.world)
+    trainer.load_state_dict({**state, "rng": rng})  # counters, engine re-sync, then the RNG
     metrics = getattr(trainer, "metrics", None)
     if trainer.rank == 0 and callable(getattr(metrics, "truncate_after", None)):
         metrics.truncate_after(int(state["iteration"]))

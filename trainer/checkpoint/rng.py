@@ -42,9 +42,10 @@ def restore_rng(state: dict, device: torch.device | None = None) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def write_rng(path: Path, device: torch.device | None = None) -> None:
+def write_rng(path: Path, state: dict) -> None:
+    """Write ``capture_rng``'s state atomically."""
     buf = io.BytesIO()
-    torch.save(capture_rng(device), buf)
+    torch.save(state, buf)
     atomic_write_bytes(path, buf.getvalue())
 
 

@@ -1,6 +1,6 @@
 """``save_checkpoint(trainer, step)``: one crash-safe checkpoint of a training run.
 
-Order (spec "Checkpoint"): rotation by rank 0, broadcast -> DCP shards -> per-rank RNG ->
+Order (docs/design.md#checkpoints): rotation by rank 0, broadcast -> DCP shards -> per-rank RNG ->
 JSON sidecars (rank 0) -> MIN all-reduce of every rank's success -> COMMITTED (rank 0) ->
 ``latest_checkpointed_iteration.txt`` in the task directory, then in the root.
 
@@ -12,7 +12,7 @@ itself; disk full included: DCP wraps the OSError in a ``CheckpointException``, 
 partial directory is removed by rank 0 and no COMMITTED marker exists; training goes on,
 the previous committed checkpoint stays the resume point and the next save retries.
 
-Design choices where the spec is silent:
+Design choices:
 
 * The checkpoint root is ``--save``, or ``<run_dir>/checkpoints`` when only --save-interval
   is set (the config field's documented default).
@@ -45,14 +45,14 @@ def checkpoint_root(cfg) -> Path:
     return Path(cfg.checkpoint.save or Path(cfg.logging.run_dir) / "checkpoints")
 
 
-def trainer_state(trainer, step: int) -> dict:
+def trainer_state(trainer, step: int, counters: dict) -> dict:
+    """``trainer_state.json``: the trainer's counters (``TrainerState.state_dict``) and what
+    the run was."""
     cfg = trainer.cfg
     return {
         "format": layout.FORMAT_VERSION,
         "iteration": int(step),
-        "rollout_id": int(trainer.next_rollout) - 1,
-        "policy_version": int(trainer.policy_version),
-        "lr_scheduler_steps": int(trainer.lr_steps),
+        **counters,
         "task": cfg.model.task,
         "adapter": cfg.model.adapter_path,
         "model_path": str(trainer.model_path),
@@ -62,8 +62,6 @@ def trainer_state(trainer, step: int) -> dict:
         "sampling_fingerprint": sampling_fingerprint(trainer),
         "generation_seed": cfg.rollout.generation_seed,
         "world_size": int(trainer.world),
-        "weight_sync_failures": int(getattr(trainer, "sync_failures", 0)),
-        "checkpoint_failures": int(getattr(trainer, "checkpoint_failures", 0)),
         "torch_version": torch.__version__,
         "time": time.time(),
     }
@@ -76,9 +74,11 @@ def _write(trainer, step: int, iter_dir: Path) -> None:
     write_shards(trainer.model, trainer.optimizer, lora, iter_dir / layout.FSDP_DIR)
     if getattr(trainer, "ema", None) is not None:  # trainer.ema: its own DCP directory
         trainer.ema.save(iter_dir / "ema")
-    write_rng(iter_dir / layout.rng_file(trainer.rank), getattr(trainer, "device", None))
+    state = trainer.state_dict()
+    rng = state.pop("rng")
+    write_rng(iter_dir / layout.rng_file(trainer.rank), rng)
     if trainer.rank == 0:
-        layout.atomic_write_json(iter_dir / layout.TRAINER_STATE, trainer_state(trainer, step))
+        layout.atomic_write_json(iter_dir / layout.TRAINER_STATE, trainer_state(trainer, step, state))
         layout.atomic_write_json(iter_dir / layout.WEIGHT_SYNC_MANIFEST,
                                  weight_sync_manifest(trainer.model, trainer.cfg,
                                                       trainer.adapter), indent=None)
@@ -124,8 +124,7 @@ def _remove_partial(trainer, iter_dir: Path) -> None:
 
 
 def _count_failure(trainer, step: int, what: str) -> None:
-    n = int(getattr(trainer, "checkpoint_failures", 0)) + 1
-    setattr(trainer, "checkpoint_failures", n)
+    n = trainer.record_checkpoint_failure()
     log.error("!!! CHECKPOINT FAILED: %s at step %d (rank %d); no COMMITTED marker was written, "
               "the previous committed checkpoint stays the resume point; training continues "
               "(train/checkpoint_failures = %d)", what, step, trainer.rank, n)

@@ -1,4 +1,4 @@
-"""``python -m trainer data prepare | curate | inspect`` (spec: "数据准备").
+"""``python -m trainer data prepare | curate | inspect``.
 
     python -m trainer data prepare --source pickapic --input DIR --task t2i --output raw.jsonl
     python -m trainer data curate --input raw.jsonl --out-dir processed/t2i --prefix pickapic_ \\

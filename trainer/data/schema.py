@@ -1,4 +1,4 @@
-"""The unified prompt-record schema (spec: "数据准备") and the checks every tool shares.
+"""The unified prompt-record schema and the checks every tool shares.
 
 One JSON object per line (or per parquet row)::
 

@@ -219,7 +219,7 @@ class EngineClient:
     Methods: ``generate(request) -> response`` (the adapters' response schema, tensors
     batch-first), ``checksum() -> str`` (over the engine's transformer weights, equal to
     ``ipc.weights_checksum`` of the same bytes), ``version`` (last committed weight version),
-    ``release()`` / ``resume()`` (free / restore device memory; failures raise, per spec),
+    ``release()`` / ``resume()`` (free / restore device memory; failures raise: a half-released engine cannot be trusted),
     ``health() -> dict``, ``update_weights_from_disk(model_path)``, ``close()``.
     ``http_url`` is the loopback URL of the engine's HTTP mode, or None.
     """

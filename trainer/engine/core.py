@@ -5,7 +5,7 @@ trainer's peft LoRA layers in adapter mode) and the ipc ``WeightReceiver`` that 
 weights straight into that transformer's parameters. The pipe transport (``process.py``), the
 HTTP mode (``http_server.py``) and the in-process client all call the methods below.
 
-Design choices where the spec is silent:
+Design choices:
 - The latent state is fp32 whatever the engine dtype; the adapter casts to the transformer's
   dtype inside ``velocity``. The recorded trajectory is therefore exactly what the actor replays.
 - Prompts repeated in a request (a group's candidates) are encoded once and gathered.
@@ -17,12 +17,11 @@ Design choices where the spec is silent:
   once: they never change), moves a receiver-less transformer to the host and empties the
   allocator cache; with a receiver the transformer's weights live in transport memory that the
   trainer writes into, so they stay resident. ``generate`` refuses to run while released (the
-  trainer wakes the engine with ``resume()`` first, per spec).
+  trainer wakes the engine with ``resume()`` first).
 """
 from __future__ import annotations
 
 import gc
-import importlib
 import os
 import threading
 import time
@@ -32,27 +31,22 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from trainer.dtypes import RUN_DTYPES, TORCH_DTYPES
 from trainer.engine.lora_merge import LoraMerger
 from trainer.engine.request import GenerateSpec, parse_generate_request
 from trainer.engine.sampler import denoise
 from trainer.models.base import GenerativeModelAdapter
 from trainer.models.compile import compile_blocks, compile_events, compile_wanted
 from trainer.models.guidance import guided_velocity, with_negative
+from trainer.models.lora import apply_lora
 from trainer.profiling import ComputeMeter, nvtx_range
+from trainer.values import import_dotpath
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 LORA_KEYS = ("rank", "alpha", "target_modules", "dropout", "merge")
 
 
 class EngineStateError(RuntimeError):
     """The engine cannot serve this call in its current state (released, closed); HTTP 409."""
-
-
-def import_dotpath(path: str) -> Any:
-    module, _, attr = path.rpartition(".")
-    if not module:
-        raise ValueError(f"{path!r} is not a dotted path 'package.module.Name'")
-    return getattr(importlib.import_module(module), attr)
 
 
 def check_launch_args(*, adapter_path: Any, model_path: Any, device: Any, dtype: Any,
@@ -63,8 +57,8 @@ def check_launch_args(*, adapter_path: Any, model_path: Any, device: Any, dtype:
         problems.append(f"adapter_path must be a dotted path to an adapter class, got {adapter_path!r}")
     if not isinstance(model_path, (str, os.PathLike)) or not Path(model_path).is_dir():
         problems.append(f"model_path {model_path!r} is not a directory")
-    if dtype not in DTYPES:
-        problems.append(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if dtype not in RUN_DTYPES:
+        problems.append(f"dtype must be one of {sorted(RUN_DTYPES)}, got {dtype!r}")
     try:
         dev = torch.device(device)
         if dev.type == "cuda" and not torch.cuda.is_available():
@@ -94,17 +88,6 @@ def check_launch_args(*, adapter_path: Any, model_path: Any, device: Any, dtype:
                 problems.append("lora.dropout must be 0 (a stochastic forward breaks ratio == 1)")
     if problems:
         raise ValueError("cannot launch the embedded engine:\n  - " + "\n  - ".join(problems))
-
-
-def apply_lora(transformer: nn.Module, lora: dict[str, Any], default_targets: list[str]) -> nn.Module:
-    """The trainer's LoRA layers (peft, B initialised to 0) on the engine's transformer."""
-    from peft import LoraConfig, get_peft_model
-
-    config = LoraConfig(r=int(lora["rank"]), lora_alpha=lora.get("alpha", lora["rank"]),
-                        lora_dropout=0.0, target_modules=list(lora.get("target_modules")
-                                                               or default_targets),
-                        init_lora_weights=True)
-    return get_peft_model(transformer, config)
 
 
 def _modules_in(frozen: dict[str, Any]) -> dict[str, nn.Module]:
@@ -157,10 +140,12 @@ class EngineCore:
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         adapter = import_dotpath(adapter_path)(str(model_path), **(adapter_options or {}))
-        torch_dtype = DTYPES[dtype]
+        torch_dtype = TORCH_DTYPES[dtype]
         transformer = adapter.load_train_model(dtype=torch_dtype, device=dev)
         if lora:
-            transformer = apply_lora(transformer, lora, adapter.lora_target_modules())
+            transformer = apply_lora(
+                transformer, rank=int(lora["rank"]), alpha=lora.get("alpha", lora["rank"]),
+                target_modules=list(lora.get("target_modules") or adapter.lora_target_modules()))
         frozen = adapter.load_frozen(device=dev, dtype=torch_dtype)
         factory = None
         if weight_sync_conn is not None:
@@ -431,7 +416,7 @@ class EngineCore:
         return moved
 
     def release(self) -> dict[str, Any]:
-        """Free device memory for the colocated actor. Raises on failure (fatal, per spec)."""
+        """Free device memory for the colocated actor. Raises on failure (fatal: docs/design.md#engine)."""
         with self._lock:
             if self.closed:
                 raise EngineStateError("engine is closed (release)")
@@ -449,7 +434,7 @@ class EngineCore:
                     "memory_allocated_bytes": self._allocated()}
 
     def resume(self) -> dict[str, Any]:
-        """Bring released parts back to the device. Raises on failure (fatal, per spec)."""
+        """Bring released parts back to the device. Raises on failure (fatal: docs/design.md#engine)."""
         with self._lock:
             if self.closed:
                 raise EngineStateError("engine is closed (resume)")

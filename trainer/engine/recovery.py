@@ -6,7 +6,7 @@
 (a missed deadline, a dead process, a closed pipe: the engine's own exceptions are not
 retried) it logs the failure with its stage, kills the engine, builds a new one through the
 trainer's ``_build_engine`` (engine, weight sender, rollout driver), pushes the trainer's
-weights to it as the current policy version (``resync_engine``: the version is checked
+weights to it as the current policy version (``trainer.resync_engine``: the version is checked
 afterwards), and runs the call again. ``rollout.engine_max_restarts`` bounds the restarts of
 a whole run; past it the run stops with an ``EngineError`` naming the stage, the count and
 the last failure.
@@ -30,7 +30,6 @@ log = logging.getLogger("trainer")
 
 def restart_engine(trainer) -> None:
     """Kill the trainer's engine, start a new one and re-sync it to the policy version."""
-    from trainer.checkpoint.load import resync_engine
     for part, end in ((trainer.engine, "kill"), (getattr(trainer, "sender", None), "close")):
         if part is None:
             continue
@@ -40,7 +39,7 @@ def restart_engine(trainer) -> None:
             log.warning("ending the failed engine's %s: %s", type(part).__name__, exc)
     version = int(trainer.policy_version)
     trainer._build_engine()
-    resync_engine(trainer, version)
+    trainer.resync_engine(version)
     reported = trainer.engine.version
     if reported != version:
         raise EngineError(f"the restarted engine reports weight version {reported} after the "
@@ -53,7 +52,7 @@ def call_with_recovery(trainer, stage: str, call: Callable[[], Any]) -> Any:
         try:
             return call()
         except EngineUnavailableError as exc:
-            used = int(getattr(trainer, "engine_restarts", 0))
+            used = trainer.engine_restarts
             limit = int(trainer.cfg.rollout.engine_max_restarts)
             why = None
             if trainer.cfg.rollout.engine != "embedded":

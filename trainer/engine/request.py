@@ -10,9 +10,8 @@ request into a ``GenerateSpec``. Two request shapes are accepted, both SGLang's 
   1, or the number of sample ids) candidates share it. Answered over HTTP with SGLang's list of
   per-output responses.
 
-Defaults where the request (or SGLang) leaves a field out, documented because the spec is
-silent: ``seed`` 0; ``rollout`` true; ``rollout_sde_type`` "sde"; ``rollout_noise_level`` 0.7
-(the spec's rollout-side default); ``rollout_sde_step_indices`` absent means every step (SGLang's
+Defaults where the request (or SGLang) leaves a field out, documented here: ``seed`` 0; ``rollout`` true; ``rollout_sde_type`` "sde"; ``rollout_noise_level`` 0.7
+(the rollout-side default, docs/design.md#sampling-and-the-sde-step); ``rollout_sde_step_indices`` absent means every step (SGLang's
 meaning), which ``sde`` then rejects for step 0; ``sigmas`` absent means the adapter's own
 schedule; sample ids absent means ``"seed:<seed>:<k>"``; ``rollout_return_dit_trajectory`` and
 ``rollout_return_denoising_env`` false (SGLang's defaults; the adapter's requests set both). ``rollout: false`` samples pure ODE and
@@ -21,7 +20,6 @@ with 0.0.
 """
 from __future__ import annotations
 
-import math
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
@@ -31,6 +29,7 @@ from kernels.sde_reference import LOG_PROB_FORMS
 from trainer.models import noise
 from trainer.models.base import GenerativeModelAdapter
 from trainer.sampling import SDE_TYPES, SIGMA_ONE_TREATMENTS
+from trainer.values import is_int, is_number
 
 DEFAULT_ETA = 0.7
 
@@ -81,14 +80,6 @@ class GenerateSpec:
         return {"sigma_one": self.sigma_one, "log_prob_form": self.log_prob_form}
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_num(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
 def _get_bool(req: Mapping[str, Any], key: str, default: bool, problems: list[str]) -> bool:
     value = req.get(key, default)
     if value is None:
@@ -99,17 +90,9 @@ def _get_bool(req: Mapping[str, Any], key: str, default: bool, problems: list[st
     return value
 
 
-def parse_generate_request(adapter: GenerativeModelAdapter, request: Any) -> GenerateSpec:
-    """Validate ``request`` against this engine's adapter; raise ``RequestError`` listing all."""
-    if not isinstance(request, Mapping):
-        raise RequestError([f"the request must be a JSON object, got {type(request).__name__}"])
-    problems: list[str] = []
-    extra = request.get("extra_sampling_params") or {}
-    if not isinstance(extra, Mapping):
-        problems.append(f"extra_sampling_params must be an object, got {type(extra).__name__}")
-        extra = {}
-
-    # ---- candidates ----------------------------------------------------------------------
+def _candidates(request: Mapping[str, Any], extra: Mapping[str, Any], problems: list[str]
+                ) -> tuple[list[str], list[str], bool, int]:
+    """(prompts, sample ids, single-prompt form, seed): one prompt and one id per candidate."""
     prompt = request.get("prompt")
     sample_ids = extra.get("sample_ids")
     single = isinstance(prompt, str)
@@ -118,7 +101,7 @@ def parse_generate_request(adapter: GenerativeModelAdapter, request: Any) -> Gen
         problems.append("extra_sampling_params.sample_ids must be a list of non-empty strings")
         sample_ids = None
     n_outputs = request.get("num_outputs_per_prompt")
-    if n_outputs is not None and (not _is_int(n_outputs) or n_outputs < 1):
+    if n_outputs is not None and (not is_int(n_outputs) or n_outputs < 1):
         problems.append(f"num_outputs_per_prompt must be a positive integer, got {n_outputs!r}")
         n_outputs = None
     prompts: list[str] = []
@@ -136,7 +119,7 @@ def parse_generate_request(adapter: GenerativeModelAdapter, request: Any) -> Gen
         problems.append("prompt must be a string or a non-empty list of strings, got "
                         f"{prompt!r}"[:200])
     seed = request.get("seed", 0)
-    if not _is_int(seed):
+    if not is_int(seed):
         problems.append(f"seed must be an integer, got {seed!r}")
         seed = 0
     if sample_ids is None:
@@ -146,12 +129,16 @@ def parse_generate_request(adapter: GenerativeModelAdapter, request: Any) -> Gen
     dupes = sorted(s for s, c in Counter(sample_ids).items() if c > 1)
     if dupes:
         problems.append(f"duplicate sample ids {dupes[:5]}: their candidates would be identical")
+    return prompts, sample_ids, single, seed
 
-    # ---- geometry and guidance ------------------------------------------------------------
+
+def _geometry(adapter: GenerativeModelAdapter, request: Mapping[str, Any],
+              extra: Mapping[str, Any], problems: list[str]) -> tuple[Any, Any, Any, bool]:
+    """(height, width, num_inference_steps, all valid), guidance and the model family checked."""
     height, width, steps = request.get("height"), request.get("width"), request.get("num_inference_steps")
     geometry_ok = True
     for key, value in (("height", height), ("width", width), ("num_inference_steps", steps)):
-        if not _is_int(value) or value <= 0:
+        if not is_int(value) or value <= 0:
             problems.append(f"{key} must be a positive integer, got {value!r}")
             geometry_ok = False
     if geometry_ok:
@@ -175,18 +162,22 @@ def parse_generate_request(adapter: GenerativeModelAdapter, request: Any) -> Gen
             if got is not None and list(got) != list(want):
                 problems.append(f"extra_sampling_params.{key} {list(got)} does not match this "
                                 f"model's {list(want)} at {height}x{width}")
+    return height, width, steps, geometry_ok
 
-    # ---- schedule --------------------------------------------------------------------------
+
+def _schedule(adapter: GenerativeModelAdapter, extra: Mapping[str, Any], steps: Any,
+              height: Any, width: Any, geometry_ok: bool, problems: list[str]) -> list[float]:
+    """The driver's sigmas (N, or N + 1 values), else the adapter's schedule."""
     sigmas: list[float] = []
     raw_sigmas = extra.get("sigmas")
     if raw_sigmas is not None:
-        if not isinstance(raw_sigmas, list) or not all(_is_num(s) for s in raw_sigmas):
+        if not isinstance(raw_sigmas, list) or not all(is_number(s) for s in raw_sigmas):
             problems.append("extra_sampling_params.sigmas must be a list of finite numbers")
         else:
             sigmas = [float(s) for s in raw_sigmas]
-            if _is_int(steps) and len(sigmas) == steps and sigmas and sigmas[-1] > 0.0:
+            if is_int(steps) and len(sigmas) == steps and sigmas and sigmas[-1] > 0.0:
                 sigmas.append(0.0)  # SGLang's convention: N values, the final 0 implied
-            if _is_int(steps) and len(sigmas) != steps + 1:
+            if is_int(steps) and len(sigmas) != steps + 1:
                 problems.append(f"extra_sampling_params.sigmas has {len(raw_sigmas)} values, "
                                 f"expected num_inference_steps + 1 = {steps + 1}")
                 sigmas = []
@@ -197,14 +188,18 @@ def parse_generate_request(adapter: GenerativeModelAdapter, request: Any) -> Gen
                 sigmas = []
     elif geometry_ok:
         sigmas = [float(s) for s in adapter.scheduler_sigmas(steps, height, width).tolist()]
+    return sigmas
 
-    # ---- SDE ---------------------------------------------------------------------------------
+
+def _sde(request: Mapping[str, Any], extra: Mapping[str, Any], steps: Any, sigmas: list[float],
+         problems: list[str]) -> tuple[list[int], Any, Any, Any, Any]:
+    """(SDE step indices, sde_type, eta, sigma_one, log_prob_form)."""
     rollout = _get_bool(request, "rollout", True, problems)
     sde_type = request.get("rollout_sde_type", "sde")
     if sde_type not in SDE_TYPES:
         problems.append(f"rollout_sde_type must be one of {SDE_TYPES}, got {sde_type!r}")
     eta = request.get("rollout_noise_level", DEFAULT_ETA)
-    if not _is_num(eta) or eta < 0:
+    if not is_number(eta) or eta < 0:
         problems.append(f"rollout_noise_level must be a finite number >= 0, got {eta!r}")
         eta = 0.0
     indices: list[int] = []
@@ -212,14 +207,14 @@ def parse_generate_request(adapter: GenerativeModelAdapter, request: Any) -> Gen
     if not rollout:
         indices = []
     elif raw_idx is None:
-        indices = list(range(steps)) if _is_int(steps) and steps > 0 else []
-    elif not isinstance(raw_idx, list) or not all(_is_int(i) for i in raw_idx):
+        indices = list(range(steps)) if is_int(steps) and steps > 0 else []
+    elif not isinstance(raw_idx, list) or not all(is_int(i) for i in raw_idx):
         problems.append(f"rollout_sde_step_indices must be a list of integers, got {raw_idx!r}")
     else:
         indices = list(raw_idx)
         if indices != sorted(set(indices)):
             problems.append(f"rollout_sde_step_indices must be sorted and unique, got {indices}")
-        if _is_int(steps):
+        if is_int(steps):
             bad = [i for i in indices if not 0 <= i < steps]
             if bad:
                 problems.append(f"rollout_sde_step_indices {bad} outside [0, {steps})")
@@ -240,13 +235,18 @@ def parse_generate_request(adapter: GenerativeModelAdapter, request: Any) -> Gen
     if rollout and indices and float(eta) == 0.0:
         problems.append("rollout_noise_level is 0 but SDE steps were requested: an eta == 0 step "
                         "is deterministic and has no log-prob")
+    return indices, sde_type, eta, sigma_one, log_prob_form
 
+
+def _driver_noise(extra: Mapping[str, Any], seed: int, sample_ids: list[str],
+                  problems: list[str]) -> tuple[Any, Any, Any]:
+    """(noise recipe, its seed, x_T ids) when the driver draws the noise."""
     recipe = extra.get("noise_recipe")
     if recipe is not None and recipe != noise.RECIPE:
         problems.append(f"extra_sampling_params.noise_recipe {recipe!r} is not this engine's "
                         f"{noise.RECIPE!r}: x_T and step noise would not be reproducible")
     noise_seed = extra.get("initial_noise_seed", seed)
-    if not _is_int(noise_seed):
+    if not is_int(noise_seed):
         problems.append(f"extra_sampling_params.initial_noise_seed must be an integer, got {noise_seed!r}")
         noise_seed = 0
     init_ids = extra.get("initial_noise_ids")
@@ -257,7 +257,24 @@ def parse_generate_request(adapter: GenerativeModelAdapter, request: Any) -> Gen
                 not all(isinstance(s, str) and s for s in init_ids):
             problems.append(f"extra_sampling_params.initial_noise_ids must be {len(sample_ids)} "
                             f"non-empty strings (one per candidate), got {init_ids!r}"[:300])
+    return recipe, noise_seed, init_ids
 
+
+def parse_generate_request(adapter: GenerativeModelAdapter, request: Any) -> GenerateSpec:
+    """Validate ``request`` against this engine's adapter; raise ``RequestError`` listing all."""
+    if not isinstance(request, Mapping):
+        raise RequestError([f"the request must be a JSON object, got {type(request).__name__}"])
+    problems: list[str] = []
+    extra = request.get("extra_sampling_params") or {}
+    if not isinstance(extra, Mapping):
+        problems.append(f"extra_sampling_params must be an object, got {type(extra).__name__}")
+        extra = {}
+    prompts, sample_ids, single, seed = _candidates(request, extra, problems)
+    height, width, steps, geometry_ok = _geometry(adapter, request, extra, problems)
+    sigmas = _schedule(adapter, extra, steps, height, width, geometry_ok, problems)
+    indices, sde_type, eta, sigma_one, log_prob_form = _sde(request, extra, steps, sigmas,
+                                                            problems)
+    recipe, noise_seed, init_ids = _driver_noise(extra, seed, sample_ids, problems)
     return_traj = _get_bool(request, "rollout_return_dit_trajectory", False, problems)
     return_env = _get_bool(request, "rollout_return_denoising_env", False, problems)
     if problems:

@@ -4,9 +4,11 @@ Every step is ``kernels.sde_step`` (``sde_type="ode"`` off the SDE set), the ver
 actor's replay pairs with ``kernels.sde_log_prob``, so the recorded log-prob and the replayed one
 come from the same code. The loop is kept lean for the GPU:
 
-- no host-device sync inside it: sigmas reach ``sde_step`` as Python floats (its value checks
-  then run on the host for free), the per-sample sigma vector the transformer needs is a view of
-  one device tensor built before the loop, and the SDE-step bookkeeping is Python ints;
+- no host-device sync inside it but the value checks: sigmas reach ``sde_step`` as fp32 [B]
+  views of one device tensor built before the loop (the tensors the actor's replay passes, so
+  recorded and replayed log-probs match bit for bit), the same views the transformer takes;
+  ``sde_step`` validates its inputs (a host sync) only at the first step and the first SDE
+  step; the SDE-step bookkeeping is Python ints;
 - outputs are preallocated once (``trajectory`` [B, S, 2, *latent], ``log_probs`` [B, S]) and
   filled with device copies;
 - step noise is requested lazily (``noise_fn(step)``) inside the loop, so drawing it on the host
@@ -58,10 +60,9 @@ def denoise(velocity_fn: VelocityFn, x: torch.Tensor, sigmas: Sequence[float],
     sigma_dev = torch.tensor([float(s) for s in sigmas], dtype=torch.float32, device=x.device)
     with nvtx_range("rollout/denoise"):
         for i in range(num_steps):
-            # NOTE: the kernels get the same fp32 [B] sigma tensors the actor's replay passes
-            # (RolloutBatch.sigmas). With Python floats here, the H200 run of 2026-11-29 saw
-            # recorded vs replayed log-probs differ by up to 6e-8 (bitwise equal on CPU).
-            # Validation (a host sync with tensor sigmas) runs once, at the first step.
+            # The kernels get the same fp32 [B] sigma tensors the actor's replay passes
+            # (RolloutBatch.sigmas): with Python floats the GPU kernels take another
+            # specialisation, and recorded and replayed log-probs would differ in the last bits.
             s, s_next = sigma_dev[i].expand(batch), sigma_dev[i + 1].expand(batch)
             v = velocity_fn(x, s)
             slot = sde_slot.get(i)

@@ -12,77 +12,14 @@ from __future__ import annotations
 
 import abc
 import math
-from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
 
+from trainer.models import noise, schema
+from trainer.models.batch import RolloutBatch  # noqa: F401  (its home; re-exported for importers)
 from trainer.tasks import GENERATION_TASKS  # noqa: E402,F401  (torch-free home, re-exported)
-
-
-@dataclass
-class RolloutBatch:
-    """What a rollout hands to the reward and the actor (in memory, no disk round trip).
-
-    B candidates, S trained SDE steps. Latent tensors keep the transformer's input layout
-    (e.g. packed [seq, channels] for Qwen-Image / FLUX, [C, h, w] for SD3).
-    """
-
-    prompts: list[str]
-    sample_ids: list[str]                 # stable candidate ids (fix x_T and every step's noise)
-    group_index: torch.Tensor             # [B] int64, which prompt group each candidate is in
-    sde_indices: list[int]                # the S trained steps, in schedule order
-    latents: torch.Tensor                 # [B, S, *latent]  x at each trained step
-    next_latents: torch.Tensor            # [B, S, *latent]  sampled x at the step after it
-    sigmas: torch.Tensor                  # [B, S] fp32 sigma at each trained step
-    sigmas_next: torch.Tensor             # [B, S] fp32 sigma of the step after it
-    log_probs: torch.Tensor               # [B, S] fp32, recorded by the engine (pi_old)
-    conditions: dict[str, torch.Tensor]   # batch-first frozen conditions (prompt embeds, masks)
-    height: int
-    width: int
-    eta: float
-    sde_type: str
-    images: torch.Tensor | None = None    # [B, H, W, 3] uint8 decoded images
-    metadata: list[dict[str, Any]] = field(default_factory=list)
-    policy_version: int = 0
-    rollout_id: int | None = None
-    guidance_scale: float = 1.0           # > 1: CFG; conditions then hold the "neg:" halves
-    sde_options: dict[str, str] = field(default_factory=dict)  # sigma_one, log_prob_form
-
-    def kernel_options(self) -> dict[str, Any]:
-        """Keyword arguments of kernels.sde_log_prob / sde_kl for these transitions."""
-        return {"eta": self.eta, "sde_type": self.sde_type, **self.sde_options}
-
-    def __len__(self) -> int:
-        return len(self.sample_ids)
-
-    def select(self, idx: torch.Tensor | list[int]) -> "RolloutBatch":
-        """Rows ``idx`` of every batch-first field (a micro-batch or a rank's slice)."""
-        idx_t = torch.as_tensor(idx, dtype=torch.long)
-        rows = idx_t.tolist()
-        return RolloutBatch(
-            prompts=[self.prompts[i] for i in rows],
-            sample_ids=[self.sample_ids[i] for i in rows],
-            group_index=self.group_index[idx_t],
-            sde_indices=list(self.sde_indices),
-            latents=self.latents[idx_t],
-            next_latents=self.next_latents[idx_t],
-            sigmas=self.sigmas[idx_t],
-            sigmas_next=self.sigmas_next[idx_t],
-            log_probs=self.log_probs[idx_t],
-            conditions={k: v[idx_t] for k, v in self.conditions.items()},
-            height=self.height,
-            width=self.width,
-            eta=self.eta,
-            sde_type=self.sde_type,
-            images=None if self.images is None else self.images[idx_t],
-            metadata=[self.metadata[i] for i in rows] if self.metadata else [],
-            policy_version=self.policy_version,
-            rollout_id=self.rollout_id,
-            guidance_scale=self.guidance_scale,
-            sde_options=dict(self.sde_options),
-        )
 
 
 class GenerativeModelAdapter(abc.ABC):
@@ -165,7 +102,7 @@ class GenerativeModelAdapter(abc.ABC):
         """
         return sigmas[:-1].to(torch.float32) * 1000.0
 
-    # ---- checks (spec: GENERATION_TASKS, "不支持 CFG") -----------------------------------
+    # ---- checks (tasks: trainer.tasks; guidance: docs/design.md#sampling-and-the-sde-step) --
     @classmethod
     def check_task(cls, task: str) -> None:
         """Raise ValueError unless ``task`` is in GENERATION_TASKS and this family declares it."""
@@ -221,8 +158,6 @@ class GenerativeModelAdapter(abc.ABC):
         Drawn in ``init_noise_shape`` (the unpacked [C, h, w] grid, as the diffusers pipelines
         draw it) with the recipe of ``trainer.models.noise``, then packed, then cast.
         """
-        from trainer.models import noise
-
         draws = noise.gaussian(sample_ids, noise.initial_stream(), self.init_noise_shape(height, width),
                                seed=seed)
         return self.noise_to_latents(draws, height, width).to(device=device, dtype=dtype)
@@ -231,8 +166,6 @@ class GenerativeModelAdapter(abc.ABC):
                    seed: int, dtype: torch.dtype = torch.float32,
                    device: str | torch.device = "cpu") -> torch.Tensor:
         """The noise of step ``step_index`` [B, *shape]: a pure function of (seed, id, step)."""
-        from trainer.models import noise
-
         return noise.gaussian(sample_ids, noise.step_stream(step_index), shape, seed=seed,
                               dtype=dtype, device=device)
 
@@ -249,22 +182,16 @@ class GenerativeModelAdapter(abc.ABC):
         order of first appearance. Raises one ValueError listing every problem (guidance_scale
         != 1.0, SDE step with sigma == 1 under 'sde', bad geometry, duplicate sample ids...).
         """
-        from trainer.models import schema
-
         return schema.build_request(self, prompts, sample_ids, sampling, rollout_id=rollout_id,
                                     seed=seed, sde_indices=sde_indices, group_index=group_index)
 
     def validate_rollout_response(self, response: Mapping[str, Any],
                                   request: Mapping[str, Any]) -> None:
         """Raise one ValueError listing every way ``response`` does not answer ``request``."""
-        from trainer.models import schema
-
         schema.validate_response(self, response, request)
 
     def pack_trajectory(self, response: Mapping[str, Any], request: Mapping[str, Any]) -> RolloutBatch:
         """Validate ``response`` and lay it out as a RolloutBatch (tensors decoded if JSON)."""
-        from trainer.models import schema
-
         return schema.pack(self, response, request)
 
     def replay_velocity(self, transformer: nn.Module, batch: RolloutBatch, step: int) -> torch.Tensor:

@@ -7,7 +7,7 @@ own scheduler with the pipeline's linspace(1, 1/N, N) sigmas).
 
 Guidance: FLUX.1-dev is guidance-distilled (``guidance_embeds`` in its transformer config): the
 guidance strength is an input embedding of one forward, not classifier-free guidance, so it is
-compatible with the spec's guidance_scale == 1.0 rule (which forbids CFG's second forward). It
+compatible with guidance_scale == 1.0 (one forward per step, no CFG second forward). It
 is fixed for the run by the ``embedded_guidance`` option (3.5, the pipeline's default) and
 passed on every forward, rollout and replay alike; for models without the embedding
 (FLUX.1-schnell) nothing is passed and the option is ignored.

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainer.models.batch import pad_and_cat
+
 NEGATIVE_PREFIX = "neg:"
 
 
@@ -46,8 +48,6 @@ def split_conditions(conditions: dict[str, torch.Tensor]
 
 def _stack_halves(negative: torch.Tensor, positive: torch.Tensor) -> torch.Tensor:
     """``[neg; pos]`` along the batch, the shorter sequence zero-padded (masks: 0 = masked)."""
-    from trainer.rollout.batch import pad_and_cat
-
     return pad_and_cat([negative, positive])
 
 

@@ -5,8 +5,8 @@ parts without a transformer): the prompt template and its drop index (``encode_p
 latent packing (``_pack_latents`` / ``_unpack_latents``) and the resolution-dependent shift
 (``calculate_shift`` on the packed sequence length, fed to the model's own scheduler).
 
-Design choices where the spec is silent:
-- The text window is 512 tokens (``max_sequence_length``), as the spec's SGLang patch fixes it.
+Design choices:
+- The text window is 512 tokens (``max_sequence_length``), as SGLang's Qwen-Image pipeline fixes it.
 - The prompt mask is always kept as a tensor (the pipeline turns an all-ones mask into None);
   a batch-first tensor is what the sidecar and the actor's micro-batches need.
 - The timestep is passed as the pipeline passes it: (sigma * 1000) rounded to the latent dtype,
@@ -40,7 +40,7 @@ class QwenImageAdapter(PackedLatentsAdapter):
     supported_tasks = ("t2i",)
     condition_keys = ("prompt_embeds", "prompt_embeds_mask")
     block_attrs = ("transformer_blocks",)
-    # Image-stream and text-stream attention projections of every block (spec: "目标模块"); the
+    # Image-stream and text-stream attention projections of every block; the
     # SGLang Qwen-Image DiT uses the same names, so adapters load there without renaming.
     lora_targets = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
                     "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")

@@ -5,7 +5,8 @@ HTTP (JSON, POST ``ROLLOUT_PATH``); an SGLang diffusion server answers it over H
 adapter builds the request, checks the response and packs it (``GenerativeModelAdapter``
 delegates here); the engine produces exactly the response below.
 
-Request (``build_request``; plain JSON types only, so ``json.dumps`` works as is)::
+Request (``build_request``, built in ``trainer.models.rollout_request``; plain JSON types
+only, so ``json.dumps`` works as is)::
 
     prompt                          list[str]   B candidate prompts (a group repeats its prompt)
     seed                            int         base seed of the run (the engine's own RNG seed)
@@ -61,23 +62,22 @@ JSON a tensor is ``encode_tensor``'s tagged base64 safetensors blob, or a nested
     images                  [B, H, W, 3] uint8 decoded images (optional)
     policy_version          int                the engine's committed weight version (optional)
 
-Why pairs and not the S+1 chain: the trained steps need not be contiguous ([1, 3, 5] is the
-spec's example), and each replayed transition needs exactly its own x_i and x_{i+1}.
+Why pairs and not the S+1 chain: the trained steps need not be contiguous (e.g. [1, 3, 5]), and each replayed transition needs exactly its own x_i and x_{i+1}.
 """
 from __future__ import annotations
 
 import base64
-import math
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
-from trainer.models import noise
+from trainer.models.batch import RolloutBatch
 from trainer.models.guidance import NEGATIVE_PREFIX
-from trainer.sampling import SamplingConfig
+from trainer.models.rollout_request import build_request  # noqa: F401  (the request half)
+from trainer.values import is_int
 
-if TYPE_CHECKING:  # base imports this module lazily; the reverse import is for types only
-    from trainer.models.base import GenerativeModelAdapter, RolloutBatch
+if TYPE_CHECKING:  # for annotations only: base imports this module, so never at run time
+    from trainer.models.base import GenerativeModelAdapter
 
 ROLLOUT_PATH = "/rollout/generate"
 
@@ -165,152 +165,6 @@ def coerce_response(response: Mapping[str, Any]) -> tuple[dict[str, Any], list[s
     return out, problems
 
 
-# ---- request ----------------------------------------------------------------------------
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def build_request(adapter: "GenerativeModelAdapter", prompts: Sequence[str],
-                  sample_ids: Sequence[str], sampling: Mapping[str, Any], *,
-                  rollout_id: int | None, seed: int,
-                  sde_indices: Sequence[int] | None = None,
-                  group_index: Sequence[int] | None = None) -> dict[str, Any]:
-    """See ``GenerativeModelAdapter.build_rollout_request``; raises one ValueError listing all problems."""
-    cfg, problems = SamplingConfig.check(sampling)
-    if cfg is None:  # the SDE steps cannot be resolved: nothing below can be checked
-        raise ValueError(f"invalid rollout request for {adapter.family!r}:\n  - " + "\n  - ".join(problems))
-
-    prompts, sample_ids = list(prompts), list(sample_ids)
-    batch = len(prompts)
-    if batch == 0:
-        problems.append("no prompts: a rollout request needs at least one candidate")
-    bad_prompts = [i for i, p in enumerate(prompts) if not isinstance(p, str)]
-    if bad_prompts:
-        problems.append(f"prompts at positions {bad_prompts} are not strings")
-    if len(sample_ids) != batch:
-        problems.append(f"{len(sample_ids)} sample ids for {batch} prompts (one per candidate)")
-    bad_ids = [i for i, s in enumerate(sample_ids) if not isinstance(s, str) or not s]
-    if bad_ids:
-        problems.append(f"sample ids at positions {bad_ids} are not non-empty strings")
-    dupes = sorted({s for s in sample_ids if isinstance(s, str) and sample_ids.count(s) > 1})
-    if dupes:
-        problems.append(f"duplicate sample ids {dupes[:5]}: candidates with one id get identical noise")
-
-    height, width, steps = cfg.height, cfg.width, cfg.num_inference_steps
-    geometry_ok = not any(p.startswith(("height", "width")) for p in problems)
-    if geometry_ok:
-        resolution = adapter.resolution_problems(height, width)
-        problems += resolution
-        geometry_ok = not resolution
-    try:
-        adapter.check_guidance(cfg.guidance_scale)
-    except ValueError as exc:
-        problems.append(str(exc))
-    if rollout_id is not None and not _is_int(rollout_id):
-        problems.append(f"rollout_id must be an integer or None, got {rollout_id!r}")
-    if not _is_int(seed):
-        problems.append(f"seed must be an integer, got {seed!r}")
-
-    indices = sde_indices if sde_indices is not None else cfg.noise_steps(rollout_id)
-    resolved: list[int] = []
-    deterministic = cfg.sde_step_mode == "ode"  # ODE sampling (evaluation): no SDE step
-    if deterministic and indices:
-        problems.append(f"sde_step_mode='ode' samples without noise, got SDE steps {list(indices)}")
-    elif deterministic:
-        pass
-    elif indices is None or (isinstance(indices, (list, tuple)) and len(indices) == 0):
-        problems.append("no SDE steps: pass the driver's resolved indices (sde_indices=...) or "
-                        "set the sampling config's steps; an empty set leaves nothing to train")
-    elif not isinstance(indices, (list, tuple)) or not all(_is_int(i) for i in indices):
-        problems.append(f"sde_indices must be a list of integers, got {indices!r}")
-    else:
-        resolved = sorted(set(int(i) for i in indices))
-        out_of_range = [i for i in resolved if not 0 <= i < steps]
-        if out_of_range:
-            problems.append(f"sde_indices {out_of_range} are outside [0, {steps}) "
-                            f"for num_inference_steps={steps}")
-    trained = cfg.trained_steps(resolved)
-    if resolved and not trained:
-        problems.append(f"none of the noise steps {resolved} is trained (timestep_fraction="
-                        f"{cfg.timestep_fraction})")
-
-    sigmas = None
-    if geometry_ok:
-        sigmas = adapter.scheduler_sigmas(steps, height, width).to(torch.float32)
-        if cfg.sde_type == "sde" and cfg.sigma_one == "refuse":
-            singular = [i for i in resolved if 0 <= i < steps and float(sigmas[i]) >= 1.0]
-            if singular:
-                problems.append(
-                    f"sde_type='sde' cannot sample steps {singular} with sigma_one='refuse': "
-                    "sigma == 1 there and std_dev_t = eta*sqrt(sigma/(1-sigma)) is singular (use "
-                    "later steps, 'dance', or sigma_one='clamp_to_next')")
-
-    if group_index is None:  # candidates of one prompt form one group, in order of first appearance
-        first_seen: dict[str, int] = {}
-        group = [] if bad_prompts else [first_seen.setdefault(p, len(first_seen)) for p in prompts]
-    else:
-        group = list(group_index)
-        if len(group) != batch or not all(_is_int(g) and g >= 0 for g in group):
-            problems.append(f"group_index must hold {batch} non-negative integers, got {group_index!r}")
-
-    latent_shape = init_shape = None
-    if geometry_ok:
-        latent_shape = list(adapter.latent_shape(height, width))
-        init_shape = list(adapter.init_noise_shape(height, width))
-        override = cfg.init_noise_latent_shape
-        if override is not None and (not isinstance(override, (list, tuple)) or list(override) != init_shape):
-            problems.append(f"init_noise_latent_shape {override!r} does not match this model's "
-                            f"x_T shape {init_shape} at {height}x{width}")
-
-    if problems:
-        raise ValueError(f"invalid rollout request for {adapter.family!r}:\n  - " + "\n  - ".join(problems))
-
-    extra: dict[str, Any] = {
-        "sample_ids": sample_ids,
-        "group_index": [int(g) for g in group],
-        "rollout_id": rollout_id,
-        "model_family": adapter.family,
-        "latent_shape": latent_shape,
-        "init_noise_latent_shape": init_shape,
-    }
-    # Flow-GRPO options the engine applies in sde_step (absent: the defaults, so a request
-    # without them means what it meant before they existed)
-    extra["sigma_one"] = cfg.sigma_one
-    extra["log_prob_form"] = cfg.log_prob_form
-    if trained != resolved:
-        extra["train_step_indices"] = trained  # noise at every step, train these (pack keeps them)
-    if cfg.driver_sigmas:
-        extra["sigmas"] = [float(s) for s in sigmas.tolist()]
-    if cfg.driver_xt:
-        extra["noise_recipe"] = noise.RECIPE
-        extra["initial_noise_seed"] = int(seed)
-        if cfg.init_same_noise and rollout_id is not None:
-            # training rollouts only: eval (rollout_id None) keeps one x_T per candidate, so
-            # its numbers do not depend on this training-side choice
-            first_of_group: dict[int, str] = {}
-            extra["initial_noise_ids"] = [first_of_group.setdefault(int(g), sid)
-                                          for g, sid in zip(group, sample_ids)]
-    return {
-        "prompt": prompts,
-        "seed": int(seed),
-        "width": width,
-        "height": height,
-        "num_inference_steps": steps,
-        "guidance_scale": float(cfg.guidance_scale),
-        "rollout": not deterministic,
-        "rollout_sde_type": cfg.sde_type,
-        "rollout_noise_level": float(cfg.eta),
-        "rollout_sde_step_indices": resolved,
-        "rollout_return_dit_trajectory": True,
-        "rollout_return_denoising_env": True,
-        "extra_sampling_params": extra,
-    }
-
-
 # ---- response ---------------------------------------------------------------------------
 _REQUEST_KEYS = ("prompt", "height", "width", "num_inference_steps", "rollout_sde_type",
                  "rollout_noise_level", "rollout_sde_step_indices", "extra_sampling_params")
@@ -320,38 +174,25 @@ def _shape(t: torch.Tensor) -> list[int]:
     return list(t.shape)
 
 
-def response_problems(adapter: "GenerativeModelAdapter", response: Any,
-                      request: Mapping[str, Any]) -> tuple[dict[str, Any] | None, list[str]]:
-    """Every way ``response`` fails ``request``; also returns the response with tensors decoded.
-
-    NOTE: the finiteness checks are host syncs (one per checked tensor, once per response).
-    """
-    if not isinstance(response, Mapping):
-        return None, [f"response must be a dict, got {type(response).__name__}"]
-    missing_req = [k for k in _REQUEST_KEYS if k not in request]
-    if missing_req:
-        raise ValueError(f"the request lacks {missing_req}: build it with build_rollout_request")
-    resp, problems = coerce_response(response)
-    extra = request["extra_sampling_params"]
-    batch, steps = len(request["prompt"]), request["num_inference_steps"]
+def _echo_problems(resp: dict[str, Any], request: Mapping[str, Any]) -> list[str]:
+    """The echoes of the request: height, width and the SDE steps."""
+    problems: list[str] = []
     height, width = request["height"], request["width"]
     indices = list(request["rollout_sde_step_indices"])
-    n_sde = len(indices)
-    if extra.get("model_family") != adapter.family:
-        problems.append(f"request was built for family {extra.get('model_family')!r}, "
-                        f"this adapter is {adapter.family!r}")
-
     for key, want in (("height", height), ("width", width)):
         if key not in resp:
             problems.append(f"missing '{key}': the engine must echo it (the latent grid comes from it)")
-        elif not _is_int(resp[key]) or resp[key] != want:
+        elif not is_int(resp[key]) or resp[key] != want:
             problems.append(f"'{key}' is {resp[key]!r}, the request asked for {want}")
-
     if "sde_indices" not in resp:
         problems.append("missing 'sde_indices'")
     elif not isinstance(resp["sde_indices"], (list, tuple)) or list(resp["sde_indices"]) != indices:
         problems.append(f"'sde_indices' is {resp['sde_indices']!r}, the request asked for {indices}")
+    return problems
 
+
+def _log_prob_problems(resp: dict[str, Any], batch: int, n_sde: int) -> list[str]:
+    problems: list[str] = []
     logp = resp.get("rollout_log_probs")
     if "rollout_log_probs" not in resp:
         problems.append("missing 'rollout_log_probs'")
@@ -361,48 +202,61 @@ def response_problems(adapter: "GenerativeModelAdapter", response: Any,
                             "(candidates x SDE steps)")
         elif not logp.is_floating_point() or not bool(torch.isfinite(logp).all()):
             problems.append("'rollout_log_probs' must be finite floats")
+    return problems
 
-    traj = resp.get("dit_trajectory")
-    if not isinstance(traj, Mapping):
-        problems.append("missing 'dit_trajectory' (dict with latents, timesteps, sigmas)"
-                        if traj is None else f"'dit_trajectory' must be a dict, got {type(traj).__name__}")
-    else:
-        lat = traj.get("latents")
-        want_lat = [batch, n_sde, 2, *adapter.latent_shape(height, width)]
-        if "latents" not in traj:
-            problems.append("missing 'dit_trajectory.latents'")
-        elif isinstance(lat, torch.Tensor):
-            if _shape(lat) != want_lat:
-                problems.append(f"'dit_trajectory.latents' has shape {_shape(lat)}, expected {want_lat} "
-                                "([B, S, (x_i, x_i+1), *latent] at the requested height/width)")
-            elif not lat.is_floating_point() or not bool(torch.isfinite(lat).all()):
-                problems.append("'dit_trajectory.latents' must be finite floats")
-        sig = traj.get("sigmas")
-        if "sigmas" not in traj:
-            problems.append("missing 'dit_trajectory.sigmas'")
-        elif isinstance(sig, torch.Tensor):
-            sig = sig.to(torch.float32).cpu()  # compared with the request's host values
-            if _shape(sig) != [steps + 1]:
-                problems.append(f"'dit_trajectory.sigmas' has shape {_shape(sig)}, expected [{steps + 1}]")
-            elif "sigmas" in extra:
-                sent = torch.tensor(extra["sigmas"], dtype=torch.float32)
-                if not torch.allclose(sig, sent, rtol=0, atol=1e-6):
-                    problems.append("'dit_trajectory.sigmas' differ from the sigmas the request sent "
-                                    "(the engine must use driver sigmas as given, without shifting)")
-            elif not (bool((sig[1:] < sig[:-1]).all()) and float(sig[-1]) == 0.0 and float(sig[0]) <= 1.0):
-                problems.append("'dit_trajectory.sigmas' must decrease from <= 1.0 to 0.0")
-        ts = traj.get("timesteps")
-        if "timesteps" not in traj:
-            problems.append("missing 'dit_trajectory.timesteps'")
-        elif isinstance(ts, torch.Tensor):
-            if _shape(ts) != [steps]:
-                problems.append(f"'dit_trajectory.timesteps' has shape {_shape(ts)}, expected [{steps}]")
-            elif isinstance(sig, torch.Tensor) and _shape(sig) == [steps + 1]:
-                want_ts = adapter.timesteps_from_sigmas(sig)
-                if not torch.allclose(ts.to(torch.float32).cpu(), want_ts, rtol=1e-5, atol=1e-5):
-                    problems.append("'dit_trajectory.timesteps' are not the family's timesteps of "
-                                    "'dit_trajectory.sigmas'")
 
+def _trajectory_problems(adapter: "GenerativeModelAdapter", traj: Mapping[str, Any],
+                         request: Mapping[str, Any]) -> list[str]:
+    """Latents [B, S, 2, *latent], sigmas [N+1] (the request's when it sent them) and the
+    family's timesteps of those sigmas."""
+    problems: list[str] = []
+    extra = request["extra_sampling_params"]
+    batch, steps = len(request["prompt"]), request["num_inference_steps"]
+    height, width = request["height"], request["width"]
+    n_sde = len(request["rollout_sde_step_indices"])
+    lat = traj.get("latents")
+    want_lat = [batch, n_sde, 2, *adapter.latent_shape(height, width)]
+    if "latents" not in traj:
+        problems.append("missing 'dit_trajectory.latents'")
+    elif isinstance(lat, torch.Tensor):
+        if _shape(lat) != want_lat:
+            problems.append(f"'dit_trajectory.latents' has shape {_shape(lat)}, expected {want_lat} "
+                            "([B, S, (x_i, x_i+1), *latent] at the requested height/width)")
+        elif not lat.is_floating_point() or not bool(torch.isfinite(lat).all()):
+            problems.append("'dit_trajectory.latents' must be finite floats")
+    sig = traj.get("sigmas")
+    if "sigmas" not in traj:
+        problems.append("missing 'dit_trajectory.sigmas'")
+    elif isinstance(sig, torch.Tensor):
+        sig = sig.to(torch.float32).cpu()  # compared with the request's host values
+        if _shape(sig) != [steps + 1]:
+            problems.append(f"'dit_trajectory.sigmas' has shape {_shape(sig)}, expected [{steps + 1}]")
+        elif "sigmas" in extra:
+            sent = torch.tensor(extra["sigmas"], dtype=torch.float32)
+            if not torch.allclose(sig, sent, rtol=0, atol=1e-6):
+                problems.append("'dit_trajectory.sigmas' differ from the sigmas the request sent "
+                                "(the engine must use driver sigmas as given, without shifting)")
+        elif not (bool((sig[1:] < sig[:-1]).all()) and float(sig[-1]) == 0.0 and float(sig[0]) <= 1.0):
+            problems.append("'dit_trajectory.sigmas' must decrease from <= 1.0 to 0.0")
+    ts = traj.get("timesteps")
+    if "timesteps" not in traj:
+        problems.append("missing 'dit_trajectory.timesteps'")
+    elif isinstance(ts, torch.Tensor):
+        if _shape(ts) != [steps]:
+            problems.append(f"'dit_trajectory.timesteps' has shape {_shape(ts)}, expected [{steps}]")
+        elif isinstance(sig, torch.Tensor) and _shape(sig) == [steps + 1]:
+            want_ts = adapter.timesteps_from_sigmas(sig)
+            if not torch.allclose(ts.to(torch.float32).cpu(), want_ts, rtol=1e-5, atol=1e-5):
+                problems.append("'dit_trajectory.timesteps' are not the family's timesteps of "
+                                "'dit_trajectory.sigmas'")
+    return problems
+
+
+def _denoising_env_problems(adapter: "GenerativeModelAdapter", resp: dict[str, Any],
+                            request: Mapping[str, Any]) -> list[str]:
+    """The frozen conditions: every condition key (and its negative half under CFG), batch-first."""
+    problems: list[str] = []
+    batch = len(request["prompt"])
     env = resp.get("denoising_env")
     if request.get("rollout_return_denoising_env"):
         if not isinstance(env, Mapping):
@@ -419,7 +273,14 @@ def response_problems(adapter: "GenerativeModelAdapter", response: Any,
                 if isinstance(value, torch.Tensor) and (value.dim() == 0 or value.shape[0] != batch):
                     problems.append(f"'denoising_env.{key}' has shape {_shape(value)}, expected batch-first "
                                     f"[{batch}, ...]")
+    return problems
 
+
+def _optional_field_problems(resp: dict[str, Any], request: Mapping[str, Any]) -> list[str]:
+    """sample_ids (echo), images and policy_version, when the response carries them."""
+    problems: list[str] = []
+    extra = request["extra_sampling_params"]
+    batch, height, width = len(request["prompt"]), request["height"], request["width"]
     echoed = resp.get("sample_ids", extra["sample_ids"])
     if not isinstance(echoed, (list, tuple)) or list(echoed) != list(extra["sample_ids"]):
         problems.append("'sample_ids' do not echo the request's sample ids in order")
@@ -428,8 +289,38 @@ def response_problems(adapter: "GenerativeModelAdapter", response: Any,
         want_img = [batch, height, width, 3]
         if _shape(images) != want_img or images.dtype != torch.uint8:
             problems.append(f"'images' is {images.dtype} {_shape(images)}, expected uint8 {want_img}")
-    if "policy_version" in resp and not _is_int(resp["policy_version"]):
+    if "policy_version" in resp and not is_int(resp["policy_version"]):
         problems.append(f"'policy_version' must be an integer, got {resp['policy_version']!r}")
+    return problems
+
+
+def response_problems(adapter: "GenerativeModelAdapter", response: Any,
+                      request: Mapping[str, Any]) -> tuple[dict[str, Any] | None, list[str]]:
+    """Every way ``response`` fails ``request``; also returns the response with tensors decoded.
+
+    NOTE: the finiteness checks are host syncs (one per checked tensor, once per response).
+    """
+    if not isinstance(response, Mapping):
+        return None, [f"response must be a dict, got {type(response).__name__}"]
+    missing_req = [k for k in _REQUEST_KEYS if k not in request]
+    if missing_req:
+        raise ValueError(f"the request lacks {missing_req}: build it with build_rollout_request")
+    resp, problems = coerce_response(response)
+    extra = request["extra_sampling_params"]
+    if extra.get("model_family") != adapter.family:
+        problems.append(f"request was built for family {extra.get('model_family')!r}, "
+                        f"this adapter is {adapter.family!r}")
+    problems += _echo_problems(resp, request)
+    problems += _log_prob_problems(resp, len(request["prompt"]),
+                                   len(request["rollout_sde_step_indices"]))
+    traj = resp.get("dit_trajectory")
+    if not isinstance(traj, Mapping):
+        problems.append("missing 'dit_trajectory' (dict with latents, timesteps, sigmas)"
+                        if traj is None else f"'dit_trajectory' must be a dict, got {type(traj).__name__}")
+    else:
+        problems += _trajectory_problems(adapter, traj, request)
+    problems += _denoising_env_problems(adapter, resp, request)
+    problems += _optional_field_problems(resp, request)
     return resp, problems
 
 
@@ -446,8 +337,6 @@ def validate_response(adapter: "GenerativeModelAdapter", response: Any,
 
 def pack(adapter: "GenerativeModelAdapter", response: Any, request: Mapping[str, Any]) -> "RolloutBatch":
     """Validate, then lay the response out as the RolloutBatch the reward and the actor take."""
-    from trainer.models.base import RolloutBatch
-
     resp = validate_response(adapter, response, request)
     extra = request["extra_sampling_params"]
     traj = resp["dit_trajectory"]

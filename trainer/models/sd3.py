@@ -6,7 +6,7 @@ pooled CLIP-L/G concatenated) and the schedule, which is the model's own schedul
 way the pipeline calls it: ``set_timesteps(N)`` with the static shift of the scheduler config
 (3.0 for SD3/3.5), or with ``mu`` when the config enables dynamic shifting.
 
-Design choices where the spec is silent:
+Design choices:
 - Latents stay in the transformer's [C, h, w] layout (SD3 patchifies inside the model), so x_T
   needs no packing; the transformer timestep is sigma * num_train_timesteps, as the pipeline.
 - The T5 window is the pipeline's default, 256 tokens (``max_sequence_length``).

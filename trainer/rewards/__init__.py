@@ -17,7 +17,7 @@ _EXPORTS = {
     "build_reward_manager_from_config": "trainer.rewards.manager",
     "clear_reward_manager_cache": "trainer.rewards.manager",
     "RemoteRewardError": "trainer.rewards.remote", "RemoteScorer": "trainer.rewards.remote",
-    "RewardServer": "trainer.rewards.remote",
+    "RewardServer": "trainer.rewards.serve",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -1,4 +1,4 @@
-"""GRPO advantages from several reward components (spec: step 3 of "一个训练步", "奖励").
+"""GRPO advantages from several reward components.
 
 Each weighted component is normalised within its prompt group by ``kernels.normalize_grouped``
 (the one implementation of the maths: population stds, ``std + eps``, groups with variance
@@ -17,7 +17,7 @@ clamped to [-5, 5]), ``zero_degenerate_groups=False`` (a near-constant group kee
 advantages instead of being zeroed). Defaults keep the project's behaviour (eps 1e-6, no
 clamp, degenerate groups zeroed).
 
-Design choices where the spec is silent:
+Design choices:
 
 * A required component that is absent fails every group; a non-finite value fails the group
   it is in. Failed groups get advantage 0, are listed in ``failed_groups``, are logged, and are
@@ -31,7 +31,7 @@ Design choices where the spec is silent:
   ``train.drop_zero_advantage`` leaves out of the update).
 * ``reward/degenerate_groups`` counts groups in which every weighted component is degenerate
   (no signal to rank the candidates: their advantages are all 0); ``reward/degenerate`` is 1
-  when the variance of the advantages over the batch falls under 1e-6, the spec's definition.
+  when the variance of the advantages over the batch falls under 1e-6 (docs/design.md#grpo-update).
 * ``reward/group_std_mean`` is the mean over groups of the std of the weighted raw reward
   ``sum_c w_c r_c`` (the plain reward's group std when there is one component).
 * Statistics are computed in float64 on the tensors' device; advantages come back fp32.

@@ -8,12 +8,13 @@ normalisation) lives in the manager and in ``advantages``, so a scorer stays a s
 from __future__ import annotations
 
 import abc
-import importlib
 import math
 from typing import Any, ClassVar, Mapping, Sequence
 
 import torch
 from torch import nn
+
+from trainer.values import import_dotpath as load_object  # noqa: F401  (scorers' name for it)
 
 # Media a scorer can ask for. Only images exist in the t2i path; a scorer that needs another
 # track (video, audio) is refused when the manager is built, not in the middle of a rollout.
@@ -58,23 +59,6 @@ class RewardScorer(abc.ABC):
         if hasattr(self, "device"):
             self.device = device
         return self
-
-
-def load_object(dotpath: str, what: str) -> Any:
-    """Import ``package.module.attr`` and return ``attr`` (a class or a function)."""
-    module_name, _, attr = dotpath.rpartition(".")
-    if not module_name or not attr:
-        raise ValueError(f"{what} {dotpath!r} is not a dotpath of the form module.attr")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"{what} {dotpath!r}: cannot import module {module_name!r} "
-                         f"({exc})") from exc
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise ValueError(f"{what} {dotpath!r}: module {module_name!r} has no attribute {attr!r}") \
-            from None
 
 
 def check_score_inputs(images: Any, prompts: Sequence[str], metadata: Sequence[Any]) -> int:

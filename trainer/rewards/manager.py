@@ -1,6 +1,6 @@
 """The reward manager: one cached, configured set of scorers behind a single ``score`` call.
 
-Runtimes (spec, "奖励"):
+Runtimes:
 
 * ``colocate``: in the rollout process, on its GPU (the actor is offloaded while it scores).
   ``device`` defaults to the current CUDA device; without CUDA this is a configuration error.

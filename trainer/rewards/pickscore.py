@@ -1,5 +1,5 @@
 """PickScore: a CLIP-H fine-tuned on Pick-a-Pic human preferences (text-image alignment and
-preference in one number). The spec's validated T2I reward."""
+preference in one number). The reward the Qwen-Image recipes train on."""
 from __future__ import annotations
 
 from typing import Any, ClassVar
@@ -21,7 +21,7 @@ class PickScoreScorer(RewardScorer):
         device, dtype: where and in what precision to score (default CPU fp32; bf16 on CUDA).
         batch_size: images per forward.
         score_scale: 1/26 by default, the convention of the Flow-GRPO reference code: raw
-            PickScores sit around 20-23, so scaled scores read like the spec's reported eval
+            PickScores sit around 20-23, so scaled scores read like Flow-GRPO's reported eval
             values (about 0.86). Group normalisation makes the scale irrelevant to training.
     """
 

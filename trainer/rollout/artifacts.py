@@ -1,6 +1,6 @@
 """Trajectory sidecars, PNGs and their retention under ``artifact_root``.
 
-Layout (spec: generative-rl-path, "Artifacts")::
+Layout::
 
     <artifact_root>/<task>/rollout_0000007/group_00000003.safetensors
     <artifact_root>/<task>/rollout_0000007/group_00000003_sample_0000.png
@@ -211,8 +211,7 @@ def prune_stale_artifacts(task_dir: str | os.PathLike, *, current_rollout_id: in
     ``retention`` rollouts remain. Directories with an id *above* the current one come from an
     abandoned timeline (a run resumed from an earlier checkpoint) and are deleted too, so a
     resumed run never mixes its groups with stale files. The current rollout's own directory
-    is cleared as well for the same reason. ``retention <= 0`` keeps every earlier rollout (the
-    spec's unbounded mode); the current and abandoned-future directories are still cleared.
+    is cleared as well for the same reason. ``retention <= 0`` keeps every earlier rollout (unbounded); the current and abandoned-future directories are still cleared.
     """
     task_dir = Path(task_dir)
     removed: list[Path] = []

@@ -1,22 +1,22 @@
 """``RolloutDriver``: prompt groups -> engine requests in waves -> one in-memory RolloutBatch.
 
-Per rollout (spec: "一个训练步" steps 1-2): resolve the trained SDE steps once (so every
+Per rollout: resolve the trained SDE steps once (so every
 candidate and engine uses the same set), prune stale artifact directories, build each group's
 ``n`` candidates with stable sample ids, dispatch the groups to the engines in waves, validate
 and pack every response with the adapter, and return the batch (images included) for the reward
 and the actor. Sidecars and PNGs are written beside it, for audit, on a background thread that
 overlaps the next wave; the training path never reads them back.
 
-Design choices where the spec is silent:
+Design choices:
 - A request carries ``wave_size`` prompt groups (default 1: a group of 8 is the batch the
   transformer runs; larger waves trade memory for fewer, bigger forwards). A wave is one
   request per engine, in flight concurrently (one thread per engine); groups go to engines
   round-robin, in order, so a given rollout always maps groups to engines the same way.
-- Sample ids (spec: ``sample_id_mode``): "metadata" is ``prompt:<id>:sample:<slot>`` with the
+- Sample ids (``sample_id_mode``): "metadata" is ``prompt:<id>:sample:<slot>`` with the
   record's ``metadata.prompt_id`` or ``metadata.sample_id`` (else the group index);
   "positional" / "group_index" is ``prompt:<group_index>:sample:<slot>``. Two candidates of one
   rollout with the same id are an error (they would get identical noise).
-- ``driver_xt`` false (the spec's fallback): the request's engine seed is ``seed +
+- ``driver_xt`` false (the fallback): the request's engine seed is ``seed +
   first_group_index * n``, so candidates differ by their position in the request.
 - Evaluation (``rollout_id=None``) writes under ``<root>/eval/<task>/rollout_<policy_version>``.
 - The engine's reported weight version must equal ``policy_version``: a mismatch means a
@@ -36,7 +36,7 @@ from trainer.models.base import GenerativeModelAdapter, RolloutBatch
 from trainer.profiling import add_times, nvtx_range
 from trainer.rollout.artifacts import (prune_stale_artifacts, rollout_dir, sampling_fingerprint,
                                        write_group_images, write_group_sidecar)
-from trainer.rollout.batch import concat_batches
+from trainer.models.batch import concat_batches
 from trainer.sampling import SAMPLE_ID_MODES, SamplingConfig
 
 
@@ -159,7 +159,7 @@ class RolloutDriver:
                 seed=req_seed, sde_indices=sde, group_index=[g for g in groups for _ in range(n)]))
 
         # One weight checksum per engine per rollout, recorded in every candidate's manifest
-        # (spec: train_metadata carries the policy version, sampling fingerprint, weights hash).
+        # (with the policy version and sampling fingerprint: docs/design.md#data).
         checksums = {e: engine.checksum() for e, engine in enumerate(self.engines)} \
             if directory is not None else {}
         metadata = self._metadata(records, ids, n, policy_version, directory, checksums)

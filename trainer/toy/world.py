@@ -277,13 +277,3 @@ def render(spec: dict[str, Any], size: int, rng: np.random.Generator) -> np.ndar
             draw.polygon([((x0 + x1) / 2, y0), (x1, y1), (x0, y1)], fill=color)
     canvas = canvas.resize((size, size), Image.Resampling.BOX)
     return np.asarray(canvas, dtype=np.uint8).copy()
-
-
-def render_records(records: list[dict[str, Any]], size: int, *, seed: int) -> np.ndarray:
-    """Images [N, size, size, 3] uint8 for records, each from its own (seed, sample_id) RNG."""
-    out = np.empty((len(records), size, size, 3), dtype=np.uint8)
-    for i, rec in enumerate(records):
-        key = int.from_bytes(hashlib.sha256(
-            f"toy-render:{seed}:{rec['metadata']['sample_id']}".encode()).digest()[:8], "big")
-        out[i] = render(rec["metadata"]["spec"], size, np.random.default_rng(key))
-    return out

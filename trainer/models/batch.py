@@ -1,4 +1,5 @@
-"""Joining per-request ``RolloutBatch``es into the rollout's batch.
+"""``RolloutBatch``, what a rollout hands to the reward and the actor, and joining
+per-request batches into the rollout's batch.
 
 Conditions of different requests can differ in padded length (a text encoder pads to the
 longest prompt of its call). They are right-padded with zeros to a common shape (a zero mask
@@ -9,10 +10,76 @@ for a group can drop the trailing columns where the group's mask is zero.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
-from trainer.models.base import RolloutBatch
+
+@dataclass
+class RolloutBatch:
+    """What a rollout hands to the reward and the actor (in memory, no disk round trip).
+
+    B candidates, S trained SDE steps. Latent tensors keep the transformer's input layout
+    (e.g. packed [seq, channels] for Qwen-Image / FLUX, [C, h, w] for SD3).
+    """
+
+    prompts: list[str]
+    sample_ids: list[str]                 # stable candidate ids (fix x_T and every step's noise)
+    group_index: torch.Tensor             # [B] int64, which prompt group each candidate is in
+    sde_indices: list[int]                # the S trained steps, in schedule order
+    latents: torch.Tensor                 # [B, S, *latent]  x at each trained step
+    next_latents: torch.Tensor            # [B, S, *latent]  sampled x at the step after it
+    sigmas: torch.Tensor                  # [B, S] fp32 sigma at each trained step
+    sigmas_next: torch.Tensor             # [B, S] fp32 sigma of the step after it
+    log_probs: torch.Tensor               # [B, S] fp32, recorded by the engine (pi_old)
+    conditions: dict[str, torch.Tensor]   # batch-first frozen conditions (prompt embeds, masks)
+    height: int
+    width: int
+    eta: float
+    sde_type: str
+    images: torch.Tensor | None = None    # [B, H, W, 3] uint8 decoded images
+    metadata: list[dict[str, Any]] = field(default_factory=list)
+    policy_version: int = 0
+    rollout_id: int | None = None
+    guidance_scale: float = 1.0           # > 1: CFG; conditions then hold the "neg:" halves
+    sde_options: dict[str, str] = field(default_factory=dict)  # sigma_one, log_prob_form
+
+    def kernel_options(self) -> dict[str, Any]:
+        """Keyword arguments of kernels.sde_log_prob / sde_kl for these transitions."""
+        return {"eta": self.eta, "sde_type": self.sde_type, **self.sde_options}
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    def select(self, idx: torch.Tensor | list[int]) -> "RolloutBatch":
+        """Rows ``idx`` of every batch-first field (a micro-batch or a rank's slice)."""
+        idx_t = torch.as_tensor(idx, dtype=torch.long)
+        rows = idx_t.tolist()
+        return RolloutBatch(
+            prompts=[self.prompts[i] for i in rows],
+            sample_ids=[self.sample_ids[i] for i in rows],
+            group_index=self.group_index[idx_t],
+            sde_indices=list(self.sde_indices),
+            latents=self.latents[idx_t],
+            next_latents=self.next_latents[idx_t],
+            sigmas=self.sigmas[idx_t],
+            sigmas_next=self.sigmas_next[idx_t],
+            log_probs=self.log_probs[idx_t],
+            conditions={k: v[idx_t] for k, v in self.conditions.items()},
+            height=self.height,
+            width=self.width,
+            eta=self.eta,
+            sde_type=self.sde_type,
+            images=None if self.images is None else self.images[idx_t],
+            metadata=[self.metadata[i] for i in rows] if self.metadata else [],
+            policy_version=self.policy_version,
+            rollout_id=self.rollout_id,
+            guidance_scale=self.guidance_scale,
+            sde_options=dict(self.sde_options),
+        )
+
 
 
 def _pad_to(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
