@@ -14,30 +14,22 @@ set -u
 PART=${1:-step}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 MODEL=${MODEL:-/tmp/bench_qwen8}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl >/dev/null 2>&1 && export PYTHONPATH=/tmp/site
-export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-run() {  # run NAME SECONDS CMD...
-  local name=$1 secs=$2; shift 2
-  local t0=$(date +%s)
-  timeout "$secs" "$@" > "$OUT/$name.log" 2>&1
-  echo "== $name rc=$? $(( $(date +%s) - t0 ))s"
-  grep -v "Warning\|warn(\|register_pre_backward" "$OUT/$name.log" | tail -n "${TAIL:-20}"
-}
+LOGS=$OUT
+source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 BENCH="python3 bench/bench_step.py --layers 8 --model-dir $MODEL"
 case "$PART" in
 step)
-  TAIL=30 run step "${SECS:-330}" $BENCH --out "$OUT/step.json" --modes lora full --floors \
+  TAIL=30 step step "${SECS:-330}" $BENCH --out "$OUT/step.json" --modes lora full --floors \
     --diffusers ${STEP_ARGS:-}
-  TAIL=14 run peer "${SECS2:-230}" $BENCH --out "$OUT/peer.json" --modes lora --no-offload \
+  TAIL=14 step peer "${SECS2:-230}" $BENCH --out "$OUT/peer.json" --modes lora --no-offload \
     --micro-batch 4 --label "mb4-no-offload-" --peer ${STEP_ARGS:-}
   ;;
 offload)
-  TAIL=14 run always "${SECS:-220}" $BENCH --out "$OUT/always.json" --modes lora full \
+  TAIL=14 step always "${SECS:-220}" $BENCH --out "$OUT/always.json" --modes lora full \
     --label "offload-always-" --set fsdp.offload_policy=always ${STEP_ARGS:-}
-  TAIL=12 run gpu_tests 150 python3 -m pytest -q -o addopts= -p no:cacheprovider -m gpu tests
+  TAIL=12 step gpu_tests 150 python3 -m pytest -q -o addopts= -p no:cacheprovider -m gpu tests
   ;;
 nsys)
   NSYS=$(ls /opt/nvidia/nsight-compute/*/host/target-linux-x64/nsys | head -1)
@@ -46,7 +38,7 @@ nsys)
   for rev in ${REVS:-after}; do
     # "before": the checkout in .before (bench_step.py there builds its own model copy)
     dir=.; model="--model-dir $MODEL"; [ "$rev" = before ] && dir=.before && model=""
-    TAIL=8 run "nsys_$rev" "${NSYS_SECS:-200}" "$NSYS" profile --capture-range=cudaProfilerApi \
+    TAIL=8 step "nsys_$rev" "${NSYS_SECS:-200}" "$NSYS" profile --capture-range=cudaProfilerApi \
       --capture-range-end=stop -t cuda,nvtx -o "/tmp/step_$rev" --force-overwrite true \
       python3 "$dir/bench/bench_step.py" --layers 8 $model --modes lora \
       --rollouts 4 --out "/tmp/nsys_$rev.json" --set logging.profile_steps=2:4
@@ -55,7 +47,7 @@ nsys)
     "$NSYS" stats --report nvtx_sum "/tmp/step_$rev.nsys-rep" 2>/dev/null | head -40
     gzip -c "/tmp/step_$rev.nsys-rep" > "$OUT/step_$rev.nsys-rep.gz"; ls -la "$OUT"
   done
-  [ -n "${GPU_TESTS:-}" ] && TAIL=12 run gpu_tests 150 python3 -m pytest -q -o addopts= \
+  [ -n "${GPU_TESTS:-}" ] && TAIL=12 step gpu_tests 150 python3 -m pytest -q -o addopts= \
     -p no:cacheprovider -m gpu tests
   ;;
 esac

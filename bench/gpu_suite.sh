@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU sessions, a call per part (each under the device tool's 10-minute limit):
+# GPU runs by part, each one call of the device tool (under its 10-minute limit):
 #   bash bench/gpu_suite.sh A   kernels (tests + bench), ipc (tests + bench), rewards
 #   bash bench/gpu_suite.sh B   engine (bench + tests), one training step (LoRA + full), toy run
 # Needs the carried wheels in .whl (diffusers, importlib_metadata). Every log and result goes
@@ -9,16 +9,7 @@ PART=${1:-A}
 OUT=${OUT:-/tmp/out}; LOGS=$OUT/logs
 case "$PART" in E|F|G|H|I|J|K) LOGS=$OUT;; esac  # E-G: logs come back as they are
 mkdir -p "$LOGS"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl >/dev/null 2>&1 && export PYTHONPATH=/tmp/site
-export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-step() {  # step NAME SECONDS CMD...
-  local name=$1 secs=$2; shift 2
-  local t0=$(date +%s)
-  timeout "$secs" "$@" > "$LOGS/$name.log" 2>&1
-  local rc=$?
-  echo "== $name rc=$rc $(( $(date +%s) - t0 ))s"; grep -v "Warning\|warn(" "$LOGS/$name.log" | tail -n "${TAIL:-12}"
-}
+source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 PYT="python3 -m pytest -q -o addopts= -p no:cacheprovider"
@@ -54,16 +45,16 @@ D)
     --config toy --profile-steps 2:4 --set train.num_rollouts=4 --set data.eval_prompt_data=none \
     --set logging.run_dir=/tmp/toyprof --set logging.progress=false
   ;;
-F)  # session 3: the step with model compute measured in place (perf/outside_compute_share)
+F)  # the step with model compute measured in place (perf/outside_compute_share)
   TAIL=30 step step_bench 280 python3 bench/bench_step.py --out "$LOGS/step.json" --layers 8
   TAIL=30 step step_bench_nooffload 200 python3 bench/bench_step.py --out "$LOGS/step_nooff.json" \
     --layers 8 --no-offload
-  # next session: the same with torch's fused AdamW (full fine-tuning's outside share was 14 %)
+  # FUSED=1: the same with torch's fused AdamW
   [ -n "${FUSED:-}" ] && TAIL=30 step step_bench_fused 200 python3 bench/bench_step.py \
     --out "$LOGS/step_fused.json" --layers 8 --no-offload --set train.adam_fused=true
   exit 0
   ;;
-G)  # session 3: toy learning sweep on the 4,000-step model (ROUND, ROLLOUTS, SECS from the env)
+G)  # toy learning sweep on the shipped toy model (ROUND, ROLLOUTS, SECS from the env)
   TAIL=20 step "toy_${ROUND:-round5}" "${SECS:-560}" python3 bench/bench_toy_learning.py \
     --variants-file "bench/sweeps/toy_${ROUND:-round5}.txt" --rollouts "${ROLLOUTS:-200}" \
     --eval-every 20 --eval-prompts 256 --noise-seeds 7 99 --parallel 12 --device cuda \
@@ -73,7 +64,7 @@ G)  # session 3: toy learning sweep on the 4,000-step model (ROUND, ROLLOUTS, SE
     && find "$OUT" -mindepth 1 ! -name '*.tar.gz' -delete
   exit 0
   ;;
-H)  # session 4, one GPU: the step after the sync fast path, foreach vs fused AdamW
+H)  # one GPU: the step with foreach vs fused AdamW
   export CUDA_VISIBLE_DEVICES=${GPU:-0}
   TAIL=16 step step_full_foreach 200 python3 bench/bench_step.py --out "$LOGS/step_foreach.json" \
     --layers 8 --no-offload --modes full
@@ -81,7 +72,7 @@ H)  # session 4, one GPU: the step after the sync fast path, foreach vs fused Ad
     --layers 8 --no-offload --set train.adam_fused=true
   exit 0
   ;;
-I)  # session 4, every GPU of the host: weak scaling 1 -> N through the launcher, 2-node dry run
+I)  # every GPU of the host: weak scaling 1 -> N through the launcher, 2-node dry run
   TAIL=40 step multi_gpu 560 python3 bench/bench_multi_gpu.py --out "$LOGS/multi_gpu.json" \
     --layers 8 --gpus 1 $(python3 -c "import torch; print(torch.cuda.device_count())") \
     --nnodes-dry-run --timeout 170 ${SETS:-}
@@ -89,7 +80,7 @@ I)  # session 4, every GPU of the host: weak scaling 1 -> N through the launcher
     && find "$OUT" -mindepth 1 ! -name '*.tar.gz' ! -name 'multi_gpu.*' -delete
   exit 0
   ;;
-J)  # session 4: weak scaling again (6 rollouts, median step, no end-of-run checkpoint) and the
+J)  # weak scaling (6 rollouts, median step, no end-of-run checkpoint) and the
     # full step at the recipes' global batch on one GPU (8 prompts x 8 = 64 samples)
   TAIL=40 step multi_gpu 400 python3 bench/bench_multi_gpu.py --out "$LOGS/multi_gpu.json" \
     --layers 8 --gpus 1 $(python3 -c "import torch; print(torch.cuda.device_count())") \
@@ -100,13 +91,13 @@ J)  # session 4: weak scaling again (6 rollouts, median step, no end-of-run chec
     && find "$OUT" -mindepth 1 ! -name '*.tar.gz' ! -name '*.json' -delete
   exit 0
   ;;
-K)  # session 4: GPU tests after the defaults changed (fused AdamW on GPU, local-tensor sync)
+K)  # the GPU tests
   TAIL=15 step gpu_tests 300 $PYT -s tests/test_offload_gpu.py tests/test_engine_gpu.py \
     tests/test_ipc_cuda.py tests/test_sync_gather.py
   TAIL=15 step ckpt_selfcheck 150 python3 tests/test_checkpoint_harness.py selfcheck cuda 1
   exit 0
   ;;
-E)  # session 2: offload proof, engine log-prob parity, checkpoint GPU self-check, step + NVML busy
+E)  # offload proof, engine log-prob parity, checkpoint GPU self-check, step + NVML busy
   step nvml_probe 20 python3 -c "import torch; print('nvml utilization', torch.cuda.utilization())"
   TAIL=25 step offload_engine_tests 170 $PYT -s tests/test_offload_gpu.py tests/test_engine_gpu.py
   step ckpt_selfcheck 60 python3 tests/test_checkpoint_harness.py selfcheck cuda 1

@@ -74,6 +74,7 @@ def _trainer(adapter, cfg, model):
     return SimpleNamespace(
         cfg=cfg, adapter=adapter, model=model, optimizer=optimizer, lr_steps=0,
         device=torch.device("cpu"), meter=ComputeMeter(), outside=ComputeMeter(),
+        auto_micro_batch=None, ema=None,
         _assert_microbatch_count_aligned=lambda n: None,
         _all_ranks_degenerate=lambda adv: bool(adv.abs().max() == 0))
 
@@ -178,9 +179,9 @@ def test_auto_micro_batch_uses_the_probe_and_the_budget(adapter, batch, monkeypa
     trainer.device = torch.device("cuda")  # the GPU branch, with the probe measured here
     monkeypatch.setattr(micro_batch, "probe_sample_bytes", lambda *a: 2.0 ** 30)
     assert resolve_micro_batch(trainer, batch, torch.ones(len(batch)), 4) == 2
-    assert trainer._auto_micro_batch == 2  # kept for the run
+    assert trainer.auto_micro_batch == 2  # kept for the run
     monkeypatch.setattr(micro_batch, "probe_sample_bytes", lambda *a: 3.0 * 2 ** 30)
-    trainer._auto_micro_batch = None
+    trainer.auto_micro_batch = None
     with pytest.raises(ValueError, match="micro_batch_size=auto"):
         resolve_micro_batch(trainer, batch, torch.ones(len(batch)), 4)
 

@@ -85,6 +85,8 @@ class Trainer(TrainerState):
         self.optimizer = build_optimizer(self.model, cfg)
         self.ema = build_ema(self.model, cfg)
         self.offloaded = None
+        self.auto_micro_batch: int | None = None  # train.micro_batch_size=auto, once resolved
+        self.recompile_streak = 0  # consecutive steps that compiled something
         self.colocate = OffloadPolicy(cfg.fsdp.offload_policy,
                                       offload_rollout=cfg.rollout.offload_rollout,
                                       offload_train=cfg.fsdp.offload_train, device=self.device)
@@ -340,10 +342,10 @@ class Trainer(TrainerState):
     def _watch_recompiles(self, rollout_id: int, count: float) -> None:
         """A run that keeps compiling never reaches compiled speed: say so. The first steps
         compile each shape once (a probe, grad / no-grad, text lengths going dynamic)."""
-        self._recompile_streak = (getattr(self, "_recompile_streak", 0) + 1) if count else 0
-        if rollout_id >= 3 and self._recompile_streak >= 3:
+        self.recompile_streak = self.recompile_streak + 1 if count else 0
+        if rollout_id >= 3 and self.recompile_streak >= 3:
             log.warning("torch.compile recompiled in each of the last %d steps (%d this step): "
-                        "shapes keep changing; see TORCH_LOGS=recompiles", self._recompile_streak,
+                        "shapes keep changing; see TORCH_LOGS=recompiles", self.recompile_streak,
                         int(count))
 
     _MAX_KEYS = ("train/ratio_max", "train/logp_parity", "perf/mem_allocated_gb",

@@ -51,7 +51,7 @@ def resolve_micro_batch(trainer, batch, advantages: torch.Tensor, per_update: in
     t = trainer.cfg.train
     if t.micro_batch_size != "auto":
         return int(t.micro_batch_size)
-    cached = getattr(trainer, "_auto_micro_batch", None)
+    cached = trainer.auto_micro_batch
     if cached is not None and per_update % cached == 0:
         return cached
     per_sample, budget, how = _cost_and_budget(trainer, batch, advantages)
@@ -60,12 +60,10 @@ def resolve_micro_batch(trainer, batch, advantages: torch.Tensor, per_update: in
         dev = trainer._coll_device()
         m = torch.tensor([micro], dtype=torch.int64, device=dev)
         dist.all_reduce(m, op=dist.ReduceOp.MIN)
-        micro = int(m.item())
-        while per_update % micro:  # a smaller rank's choice always divides; guard anyway
-            micro -= 1
+        micro = int(m.item())  # every rank's choice divides the same per_update
     log.info("micro_batch_size=auto -> %d of %d samples per update (%s)", micro, per_update,
              how)
-    trainer._auto_micro_batch = micro
+    trainer.auto_micro_batch = micro
     return micro
 
 

@@ -10,7 +10,6 @@ pi_old (the anchor of the ratio) is frozen before the first optimizer step:
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from trainer.actor.micro_batch import resolve_micro_batch
 from trainer.actor.micro_step import forward_backward
@@ -51,7 +50,7 @@ def optimizer_step(trainer, params: list[torch.Tensor]) -> tuple[torch.Tensor, f
                 group["lr"] = lr
             trainer.optimizer.step()
             trainer.lr_steps += 1
-            if getattr(trainer, "ema", None) is not None:
+            if trainer.ema is not None:
                 trainer.ema.step(trainer.lr_steps - 1)
         trainer.optimizer.zero_grad(set_to_none=True)
     return gn, lr
@@ -103,11 +102,3 @@ def train_on(trainer, batch, advantages: torch.Tensor, rollout_id: int) -> dict[
                 "train/optimizer_steps": float(len(plan.updates) - skips),
                 "train/optimizer_skips": float(skips)})
     return out
-
-
-def all_reduce_min(value: int, device: torch.device) -> int:
-    if not (dist.is_available() and dist.is_initialized()):
-        return value
-    t = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item())
