@@ -171,7 +171,9 @@ class Trainer(TrainerState):
         r = self.cfg.rollout
         return {"height": int(r.sampling.get("height", DEFAULT_SAMPLING["height"])),
                 "width": int(r.sampling.get("width", DEFAULT_SAMPLING["width"])),
-                "batch": (r.wave_size or 1) * r.n_samples_per_prompt}
+                # CFG runs the conditional and the empty-prompt halves as one forward
+                "batch": (r.wave_size or 1) * r.n_samples_per_prompt
+                * (2 if float(r.sampling.get("guidance_scale", 1.0)) != 1.0 else 1)}
 
     def _build_reward(self) -> None:
         r = self.cfg.reward

@@ -119,6 +119,7 @@ class EngineCore:
         self.merger = LoraMerger(self.transformer) if lora and merge_lora else None
         self._base_stale = False     # a sync rewrote the base weights the merger keeps
         self._merge_pending = self.merger is not None
+        self.warmup_s: float | None = None  # seconds of warm_up() (compiles), when it ran
         self.receiver = receiver_factory(self.params, self.modes, self._on_commit) \
             if receiver_factory else None
         self.released = False
@@ -205,8 +206,7 @@ class EngineCore:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.warmup_s = time.perf_counter() - t0
-            self.warmup_compiles = compile_events() - before
-        return {"seconds": self.warmup_s, "compiles": self.warmup_compiles}
+        return {"seconds": self.warmup_s, "compiles": compile_events() - before}
 
     # ---- generate -------------------------------------------------------------------------
     def _check_open(self, what: str) -> None:
@@ -458,7 +458,7 @@ class EngineCore:
             "version": self.get_version(), "released": self.released, "dirty": dirty,
             "lora": self.lora, "lora_merged": self.merger is not None,
             "weight_sync": self.receiver is not None, "pid": os.getpid(),
-            "compiles": compile_events(), "warmup_s": getattr(self, "warmup_s", None),
+            "compiles": compile_events(), "warmup_s": self.warmup_s,
             "generate_calls": self.generate_calls, "num_params": len(self.params),
             "memory_allocated_bytes": self._allocated(),
         }

@@ -17,8 +17,8 @@ Design choices where the brief is silent:
 * The two groups of a relational prompt always have *different colours*: the reward finds
   groups by colour (shape at 32 px is a handful of pixels), so "a red circle left of a red
   square" would be unscorable. Shapes may repeat across groups.
-* Train/eval split is a stable hash of the prompt text (like the spec's hash-based split, never
-  an RNG), so the eval prompts are never seen in training and every run gets the same split.
+* Train/eval split is a stable hash of the prompt text (as ``data curate`` splits, never an
+  RNG), so the eval prompts are never seen in training and every run gets the same split.
 * Relational and single-group prompts are drawn with fixed odds (``SINGLE_FRACTION``) rather
   than uniformly over the 3,924 prompts, where single-group prompts would be 1 %.
 """
