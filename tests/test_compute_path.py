@@ -237,14 +237,42 @@ def test_engine_merge_round_trip_restores_the_base_bit_for_bit(model_dir, adapte
         for n, p in core.params.items():  # checksum() left the base exactly restored
             if "lora_" not in n:
                 assert torch.equal(p, base[n]), n
+        core._serve_merged()  # merged again (checksum() unmerged)
         _set_lora(core, 1)  # a second adapter sync re-merges from the kept base
+        assert core.merger.merged  # over the first merge, without an unmerge in between
         core._serve_merged()
+        a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+        assert torch.allclose(layer.base_layer.weight, w0 + layer.scaling["default"] * (b @ a),
+                              atol=1e-6)  # base + the new delta, not the two deltas summed
         core.merger.unmerge()
         for n, p in core.params.items():
             if "lora_" not in n:
                 assert torch.equal(p, base[n]), n
     finally:
         client.close()
+
+
+def test_bf16_merge_rounds_base_plus_fp32_delta_once():
+    from peft import LoraConfig, get_peft_model
+
+    from trainer.engine.lora_merge import LoraMerger
+
+    torch.manual_seed(0)
+    model = get_peft_model(torch.nn.Sequential(torch.nn.Linear(16, 8)).to(torch.bfloat16),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["0"]))
+    layer = model.base_model.model[0]
+    with torch.no_grad():
+        layer.lora_B["default"].weight.normal_()
+    w0 = layer.base_layer.weight.detach().clone()
+    merger = LoraMerger(model)
+    merger.merge()
+    a = layer.lora_A["default"].weight.float()
+    b = layer.lora_B["default"].weight.float()
+    want = (w0.float() + 2.0 * (b @ a)).to(torch.bfloat16)
+    assert layer.base_layer.weight.dtype == torch.bfloat16
+    assert torch.equal(layer.base_layer.weight, want)
+    merger.unmerge()
+    assert torch.equal(layer.base_layer.weight, w0)
 
 
 def test_merged_engine_samples_what_the_unmerged_adapter_samples(model_dir, adapter):
@@ -307,3 +335,34 @@ def test_offload_policy_skips_the_offloads_only_when_both_sides_fit():
     assert always.decided and always.engine_release and always.actor_offload
     cpu = OffloadPolicy("as_needed", offload_rollout=False, offload_train=True, device="cpu")
     assert cpu.decided and not cpu.actor_offload  # the actor offload is a GPU thing
+
+
+def test_world_one_fsdp_keeps_gathered_blocks_and_trains_the_same(adapter, batch, tmp_path):
+    """reshard_after_forward=None: no re-gather at world 1 (FSDP2 semantics unchanged: the
+    gradient equals the resharding actor's bit for bit); explicit values are kept."""
+    import torch.distributed as dist
+
+    from trainer.actor.model import build_actor, reshard_after_forward
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already up in this process")
+    assert reshard_after_forward(_cfg()) is True  # no process group: nothing to keep
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
+                            world_size=1)
+    try:
+        assert reshard_after_forward(_cfg()) is False
+        assert reshard_after_forward(_cfg("fsdp.reshard_after_forward=true")) is True
+        grads = {}
+        for keep in ("null", "true"):
+            cfg = _cfg(f"fsdp.reshard_after_forward={keep}")
+            model = build_actor(adapter, cfg, torch.device("cpu"), distributed=True)
+            with torch.no_grad():  # a no-grad forward first, as the anchor of update 1 runs
+                replay_log_probs(adapter, model, batch.select(torch.arange(1)))
+            replay_log_probs(adapter, model, batch).sum().backward()
+            grads[keep] = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()
+                           if p.grad is not None}
+        assert grads["null"].keys() == grads["true"].keys() and grads["null"]
+        for name, g in grads["null"].items():
+            assert torch.equal(g, grads["true"][name]), name
+    finally:
+        dist.destroy_process_group()

@@ -305,3 +305,20 @@ def test_broken_tokenizer_is_rejected_at_load(tiny_model_dir, tmp_path):
     (tok / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "Qwen2Tokenizer"}))
     with pytest.raises(ValueError, match=r"tokenizer has only \d+ tokens"):
         adapter_class("qwen_image")(str(dst)).load_frozen(device="cpu", dtype=torch.float32)
+
+
+def test_qwen_channels_last_decoder_decodes_the_same_images(tiny_model_dir):
+    """compile_frozen's layout change (channels-last convolution weights), on its own, leaves
+    the images unchanged."""
+    from trainer.models.qwen_image import _channels_last
+
+    adapter = adapter_class("qwen_image")(str(tiny_model_dir("qwen_image")))
+    frozen = adapter.load_frozen(device="cpu", dtype=torch.float32)
+    x = torch.randn((2, *adapter.latent_shape(H, W)), generator=torch.Generator().manual_seed(3))
+    before = adapter.decode(frozen, x, H, W)
+    _channels_last(frozen["vae"].decoder)
+    convs = [m for m in frozen["vae"].decoder.modules() if isinstance(m, torch.nn.Conv3d)
+             and m.weight.shape[2:].numel() > 1]
+    assert convs and all(m.weight.is_contiguous(memory_format=torch.channels_last_3d)
+                         and not m.weight.is_contiguous() for m in convs)
+    assert torch.equal(adapter.decode(frozen, x, H, W), before)

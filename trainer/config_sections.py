@@ -183,8 +183,12 @@ class FSDPConfig:
     reduce_dtype: str = _f("fp32", "--fsdp-reduce-dtype", "Gradient reduce dtype.")
     master_dtype: str | None = _f(None, "--fsdp-master-dtype",
                                   "Storage dtype of trainable params; None keeps load dtype.")
-    reshard_after_forward: bool = _f(True, "--fsdp-reshard-after-forward",
-                                     "Reshard after forward (False trades memory for speed).")
+    reshard_after_forward: bool | None = _f(
+        None, "--fsdp-reshard-after-forward",
+        "Free each block's gathered parameters after its forward and gather them again in "
+        "backward (False trades memory for speed). None (default): False at world size 1, where "
+        "the gathered copy is the only copy worth keeping and re-gathering is pure cost; True "
+        "otherwise.")
     activation_checkpointing: bool = _f(False, "--fsdp-activation-checkpointing",
                                         "Recompute each transformer block in backward.")
     cpu_offload: bool = _f(False, "--fsdp-cpu-offload", "FSDP2 CPU param offload (not LoRA).")

@@ -12,7 +12,9 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from trainer.config import Config
 from trainer.dtypes import TORCH_DTYPES
@@ -79,12 +81,17 @@ def apply_activation_checkpointing(model: nn.Module, blocks: list[nn.Module]) ->
               check_fn=lambda m: id(m) in block_ids)
 
 
-def apply_fsdp(model: nn.Module, blocks: list[nn.Module], cfg: Config) -> nn.Module:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+def reshard_after_forward(cfg: Config) -> bool:
+    """fsdp.reshard_after_forward, with None resolved: keep the gathered blocks at world 1."""
+    if cfg.fsdp.reshard_after_forward is not None:
+        return bool(cfg.fsdp.reshard_after_forward)
+    return not (dist.is_initialized() and dist.get_world_size() == 1)
 
+
+def apply_fsdp(model: nn.Module, blocks: list[nn.Module], cfg: Config) -> nn.Module:
     mp = MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[cfg.fsdp.param_dtype],
                               reduce_dtype=TORCH_DTYPES[cfg.fsdp.reduce_dtype])
-    kwargs = {"mp_policy": mp, "reshard_after_forward": cfg.fsdp.reshard_after_forward}
+    kwargs = {"mp_policy": mp, "reshard_after_forward": reshard_after_forward(cfg)}
     if cfg.fsdp.cpu_offload:
         from torch.distributed.fsdp import CPUOffloadPolicy
         kwargs["offload_policy"] = CPUOffloadPolicy()
@@ -221,6 +228,14 @@ def actor_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[to
     return tensors
 
 
+def _reshard(model: nn.Module) -> None:
+    """Free FSDP2's gathered parameters: without resharding after forward (world 1), a no-grad
+    forward leaves them gathered, and the offload must leave nothing on the device."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 @torch.no_grad()
 def offload_actor(model: nn.Module, optimizer: torch.optim.Optimizer) -> OffloadState:
     """Free the actor's device storage (params, grads, AdamW state) into pinned host memory.
@@ -228,6 +243,7 @@ def offload_actor(model: nn.Module, optimizer: torch.optim.Optimizer) -> Offload
     Resizing the local shard's storage to 0 is what actually frees it under fully_shard
     (reassigning param.data would free nothing: the shard keeps its storage).
     """
+    _reshard(model)
     state = OffloadState(_offload_tensors(actor_tensors(model, optimizer)))
     # hand the freed blocks back to the device, not just to this process's caching allocator:
     # the colocated engine is another process

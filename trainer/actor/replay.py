@@ -21,7 +21,6 @@ from torch import nn
 import kernels
 from trainer.models.base import GenerativeModelAdapter, RolloutBatch
 from trainer.models.guidance import guided_velocity
-from trainer.models.guidance import guided_velocity
 from trainer.profiling import ComputeMeter
 
 

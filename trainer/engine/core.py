@@ -140,6 +140,9 @@ class EngineCore:
         dev = torch.device(device)
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
+            # the VAE decoder's convolutions run at one geometry per run: let cuDNN time its
+            # algorithms once per shape and keep the fastest (this process serves nothing else)
+            torch.backends.cudnn.benchmark = True
         adapter = import_dotpath(adapter_path)(str(model_path), **(adapter_options or {}))
         torch_dtype = TORCH_DTYPES[dtype]
         transformer = adapter.load_train_model(dtype=torch_dtype, device=dev)
@@ -173,19 +176,26 @@ class EngineCore:
             self._base_stale = self._base_stale or mode != "adapter"
             self._merge_pending = True
 
-    def _restore_base(self) -> None:
-        """Weights back to the unmerged base (exactly): a rewritten base is captured as it is."""
+    def _capture_if_stale(self) -> bool:
+        """Keep the merger's base current: a sync that rewrote every base tensor is captured as
+        it is. True when it was (the weights then hold the unmerged base)."""
         if self._base_stale or not self.merger.base:
             self.merger.capture_base()  # the sync wrote every base tensor: it IS the base
             self._base_stale = False
-        elif self.merger.merged:
+            return True
+        return False
+
+    def _restore_base(self) -> None:
+        """Weights back to the unmerged base, exactly."""
+        if not self._capture_if_stale() and self.merger.merged:
             self.merger.unmerge()
 
     def _serve_merged(self) -> None:
         if self.merger is None or not self._merge_pending:
             return
         with nvtx_range("rollout/lora_merge"):
-            self._restore_base()
+            # no unmerge first: merge() writes base + delta over a merged weight
+            self._capture_if_stale()
             self.merger.merge()
         self._merge_pending = False
 

@@ -63,9 +63,10 @@ class LoraMerger:
                         continue
                     a = layer.lora_A[adapter].weight.float()
                     b = layer.lora_B[adapter].weight.float()
-                    delta = torch.addmm(self.base[name].float(), b, a,
-                                        alpha=float(layer.scaling[adapter]))
-                    weight.data.copy_(delta)
+                    # base (weight dtype) + fp32 delta computes in fp32 and rounds once into
+                    # the weight: no fp32 copy of the base is materialised
+                    torch.add(self.base[name], b @ a, alpha=float(layer.scaling[adapter]),
+                              out=weight.data)
         self._set_flags(True)
 
     def unmerge(self) -> None:

@@ -121,7 +121,20 @@ class QwenImageAdapter(PackedLatentsAdapter):
         return images_to_uint8(pipeline.image_processor, images)
 
     def compile_frozen(self, frozen: dict[str, Any]) -> None:
-        """The VAE decoder under torch.compile (one image frame, no cache: a static graph)."""
-        decoder = frozen["vae"].decoder
-        decoder.forward = torch.compile(decoder.forward)
+        """The VAE decoder under torch.compile (one image frame, no cache: a static graph),
+        its weights channels-last: cuDNN's convolution kernels work in that layout, and
+        channels-first weights cost a layout conversion around every convolution."""
+        vae = frozen["vae"]
+        _channels_last(vae.post_quant_conv)
+        _channels_last(vae.decoder)
+        vae.decoder.forward = torch.compile(vae.decoder.forward)
+
+
+def _channels_last(module: nn.Module) -> None:
+    """Every convolution weight under ``module`` in the channels-last layout of its rank."""
+    formats = {nn.Conv3d: torch.channels_last_3d, nn.Conv2d: torch.channels_last}
+    for m in module.modules():
+        for kind, memory_format in formats.items():
+            if isinstance(m, kind):
+                m.weight.data = m.weight.data.contiguous(memory_format=memory_format)
 
