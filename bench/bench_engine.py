@@ -44,6 +44,7 @@ import kernels  # noqa: E402
 from trainer.engine.core import EngineCore  # noqa: E402
 from trainer.engine.sampler import denoise  # noqa: E402
 from trainer.models.base import GenerativeModelAdapter  # noqa: E402
+from bench.results import Recorder  # noqa: E402
 
 FULL = dict(patch_size=2, in_channels=64, out_channels=16, attention_head_dim=128,
             num_attention_heads=24, joint_attention_dim=3584, axes_dims_rope=(16, 56, 56))
@@ -130,7 +131,8 @@ class BenchQwenAdapter(GenerativeModelAdapter):
         return rgb.repeat_interleave(f, 2).repeat_interleave(f, 3).permute(0, 2, 3, 1).contiguous()
 
 
-def timed(fn, *, warmup: int, repeats: int, device: torch.device) -> tuple[float, object]:
+def timed(fn, *, warmup: int, repeats: int, device: torch.device) -> tuple[list[float], object]:
+    """Seconds of each of ``repeats`` calls after ``warmup`` calls, and the last call's output."""
     out = None
     for _ in range(warmup):
         out = fn()
@@ -143,7 +145,46 @@ def timed(fn, *, warmup: int, repeats: int, device: torch.device) -> tuple[float
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
+    return times, out
+
+
+def replay_matches(adapter, transformer, response, request, device) -> tuple[bool, float]:
+    """Whether the engine's recorded log-probs equal ``kernels.sde_log_prob`` replayed on the
+    same batch, and the largest difference."""
+    batch = adapter.pack_trajectory(response, request)
+    exact, worst = True, 0.0
+    with torch.no_grad():
+        for k in range(len(SDE_INDICES)):
+            v = adapter.replay_velocity(transformer, batch, k)
+            lp = kernels.sde_log_prob(batch.latents[:, k].to(device), v,
+                                      batch.next_latents[:, k].to(device),
+                                      batch.sigmas[:, k].to(device), batch.sigmas_next[:, k].to(device),
+                                      eta=ETA, sde_type="sde")
+            recorded = batch.log_probs[:, k].to(device)
+            exact &= bool(torch.equal(lp, recorded))
+            worst = max(worst, float((lp - recorded).abs().max()))
+    return exact, worst
+
+
+# (case name in bench/results.csv, label in the markdown table)
+PATHS = (("forward-only", "forward only (12 forwards)"),
+         ("diffusers-loop", "diffusers FlowMatchEuler loop"),
+         ("engine-denoise", "engine denoise (noise on device)"),
+         ("engine-generate", "engine generate (full request)"))
+
+
+def record(times: dict[str, list[float]], batch: int, device_label: str, setup: str) -> None:
+    """Each path's ms per batch, images/s and share outside the forwards as rows of
+    bench/results.csv (bench/results.py); the case names the model and geometry."""
+    rec = Recorder("bench_engine", device=device_label)
+    t_fwd = statistics.median(times["forward-only"])
+    for name, samples in times.items():
+        t = statistics.median(samples)
+        case = f"{setup}/{name}"
+        rec.add(case, "ms_per_batch", t * 1e3, "ms", samples=[x * 1e3 for x in samples])
+        rec.add(case, "images_per_s", batch / t, "images/s", samples=[batch / x for x in samples])
+        rec.add(case, "outside_forwards", 100 * (t - t_fwd) / t, "%")
+    rec.write()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,27 +260,15 @@ def main(argv: list[str] | None = None) -> int:
         return core.generate(request)
 
     kw = dict(warmup=args.warmup, repeats=args.repeats, device=device)
-    t_fwd, _ = timed(forward_only, **kw)
-    t_diff, _ = timed(diffusers_loop, **kw)
-    t_den, _ = timed(engine_denoise, **kw)
-    t_gen, response = timed(engine_generate, **kw)
-
-    batch = adapter.pack_trajectory(response, request)
-    exact, worst = True, 0.0
-    with torch.no_grad():
-        for k in range(len(SDE_INDICES)):
-            v = adapter.replay_velocity(transformer, batch, k)
-            lp = kernels.sde_log_prob(batch.latents[:, k].to(device), v,
-                                      batch.next_latents[:, k].to(device),
-                                      batch.sigmas[:, k].to(device), batch.sigmas_next[:, k].to(device),
-                                      eta=ETA, sde_type="sde")
-            rec = batch.log_probs[:, k].to(device)
-            exact &= bool(torch.equal(lp, rec))
-            worst = max(worst, float((lp - rec).abs().max()))
+    times = {}
+    for name, fn in zip([n for n, _ in PATHS],
+                        (forward_only, diffusers_loop, engine_denoise, engine_generate)):
+        times[name], response = timed(fn, **kw)
+    exact, worst = replay_matches(adapter, transformer, response, request, device)
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    rows = [("forward only (12 forwards)", t_fwd), ("diffusers FlowMatchEuler loop", t_diff),
-            ("engine denoise (noise on device)", t_den), ("engine generate (full request)", t_gen)]
+    medians = {key: statistics.median(samples) for key, samples in times.items()}
+    t_fwd, t_diff = medians["forward-only"], medians["diffusers-loop"]
     lines = [
         f"Engine benchmark, {datetime.date.today()}, {name}, torch {torch.__version__}, "
         f"QwenImageTransformer2DModel {args.layers} layers ({params / 1e9:.2f} B params, "
@@ -249,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         "| path | ms / batch | images/s | outside the forwards | vs diffusers loop |",
         "|---|---|---|---|---|",
     ]
-    for label, t in rows:
+    for key, label in PATHS:
+        t = medians[key]
         lines.append(f"| {label} | {t * 1e3:.1f} | {b / t:.1f} | {100 * (t - t_fwd) / t:.1f} % | "
                      f"{t_diff / t:.3f}x |")
     lines += ["", f"recorded log-prob == replayed kernels.sde_log_prob (same batch): "
@@ -258,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
+    setup = (f"qwen{args.layers}l{'-tiny' if args.tiny else ''}-{str(dtype).replace('torch.', '')}"
+             f"-{b}x{h}-{steps}steps")
+    record(times, b, name, setup)
     return 0
 
 

@@ -28,6 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from bench.results import Recorder  # noqa: E402
+
 TARGET_IMAGES_PER_S = 200.0
 CPU_PATH_S_PER_ROLLOUT = 104.0  # a CPU scoring path: reward + convert + transfer, 256 samples
 VOCAB_SIZE = 49408
@@ -161,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         times = [manager.score(images, prompts, metadata)[1]["reward/score_time"]
                  for _ in range(args.repeats)]
         sweep[batch_size] = {"median_s": statistics.median(times), "min_s": min(times),
-                             "images_per_s": args.images / statistics.median(times)}
+                             "images_per_s": args.images / statistics.median(times),
+                             "times_s": times}
         print(f"batch_size {batch_size:>4}: {sweep[batch_size]['median_s'] * 1e3:8.1f} ms "
               f"median of {args.repeats} -> {sweep[batch_size]['images_per_s']:8.1f} images/s",
               flush=True)
@@ -187,7 +190,25 @@ def main(argv: list[str] | None = None) -> int:
     print(row)
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=2)
+    record(result, sweep, args)
     return 0
+
+
+def record(result: dict, sweep: dict, args) -> None:
+    """The run's figures as rows of bench/results.csv (bench/results.py)."""
+    rec = Recorder("bench_rewards", device=result["device"])
+    model = "tiny-clip" if args.tiny else "pickscore-arch"
+    case = f"{model}-{result['dtype']}-{args.images}x{args.resolution}-{args.prompts}prompts"
+    for batch_size, figures in sweep.items():
+        per_s = [args.images / t for t in figures["times_s"]]
+        default = batch_size == result["default_batch_size"]
+        rec.add(case if default else f"{case}-batch{batch_size}", "images_per_s",
+                figures["images_per_s"], "images/s", samples=per_s)
+    rec.add(case, "s_per_rollout", result["s_per_rollout"], "s",
+            samples=sweep[result["default_batch_size"]]["times_s"])
+    if "peak_gb" in result:
+        rec.add(case, "peak_memory", result["peak_gb"], "GB")
+    rec.write()
 
 
 if __name__ == "__main__":
