@@ -377,7 +377,8 @@ def record(rows: list[dict], env: dict, smoke: bool) -> None:
     the row's label is the case (``ipc-full-sync-16gb-verify=fused``), the column the metric."""
     rec = Recorder("bench_ipc", device=env["device"])
     for row in rows:
-        case = re.sub(r"[^a-z0-9=.>+-]+", "-", str(row["what"]).lower()).strip("-")
+        label = str(row["what"]).lower().replace("->", " to ")
+        case = re.sub(r"[^a-z0-9=.+-]+", "-", label).strip("-")
         case = f"smoke-{case}" if smoke else case
         for key, value in row.items():
             unit = _unit(key)

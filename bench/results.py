@@ -114,9 +114,12 @@ class Recorder:
         }
         self.rows: list[dict[str, str]] = []
 
-    def add(self, case: str, metric: str, value: float, unit: str, *,
-            samples: Iterable[float] | None = None) -> dict[str, str]:
-        """One figure; with ``samples`` the row also holds their min / median / max."""
+    def add(self, case: str, metric: str, value: float | None, unit: str, *,
+            samples: Iterable[float] | None = None) -> dict[str, str] | None:
+        """One figure; with ``samples`` the row also holds their min / median / max. A figure
+        the run could not measure (None or NaN, e.g. peak GPU memory on the CPU) adds no row."""
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            return None
         low = mid = high = None
         if samples is not None:
             low, mid, high = spread(samples)
