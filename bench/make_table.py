@@ -84,6 +84,12 @@ HEADLINES = (
               ("bench_ipc", "torch-reductions-sglang-path-16gb", "TBps"))),
     Headline("adapter sync, 1,440 tensors, 377 MB",
              (("bench_ipc", "ipc-adapter-sync-1440-tensors", "ms"),), "target ≤ 2 ms"),
+    Headline("colocate offload of the LoRA actor (fp32 base 10.3 GiB): left on the GPU / "
+             "offload / onload",
+             (("bench_step", "qwen8l-lora-offload-train", "allocated_after_offload"),
+              ("bench_step", "qwen8l-lora-offload-train", "offload_s"),
+              ("bench_step", "qwen8l-lora-offload-train", "onload_s")),
+             "bit-identical training with and without (tests/test_offload_gpu.py)"),
     Headline("PickScore-shaped reward, 256 x 384², bf16",
              (("bench_rewards", "pickscore-arch-bfloat16-256x384-32prompts", "images_per_s"),),
              "target ≥ 200 images/s"),

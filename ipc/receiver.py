@@ -14,7 +14,7 @@ Design choices:
   copy computed; that costs one extra read of the synced bytes. verify="fused" trusts the
   fused checksum (sender side) plus the manifest's counts: no second pass.
   "full" stays the default on both backends although it costs one read of the synced bytes
-  (bench/RESULTS.md, "Figures behind code choices"). With
+  (bench/reports/2026-11-29_h200_code-choices.md). With
   "fused" nobody reads the receiver's memory: the sender checksums the registers it stores,
   the receiver echoes those lanes, so a write that lands wrong (bad offset, a peer
   scribbling, a fault injected after the copy, as the tests do) commits undetected. Choose

@@ -402,7 +402,7 @@ class _Scan:
 
     Per-tensor Python cost is what bounds the adapter sync (1,440 tensors): attribute reads
     and `zip(*items)` cost milliseconds, identity and data-pointer compares a fraction of one
-    (figures: bench/RESULTS.md, "Figures behind code choices"). So when the same tensor objects come back at
+    (figures: bench/reports/2026-11-29_h200_code-choices.md). So when the same tensor objects come back at
     the same addresses with the same shapes (parameters updated in place, step after step),
     everything else is reused from `last`: dtype, contiguity and device of an object cannot
     change without its data pointer or shape changing, except by rebinding `.data` to a

@@ -33,8 +33,8 @@ Design choices:
 
 Latency, not bandwidth, limited the bf16 case, so: every kernel issues its data loads before
 the sigma loads (one round trip per program), the forward tile is 16 KiB per input
-(``reduction_config``), and the launch path holds no hidden tensor ops (figures: bench/RESULTS.md,
-"Figures behind code choices").
+(``reduction_config``), and the launch path holds no hidden tensor ops (figures:
+bench/reports/2026-11-29_h200_code-choices.md).
 """
 from __future__ import annotations
 
