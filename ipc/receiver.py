@@ -26,6 +26,7 @@ Design choices:
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -434,7 +435,6 @@ class WeightReceiver:
 
 
 def _pid() -> int:
-    import os
     return os.getpid()
 
 

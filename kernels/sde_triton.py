@@ -46,6 +46,7 @@ from functools import lru_cache
 import torch
 import triton
 import triton.language as tl
+from triton.testing import do_bench
 
 from .sde_reference import LOG_SQRT_2PI
 
@@ -129,7 +130,6 @@ def _launch_elementwise(kernel, key: tuple, n: int, batch: int, args: tuple, con
 
 
 def _fastest(kernel, n, batch, args, constexprs) -> tuple[int, int]:
-    from triton.testing import do_bench
     timings = {}
     for block, warps in ELEMENTWISE_CONFIGS:
         grid = (triton.cdiv(n, block), batch)

@@ -43,6 +43,7 @@ import math
 import warnings
 
 import torch
+import torch.distributed as dist
 
 from kernels import normalize_grouped
 from kernels.advantages import DEGENERATE_VARIANCE, STD_MODES
@@ -90,8 +91,6 @@ def _check(components, group_index, weights, required, std_mode) -> int:
 def global_std(values: torch.Tensor) -> torch.Tensor:
     """Population std of ``values`` over every rank (float64, 0-dim); the local std without
     torch.distributed. Two-pass (mean first), so it matches the std of the concatenation."""
-    import torch.distributed as dist
-
     x = values.to(torch.float64)
     if not (dist.is_available() and dist.is_initialized()):
         return x.std(correction=0) if x.numel() else torch.zeros((), dtype=torch.float64)
