@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel  # noqa: E402
 from torch import nn  # noqa: E402
 
 import kernels  # noqa: E402
@@ -102,8 +103,6 @@ class BenchQwenAdapter(GenerativeModelAdapter):
         return pack(noise)
 
     def scheduler_sigmas(self, num_inference_steps: int, height: int, width: int) -> torch.Tensor:
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
         seq = self.latent_shape(height, width)[0]
         cfg = QWEN_SCHEDULER
         slope = (cfg["max_shift"] - cfg["base_shift"]) / (cfg["max_image_seq_len"] - cfg["base_image_seq_len"])
@@ -187,7 +186,7 @@ def record(times: dict[str, list[float]], batch: int, device_label: str, setup: 
     rec.write()
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", help="write the markdown table here too")
     ap.add_argument("--layers", type=int, default=8)
@@ -199,21 +198,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tiny", action="store_true", help="tiny widths (CPU check of the script)")
     args = ap.parse_args(argv)
-    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    cfg = dict(TINY if args.tiny else FULL, num_layers=args.layers)
     if args.tiny:
         args.size, args.text_len = min(args.size, 64), min(args.text_len, 8)
+    return args
+
+
+def build_transformer(args, device, dtype) -> tuple[nn.Module, dict, float]:
+    """The random-weight transformer, its config and the seconds it took to build."""
+    cfg = dict(TINY if args.tiny else FULL, num_layers=args.layers)
     torch.manual_seed(0)
     t0 = time.perf_counter()
     with torch.device(device):  # random init on the device (fp32, 11 GB at 8 layers), then bf16
         transformer = QwenImageTransformer2DModel(**cfg).to(dtype).eval().requires_grad_(False)
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    build_s = time.perf_counter() - t0
-    params = sum(p.numel() for p in transformer.parameters())
+    return transformer, cfg, time.perf_counter() - t0
+
+
+def path_calls(transformer, cfg, args, device, dtype):
+    """The adapter, the engine's request and the four timed paths (PATHS order)."""
     adapter = BenchQwenAdapter(transformer, channels=cfg["out_channels"])
     frozen = {"embeds": torch.randn(1, args.text_len, cfg["joint_attention_dim"], device=device, dtype=dtype),
               "mask": torch.ones(1, args.text_len, dtype=torch.long, device=device)}
@@ -230,14 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     noise = {i: adapter.step_noise(ids, i, adapter.latent_shape(h, w), seed=42, device=device)
              for i in SDE_INDICES}
     sigma_vecs = [torch.full((b,), s, device=device) for s in sigmas]
+    sched = FlowMatchEulerDiscreteScheduler(shift=1.0)
 
     def forward_only():
         x = x_t.to(dtype)
         with torch.no_grad():
             for i in range(steps):
                 adapter.velocity(transformer, x, sigma_vecs[i], cond, h, w)
-
-    sched = FlowMatchEulerDiscreteScheduler(shift=1.0)
 
     def diffusers_loop():
         sched.set_timesteps(sigmas=sigmas[:-1], device=device)
@@ -259,38 +261,50 @@ def main(argv: list[str] | None = None) -> int:
     def engine_generate():
         return core.generate(request)
 
-    kw = dict(warmup=args.warmup, repeats=args.repeats, device=device)
+    return adapter, request, (forward_only, diffusers_loop, engine_denoise, engine_generate)
+
+
+def render(times, args, header: str, exact: bool, worst: float) -> str:
+    medians = {key: statistics.median(samples) for key, samples in times.items()}
+    t_fwd, t_diff = medians["forward-only"], medians["diffusers-loop"]
+    lines = [header, "",
+             "| path | ms / batch | images/s | outside the forwards | vs diffusers loop |",
+             "|---|---|---|---|---|"]
+    for key, label in PATHS:
+        t = medians[key]
+        lines.append(f"| {label} | {t * 1e3:.1f} | {args.batch / t:.1f} | "
+                     f"{100 * (t - t_fwd) / t:.1f} % | {t_diff / t:.3f}x |")
+    lines += ["", f"recorded log-prob == replayed kernels.sde_log_prob (same batch): "
+                  f"{'exact' if exact else f'NOT exact, max |diff| {worst:.3g}'}"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    transformer, cfg, build_s = build_transformer(args, device, dtype)
+    adapter, request, calls = path_calls(transformer, cfg, args, device, dtype)
     times = {}
-    for name, fn in zip([n for n, _ in PATHS],
-                        (forward_only, diffusers_loop, engine_denoise, engine_generate)):
-        times[name], response = timed(fn, **kw)
+    for (name, _), fn in zip(PATHS, calls):
+        times[name], response = timed(fn, warmup=args.warmup, repeats=args.repeats, device=device)
     exact, worst = replay_matches(adapter, transformer, response, request, device)
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    medians = {key: statistics.median(samples) for key, samples in times.items()}
-    t_fwd, t_diff = medians["forward-only"], medians["diffusers-loop"]
-    lines = [
-        f"Engine benchmark, {datetime.date.today()}, {name}, torch {torch.__version__}, "
-        f"QwenImageTransformer2DModel {args.layers} layers ({params / 1e9:.2f} B params, "
-        f"{'tiny widths' if args.tiny else 'real width'}), {str(dtype).replace('torch.', '')}, "
-        f"batch {b}, {h}x{w}, {steps} steps, SDE steps {SDE_INDICES}, model built in {build_s:.1f} s",
-        "",
-        "| path | ms / batch | images/s | outside the forwards | vs diffusers loop |",
-        "|---|---|---|---|---|",
-    ]
-    for key, label in PATHS:
-        t = medians[key]
-        lines.append(f"| {label} | {t * 1e3:.1f} | {b / t:.1f} | {100 * (t - t_fwd) / t:.1f} % | "
-                     f"{t_diff / t:.3f}x |")
-    lines += ["", f"recorded log-prob == replayed kernels.sde_log_prob (same batch): "
-                  f"{'exact' if exact else f'NOT exact, max |diff| {worst:.3g}'}"]
-    text = "\n".join(lines)
+    params = sum(p.numel() for p in transformer.parameters())
+    dname = str(dtype).replace("torch.", "")
+    header = (f"Engine benchmark, {datetime.date.today()}, {name}, torch {torch.__version__}, "
+              f"QwenImageTransformer2DModel {args.layers} layers ({params / 1e9:.2f} B params, "
+              f"{'tiny widths' if args.tiny else 'real width'}), {dname}, batch {args.batch}, "
+              f"{args.size}x{args.size}, {args.steps} steps, SDE steps {SDE_INDICES}, "
+              f"model built in {build_s:.1f} s")
+    text = render(times, args, header, exact, worst)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
-    setup = (f"qwen{args.layers}l{'-tiny' if args.tiny else ''}-{str(dtype).replace('torch.', '')}"
-             f"-{b}x{h}-{steps}steps")
-    record(times, b, name, setup)
+    setup = (f"qwen{args.layers}l{'-tiny' if args.tiny else ''}-{dname}-{args.batch}x{args.size}"
+             f"-{args.steps}steps")
+    record(times, args.batch, name, setup)
     return 0
 
 
