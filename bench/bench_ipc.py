@@ -310,6 +310,7 @@ def _parse_args(argv):
 
 
 def _environment(device: str, smoke: bool) -> dict:
+    """Versions for the report; triton and cupy are optional, recorded when installed."""
     env = {"torch": torch.__version__, "device": torch.cuda.get_device_name()
            if device == "cuda" else "cpu", "smoke": smoke}
     try:
