@@ -17,8 +17,8 @@
 #   DRY_RUN=1 bash bench/gpu.sh P      print purpose P's commands without running anything
 # The exit status is non-zero when any command failed. Needs the carried wheels in .whl
 # (diffusers, importlib_metadata; for nsys the libdw1 / libelf1 .deb files in .dw). Figures
-# are appended to $OUT/results.csv (merge: python bench/results.py merge FILE, then python
-# bench/make_table.py); logs come back as $OUT/<purpose>-logs.tar.gz.
+# are appended to $OUT/results.csv (merge: python bench/results.py merge FILE --commit SHA, then
+# python bench/make_table.py); logs come back as $OUT/<purpose>-logs.tar.gz.
 set -u
 cd "$(dirname "$0")/.."
 PURPOSES="kernels ipc engine step multigpu gpu-tests toy-sweep"

@@ -14,7 +14,8 @@ bench/README.md and README.md.
 
 Tests set ``BENCH_RESULTS`` (tests/conftest.py) so a smoke run never writes the repository's
 file; the GPU entry point (bench/gpu.sh) points it at $OUT, whose rows ``python
-bench/results.py merge FILE`` checks and appends here.
+bench/results.py merge FILE [--commit SHA]`` checks and appends here (a copy of the tree
+without .git records its commit as "unrecorded" unless $BENCH_COMMIT names it).
 """
 from __future__ import annotations
 
@@ -47,7 +48,10 @@ def results_path() -> Path:
 
 
 def git_commit(repo: Path = REPO) -> str:
-    """The checkout's short commit, with ``+dirty`` when the tree has uncommitted changes."""
+    """$BENCH_COMMIT when set, else the checkout's short commit, with ``+dirty`` when the tree
+    has uncommitted changes."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
     try:
         head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short=10", "HEAD"],
                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
@@ -220,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     merge = sub.add_parser("merge", help="check rows from other files and append them")
     merge.add_argument("files", nargs="+", type=Path)
     merge.add_argument("--into", type=Path, default=DEFAULT_PATH)
+    merge.add_argument("--commit", help="the commit the rows were measured at, for rows that "
+                                        "could not read it (a copy of the tree without .git)")
     args = parser.parse_args(argv)
     problems = [f"{path}: {p}" for path in args.files for p in file_problems(path)]
     if problems:
@@ -227,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.action == "merge":
         rows = [row for path in args.files for row in read_rows(path)]
+        if args.commit:
+            rows = [{**row, "commit": args.commit} if row["commit"] == UNRECORDED else row
+                    for row in rows]
         append_rows(rows, args.into)
         print(f"appended {len(rows)} rows to {args.into}")
     return 0

@@ -91,6 +91,20 @@ def test_merge_checks_every_file_before_appending_any(tmp_path):
     assert len(results.read_rows(into)) == 1
 
 
+def test_merge_fills_in_the_commit_a_copy_without_git_could_not_read(tmp_path, monkeypatch):
+    src, into = tmp_path / "gpu.csv", tmp_path / "into.csv"
+    rec = _recorder(commit=results.UNRECORDED)
+    rec.add("c", "m", 1.0, "s")
+    rec.write(src)
+    kept = _recorder(commit="keepme")
+    kept.add("c", "m2", 2.0, "s")
+    kept.write(src)
+    assert results.main(["merge", str(src), "--into", str(into), "--commit", "abc1234"]) == 0
+    assert [r["commit"] for r in results.read_rows(into)] == ["abc1234", "keepme"]
+    monkeypatch.setenv("BENCH_COMMIT", "fromenv")
+    assert results.Recorder("b", device="cpu").add("c", "m", 1.0, "s")["commit"] == "fromenv"
+
+
 def test_the_repository_results_file_is_well_formed():
     assert results.file_problems(results.DEFAULT_PATH) == []
     assert len(results.read_rows(results.DEFAULT_PATH)) > 100
