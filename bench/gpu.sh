@@ -106,7 +106,7 @@ purpose_gpu-tests() {
   step smoke_rewards 60 python3 bench/bench_rewards.py --tiny --images 8 --resolution 64 \
     --prompts 2 --repeats 1 --batch-sizes 8 --out "$LOGS/smoke_rewards.json"
   # the step bench with its floors, diffusers' pipeline and the peer loop (peer_step.py, floors.py)
-  step smoke_step 150 python3 bench/bench_step.py --tiny --modes lora --rollouts 2 --floors \
+  step smoke_step 240 python3 bench/bench_step.py --tiny --modes lora --rollouts 2 --floors \
     --diffusers --peer --micro-batch 4 --out "$LOGS/smoke_step.json"
   step smoke_multigpu 150 python3 bench/bench_multi_gpu.py --tiny --gpus 1 --modes lora \
     --rollouts 2 --out "$LOGS/smoke_multi.json"
