@@ -38,12 +38,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel  # noqa: E402
 from torch import nn  # noqa: E402
 
 import kernels  # noqa: E402
 from trainer.engine.core import EngineCore  # noqa: E402
 from trainer.engine.sampler import denoise  # noqa: E402
 from trainer.models.base import GenerativeModelAdapter  # noqa: E402
+from bench.results import Recorder  # noqa: E402
 
 FULL = dict(patch_size=2, in_channels=64, out_channels=16, attention_head_dim=128,
             num_attention_heads=24, joint_attention_dim=3584, axes_dims_rope=(16, 56, 56))
@@ -101,8 +103,6 @@ class BenchQwenAdapter(GenerativeModelAdapter):
         return pack(noise)
 
     def scheduler_sigmas(self, num_inference_steps: int, height: int, width: int) -> torch.Tensor:
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
         seq = self.latent_shape(height, width)[0]
         cfg = QWEN_SCHEDULER
         slope = (cfg["max_shift"] - cfg["base_shift"]) / (cfg["max_image_seq_len"] - cfg["base_image_seq_len"])
@@ -130,7 +130,8 @@ class BenchQwenAdapter(GenerativeModelAdapter):
         return rgb.repeat_interleave(f, 2).repeat_interleave(f, 3).permute(0, 2, 3, 1).contiguous()
 
 
-def timed(fn, *, warmup: int, repeats: int, device: torch.device) -> tuple[float, object]:
+def timed(fn, *, warmup: int, repeats: int, device: torch.device) -> tuple[list[float], object]:
+    """Seconds of each of ``repeats`` calls after ``warmup`` calls, and the last call's output."""
     out = None
     for _ in range(warmup):
         out = fn()
@@ -143,10 +144,49 @@ def timed(fn, *, warmup: int, repeats: int, device: torch.device) -> tuple[float
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
+    return times, out
 
 
-def main(argv: list[str] | None = None) -> int:
+def replay_matches(adapter, transformer, response, request, device) -> tuple[bool, float]:
+    """Whether the engine's recorded log-probs equal ``kernels.sde_log_prob`` replayed on the
+    same batch, and the largest difference."""
+    batch = adapter.pack_trajectory(response, request)
+    exact, worst = True, 0.0
+    with torch.no_grad():
+        for k in range(len(SDE_INDICES)):
+            v = adapter.replay_velocity(transformer, batch, k)
+            lp = kernels.sde_log_prob(batch.latents[:, k].to(device), v,
+                                      batch.next_latents[:, k].to(device),
+                                      batch.sigmas[:, k].to(device), batch.sigmas_next[:, k].to(device),
+                                      eta=ETA, sde_type="sde")
+            recorded = batch.log_probs[:, k].to(device)
+            exact &= bool(torch.equal(lp, recorded))
+            worst = max(worst, float((lp - recorded).abs().max()))
+    return exact, worst
+
+
+# (case name in bench/results.csv, label in the markdown table)
+PATHS = (("forward-only", "forward only (12 forwards)"),
+         ("diffusers-loop", "diffusers FlowMatchEuler loop"),
+         ("engine-denoise", "engine denoise (noise on device)"),
+         ("engine-generate", "engine generate (full request)"))
+
+
+def record(times: dict[str, list[float]], batch: int, device_label: str, setup: str) -> None:
+    """Each path's ms per batch, images/s and share outside the forwards as rows of
+    bench/results.csv (bench/results.py); the case names the model and geometry."""
+    rec = Recorder("bench_engine", device=device_label)
+    t_fwd = statistics.median(times["forward-only"])
+    for name, samples in times.items():
+        t = statistics.median(samples)
+        case = f"{setup}/{name}"
+        rec.add(case, "ms_per_batch", t * 1e3, "ms", samples=[x * 1e3 for x in samples])
+        rec.add(case, "images_per_s", batch / t, "images/s", samples=[batch / x for x in samples])
+        rec.add(case, "outside_forwards", 100 * (t - t_fwd) / t, "%")
+    rec.write()
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", help="write the markdown table here too")
     ap.add_argument("--layers", type=int, default=8)
@@ -158,21 +198,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tiny", action="store_true", help="tiny widths (CPU check of the script)")
     args = ap.parse_args(argv)
-    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    cfg = dict(TINY if args.tiny else FULL, num_layers=args.layers)
     if args.tiny:
         args.size, args.text_len = min(args.size, 64), min(args.text_len, 8)
+    return args
+
+
+def build_transformer(args, device, dtype) -> tuple[nn.Module, dict, float]:
+    """The random-weight transformer, its config and the seconds it took to build."""
+    cfg = dict(TINY if args.tiny else FULL, num_layers=args.layers)
     torch.manual_seed(0)
     t0 = time.perf_counter()
     with torch.device(device):  # random init on the device (fp32, 11 GB at 8 layers), then bf16
         transformer = QwenImageTransformer2DModel(**cfg).to(dtype).eval().requires_grad_(False)
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    build_s = time.perf_counter() - t0
-    params = sum(p.numel() for p in transformer.parameters())
+    return transformer, cfg, time.perf_counter() - t0
+
+
+def path_calls(transformer, cfg, args, device, dtype):
+    """The adapter, the engine's request and the four timed paths (PATHS order)."""
     adapter = BenchQwenAdapter(transformer, channels=cfg["out_channels"])
     frozen = {"embeds": torch.randn(1, args.text_len, cfg["joint_attention_dim"], device=device, dtype=dtype),
               "mask": torch.ones(1, args.text_len, dtype=torch.long, device=device)}
@@ -189,14 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     noise = {i: adapter.step_noise(ids, i, adapter.latent_shape(h, w), seed=42, device=device)
              for i in SDE_INDICES}
     sigma_vecs = [torch.full((b,), s, device=device) for s in sigmas]
+    sched = FlowMatchEulerDiscreteScheduler(shift=1.0)
 
     def forward_only():
         x = x_t.to(dtype)
         with torch.no_grad():
             for i in range(steps):
                 adapter.velocity(transformer, x, sigma_vecs[i], cond, h, w)
-
-    sched = FlowMatchEulerDiscreteScheduler(shift=1.0)
 
     def diffusers_loop():
         sched.set_timesteps(sigmas=sigmas[:-1], device=device)
@@ -218,46 +261,50 @@ def main(argv: list[str] | None = None) -> int:
     def engine_generate():
         return core.generate(request)
 
-    kw = dict(warmup=args.warmup, repeats=args.repeats, device=device)
-    t_fwd, _ = timed(forward_only, **kw)
-    t_diff, _ = timed(diffusers_loop, **kw)
-    t_den, _ = timed(engine_denoise, **kw)
-    t_gen, response = timed(engine_generate, **kw)
+    return adapter, request, (forward_only, diffusers_loop, engine_denoise, engine_generate)
 
-    batch = adapter.pack_trajectory(response, request)
-    exact, worst = True, 0.0
-    with torch.no_grad():
-        for k in range(len(SDE_INDICES)):
-            v = adapter.replay_velocity(transformer, batch, k)
-            lp = kernels.sde_log_prob(batch.latents[:, k].to(device), v,
-                                      batch.next_latents[:, k].to(device),
-                                      batch.sigmas[:, k].to(device), batch.sigmas_next[:, k].to(device),
-                                      eta=ETA, sde_type="sde")
-            rec = batch.log_probs[:, k].to(device)
-            exact &= bool(torch.equal(lp, rec))
-            worst = max(worst, float((lp - rec).abs().max()))
 
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    rows = [("forward only (12 forwards)", t_fwd), ("diffusers FlowMatchEuler loop", t_diff),
-            ("engine denoise (noise on device)", t_den), ("engine generate (full request)", t_gen)]
-    lines = [
-        f"Engine benchmark, {datetime.date.today()}, {name}, torch {torch.__version__}, "
-        f"QwenImageTransformer2DModel {args.layers} layers ({params / 1e9:.2f} B params, "
-        f"{'tiny widths' if args.tiny else 'real width'}), {str(dtype).replace('torch.', '')}, "
-        f"batch {b}, {h}x{w}, {steps} steps, SDE steps {SDE_INDICES}, model built in {build_s:.1f} s",
-        "",
-        "| path | ms / batch | images/s | outside the forwards | vs diffusers loop |",
-        "|---|---|---|---|---|",
-    ]
-    for label, t in rows:
-        lines.append(f"| {label} | {t * 1e3:.1f} | {b / t:.1f} | {100 * (t - t_fwd) / t:.1f} % | "
-                     f"{t_diff / t:.3f}x |")
+def render(times, args, header: str, exact: bool, worst: float) -> str:
+    medians = {key: statistics.median(samples) for key, samples in times.items()}
+    t_fwd, t_diff = medians["forward-only"], medians["diffusers-loop"]
+    lines = [header, "",
+             "| path | ms / batch | images/s | outside the forwards | vs diffusers loop |",
+             "|---|---|---|---|---|"]
+    for key, label in PATHS:
+        t = medians[key]
+        lines.append(f"| {label} | {t * 1e3:.1f} | {args.batch / t:.1f} | "
+                     f"{100 * (t - t_fwd) / t:.1f} % | {t_diff / t:.3f}x |")
     lines += ["", f"recorded log-prob == replayed kernels.sde_log_prob (same batch): "
                   f"{'exact' if exact else f'NOT exact, max |diff| {worst:.3g}'}"]
-    text = "\n".join(lines)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    transformer, cfg, build_s = build_transformer(args, device, dtype)
+    adapter, request, calls = path_calls(transformer, cfg, args, device, dtype)
+    times = {}
+    for (name, _), fn in zip(PATHS, calls):
+        times[name], response = timed(fn, warmup=args.warmup, repeats=args.repeats, device=device)
+    exact, worst = replay_matches(adapter, transformer, response, request, device)
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    params = sum(p.numel() for p in transformer.parameters())
+    dname = str(dtype).replace("torch.", "")
+    header = (f"Engine benchmark, {datetime.date.today()}, {name}, torch {torch.__version__}, "
+              f"QwenImageTransformer2DModel {args.layers} layers ({params / 1e9:.2f} B params, "
+              f"{'tiny widths' if args.tiny else 'real width'}), {dname}, batch {args.batch}, "
+              f"{args.size}x{args.size}, {args.steps} steps, SDE steps {SDE_INDICES}, "
+              f"model built in {build_s:.1f} s")
+    text = render(times, args, header, exact, worst)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
+    setup = (f"qwen{args.layers}l{'-tiny' if args.tiny else ''}-{dname}-{args.batch}x{args.size}"
+             f"-{args.steps}steps")
+    record(times, args.batch, name, setup)
     return 0
 
 

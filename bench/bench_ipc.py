@@ -21,6 +21,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import re
 import sys
 import time
 import traceback
@@ -37,6 +38,7 @@ import torch.multiprocessing  # noqa: E402,F401  (registers the CUDA tensor redu
 import ipc  # noqa: E402
 from ipc import _kernels  # noqa: E402
 from ipc._copyplan import CopyPlan  # noqa: E402
+from bench.results import Recorder  # noqa: E402
 from bench.ipc_helpers import (Report, _segments_of, _sync_device, adapter_spec,  # noqa: E402
                                dit_spec, local_copy_bench, make_params, med, mixed_sources,
                                mixed_spec, render, timed)
@@ -308,6 +310,7 @@ def _parse_args(argv):
 
 
 def _environment(device: str, smoke: bool) -> dict:
+    """Versions for the report; triton and cupy are optional, recorded when installed."""
     env = {"torch": torch.__version__, "device": torch.cuda.get_device_name()
            if device == "cuda" else "cpu", "smoke": smoke}
     try:
@@ -353,6 +356,36 @@ def _start_engine(ctx: IpcBench, dit4, dit16, ad):
     ok = ctl.recv() == "ready"
     ctx.report.check("engine process up", ok, f"({time.perf_counter() - t_spawn:.1f} s)")
     return proc, ctl
+
+
+def _unit(key: str) -> str | None:
+    """The unit a report column's name carries (None: not a figure)."""
+    if key == "ms" or key.endswith("_ms") or key.startswith("ms_"):
+        return "ms"
+    if key == "us":
+        return "us"
+    if key.endswith("TBps"):
+        return "TB/s"
+    if key == "bytes":
+        return "bytes"
+    if key in ("tensors", "buckets", "launches", "handles", "opens_first", "opens_later"):
+        return "count"
+    return None
+
+
+def record(rows: list[dict], env: dict, smoke: bool) -> None:
+    """Every numeric column of the report as a row of bench/results.csv (bench/results.py):
+    the row's label is the case (``ipc-full-sync-16gb-verify=fused``), the column the metric."""
+    rec = Recorder("bench_ipc", device=env["device"])
+    for row in rows:
+        label = str(row["what"]).lower().replace("->", " to ")
+        case = re.sub(r"[^a-z0-9=.+-]+", "-", label).strip("-")
+        case = f"smoke-{case}" if smoke else case
+        for key, value in row.items():
+            unit = _unit(key)
+            if unit is not None and isinstance(value, (int, float)):
+                rec.add(case, key, value, unit)
+    rec.write()
 
 
 def main(argv=None) -> int:
@@ -404,7 +437,10 @@ def main(argv=None) -> int:
         args.out.write_text(text)
         Path(str(args.out) + ".json").write_text(json.dumps(
             {"env": env, "rows": report.rows, "checks": report.checks}, indent=1, default=str))
-    return 0 if all(c["ok"] for c in report.checks) else 1
+    passed = all(c["ok"] for c in report.checks)
+    if passed:  # a run whose correctness checks failed leaves no figures behind
+        record(report.rows, env, args.smoke)
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":

@@ -39,7 +39,12 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import triton  # noqa: E402
+import triton.testing  # noqa: E402
+
 import kernels  # noqa: E402
+from bench.results import Recorder, device_name  # noqa: E402
+from kernels import sde_triton  # noqa: E402
 from trainer.dtypes import RUN_DTYPES, TORCH_DTYPES  # noqa: E402
 
 SHAPES = ((8, 36_864), (32, 262_144), (64, 1_048_576))
@@ -121,7 +126,6 @@ class Timer:
 
     def device_ms(self, fn):
         if self.cuda:
-            import triton.testing
             return triton.testing.do_bench(fn, return_mode="median")
         return self.host_ms(fn)
 
@@ -204,7 +208,6 @@ def run_table(shapes, dtypes, impls, device, timer, ceiling, log):
 
 def run_graph_table(shapes, dtypes, device, timer, ceiling, log):
     """Device time of the Triton launches alone: fwd, bwd and both, replayed from a CUDA graph."""
-    from kernels import sde_triton
     rows = []
     params = sde_triton.step_params("sde", ETA)
     for batch, n in shapes:
@@ -235,6 +238,10 @@ def run_graph_table(shapes, dtypes, device, timer, ceiling, log):
                 rows.append((f"{batch}x{n:,}", dname, op, ms, gbs, 100 * gbs / ceiling))
             del x, v, prev
             torch.cuda.empty_cache()
+    return rows
+
+
+def format_graph_table(rows):
     lines = ["", "Triton kernels alone (CUDA-graph replay: no Python, no autograd), device time:", "",
              "| shape | dtype | op | ms | GB/s | % of copy ceiling | x bytes floor |", "|---|---|---|---|---|---|---|"]
     for shape, dname, op, ms, gbs, pct in rows:
@@ -242,9 +249,33 @@ def run_graph_table(shapes, dtypes, device, timer, ceiling, log):
     return lines
 
 
+def record(rows, host_rows, graph_rows, ceiling, device):
+    """The tables as rows of bench/results.csv (bench/results.py): one case per shape, dtype
+    and op (``64x1048576/bf16/fwd+bwd``), one metric per implementation; failed timings
+    (NaN) are left out."""
+    rec = Recorder("bench_kernels", device=device_name(device))
+    rec.add("copy", "copy_ceiling", ceiling, "GB/s")
+
+    def add(shape, dname, op, metric, value, unit):
+        if not math.isnan(value):
+            rec.add(f"{shape.replace(',', '')}/{dname}/{op}", metric, value, unit)
+
+    for shape, dname, op, eager, comp, tri, gbs, *_ in rows:
+        for metric, value in (("eager_ms", eager), ("compile_ms", comp), ("triton_ms", tri)):
+            add(shape, dname, op, metric, value, "ms")
+        add(shape, dname, op, "triton_bandwidth", gbs, "GB/s")
+    for shape, dname, eager, comp, tri in host_rows:
+        for metric, value in (("host_eager_ms", eager), ("host_compile_ms", comp),
+                              ("host_triton_ms", tri)):
+            add(shape, dname, "fwd+bwd", metric, value, "ms")
+    for shape, dname, op, ms, gbs, _ in graph_rows:
+        add(shape, dname, op, "triton_graph_ms", ms, "ms")
+        add(shape, dname, op, "triton_graph_bandwidth", gbs, "GB/s")
+    rec.write()
+
+
 def run_sweep(device, timer, ceiling, log):
     """Forward-kernel tilings (the forward's tiling is fixed per N for determinism, not autotuned)."""
-    from kernels import sde_triton
     rows = []
     for batch, n in ((8, 36_864), (64, 1_048_576)):
         x, v, prev, sigma, sigma_next, _ = make_case(batch, n, torch.bfloat16, device)
@@ -321,7 +352,6 @@ def main(argv=None):
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
-    import triton
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton interpreter)"
     ceiling = copy_ceiling_gbs(device, timer)
     log(f"copy ceiling {ceiling:,.0f} GB/s on {name}")
@@ -332,14 +362,14 @@ def main(argv=None):
              f"Copy ceiling ({'1 GiB' if device.type == 'cuda' else '256 MiB'} copy, read + write): "
              f"{ceiling:,.0f} GB/s.", ""]
     lines += format_table(rows, host_rows, ceiling)
-    if device.type == "cuda":
-        lines += run_graph_table(shapes, dtypes, device, timer, ceiling, log)
+    graph_rows = run_graph_table(shapes, dtypes, device, timer, ceiling, log) if device.type == "cuda" else []
+    if graph_rows:
+        lines += format_graph_table(graph_rows)
     if args.sweep and device.type != "cuda":
         log("  --sweep needs CUDA; skipped")
     elif args.sweep:
         lines += ["", "Forward-kernel tilings:", ""] + run_sweep(device, timer, ceiling, log)
     if device.type == "cuda":
-        from kernels import sde_triton
         tuned = ", ".join(f"{key[0]} N={key[1]} {str(key[2]).replace('torch.', '')}: BLOCK {cfg[0]}, "
                           f"{cfg[1]} warps" for key, cfg in sorted(sde_triton._TUNED.items(), key=str))
         lines += ["", f"Elementwise kernels' tuned configs: {tuned}."]
@@ -349,20 +379,20 @@ def main(argv=None):
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
+    record(rows, host_rows, graph_rows, ceiling, device)
 
 
 # ------------------------------------------------------------------------------ pytest-benchmark
 
 def _bench_cases():
-    import pytest
     cuda = torch.cuda.is_available()
     for batch, n in SHAPES:
         for dname in DTYPES:
             for op in OPS:
                 for impl in IMPLS:
                     on_cpu = (batch, n) == SHAPES[0] and impl != "compile"
-                    marks = [] if cuda or on_cpu else [pytest.mark.skip(reason="CUDA only")]
-                    yield pytest.param(batch, n, dname, op, impl, marks=marks,
+                    marks = [] if cuda or on_cpu else [_pytest.mark.skip(reason="CUDA only")]
+                    yield _pytest.param(batch, n, dname, op, impl, marks=marks,
                                        id=f"{batch}x{n}-{dname}-{op}-{impl}")
 
 

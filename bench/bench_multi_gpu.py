@@ -34,6 +34,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import torch  # noqa: E402
+
+from bench.results import Recorder  # noqa: E402
 from bench_step import prepare_work, step_overrides, summarize  # noqa: E402
 from trainer.launch import free_port  # noqa: E402
 
@@ -112,9 +115,58 @@ def nnodes_dry_run(model_dir: Path, args, work: Path) -> dict:
             "config_written": cfg_text.exists()}
 
 
-def main(argv: list[str] | None = None) -> int:
-    import torch
+def weak_scaling(runs: list[dict], run: dict) -> float | None:
+    """samples/s(N) / (N x samples/s(1)) against the same mode's one-GPU run, if it passed."""
+    base = next((r for r in runs if r["mode"] == run["mode"] and r["gpus"] == 1 and r["ok"]), None)
+    return run["samples_per_s"] / (run["gpus"] * base["samples_per_s"]) if base else None
 
+
+def print_table(runs: list[dict], modes: list[str]) -> None:
+    print("\n| mode | GPUs | step s | rollout s | train s | sync s (GB) | sync GB/s per GPU | "
+          "peak GB per GPU | samples/s | weak-scaling eff. | outside |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for mode in modes:
+        for r in runs:
+            if r["mode"] != mode or not r["ok"]:
+                continue
+            st = r["stage_times"]
+            eff = weak_scaling(runs, r)
+            print(f"| {mode} | {r['gpus']} | {r['step_time']:.3f} | "
+                  f"{st.get('perf/rollout_time', float('nan')):.3f} | "
+                  f"{st.get('perf/train_time', float('nan')):.3f} | {r['weight_sync_s']:.4f} "
+                  f"({r['weight_sync_gb']:.2f}) | {r['sync_gb_per_s']:.1f} | "
+                  f"{r['peak_gb']:.1f} | {r['samples_per_s']:.2f} | "
+                  f"{'-' if eff is None else f'{100 * eff:.1f} %'} | "
+                  f"{100 * r['share_outside']:.1f} % |")
+            print("  outside parts:", {k: round(v, 4) for k, v in r["outside_parts"].items()})
+            print("  step times:", [round(t, 3) for t in r["step_times"]])
+
+
+def record(results: dict, args) -> None:
+    """Each passed run's figures as rows of bench/results.csv (bench/results.py)."""
+    rec = Recorder("bench_multi_gpu", device=results["device"])
+    for r in results["runs"]:
+        if not r["ok"]:
+            continue
+        case = f"{'tiny-' if args.tiny else ''}qwen{args.layers}l-{r['mode']}-x{r['gpus']}"
+        times = [t for t in r["step_times"] if t is not None]
+        kept = times[1:] or times  # the first step is warm-up
+        rec.add(case, "step_s", r["step_time"], "s", samples=kept)
+        for metric, key in (("rollout_s", "perf/rollout_time"), ("train_s", "perf/train_time")):
+            if key in r["stage_times"]:
+                rec.add(case, metric, r["stage_times"][key], "s")
+        rec.add(case, "weight_sync_s", r["weight_sync_s"], "s")
+        rec.add(case, "sync_per_gpu", r["sync_gb_per_s"], "GB/s")
+        rec.add(case, "peak_memory_per_gpu", r["peak_gb"], "GB")
+        rec.add(case, "samples_per_s", r["samples_per_s"], "samples/s")
+        rec.add(case, "outside_compute_share", 100 * r["share_outside"], "%")
+        eff = weak_scaling(results["runs"], r)
+        if eff is not None and r["gpus"] > 1:
+            rec.add(case, "weak_scaling_efficiency", 100 * eff, "%")
+    rec.write()
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--gpus", type=int, nargs="+", default=[1, 2])
@@ -147,26 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         results["nnodes"] = nnodes_dry_run(model_dir, args, work)
         print("nnodes dry run:", results["nnodes"], flush=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
-    print(f"\n| mode | GPUs | step s | rollout s | train s | sync s (GB) | sync GB/s per GPU | "
-          "peak GB per GPU | samples/s | weak-scaling eff. | outside |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for mode in args.modes:
-        base = next((r for r in results["runs"] if r["mode"] == mode and r["gpus"] == 1
-                     and r["ok"]), None)
-        for r in results["runs"]:
-            if r["mode"] != mode or not r["ok"]:
-                continue
-            st = r["stage_times"]
-            eff = (r["samples_per_s"] / (r["gpus"] * base["samples_per_s"]) if base else None)
-            print(f"| {mode} | {r['gpus']} | {r['step_time']:.3f} | "
-                  f"{st.get('perf/rollout_time', float('nan')):.3f} | "
-                  f"{st.get('perf/train_time', float('nan')):.3f} | {r['weight_sync_s']:.4f} "
-                  f"({r['weight_sync_gb']:.2f}) | {r['sync_gb_per_s']:.1f} | "
-                  f"{r['peak_gb']:.1f} | {r['samples_per_s']:.2f} | "
-                  f"{'-' if eff is None else f'{100 * eff:.1f} %'} | "
-                  f"{100 * r['share_outside']:.1f} % |")
-            print("  outside parts:", {k: round(v, 4) for k, v in r["outside_parts"].items()})
-            print("  step times:", [round(t, 3) for t in r["step_times"]])
+    print_table(results["runs"], args.modes)
+    record(results, args)
     ok = all(r["ok"] for r in results["runs"]) and (results["nnodes"] is None
                                                       or results["nnodes"]["ok"])
     return 0 if ok else 1

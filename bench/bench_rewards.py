@@ -27,6 +27,11 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+import transformers  # noqa: E402
+from transformers import AutoTokenizer, CLIPConfig, CLIPModel  # noqa: E402
+
+from bench.results import Recorder  # noqa: E402
+from trainer.rewards import build_reward_manager  # noqa: E402
 
 TARGET_IMAGES_PER_S = 200.0
 CPU_PATH_S_PER_ROLLOUT = 104.0  # a CPU scoring path: reward + convert + transfer, 256 samples
@@ -54,7 +59,6 @@ def byte_level_vocab() -> dict[str, int]:
 
 def build_model_dir(directory: str, *, tiny: bool, device: torch.device) -> float:
     """Random-weight CLIP in the transformers layout (model + tokenizer + processor)."""
-    from transformers import AutoTokenizer, CLIPConfig, CLIPModel
 
     if tiny:
         text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -107,7 +111,7 @@ def check_preprocessing(transform, images: torch.Tensor) -> dict:
             "ok": diff.max().item() <= 2.0 + 1e-3}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON results file")
     parser.add_argument("--images", type=int, default=256)
@@ -118,18 +122,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="scorer batch sizes to sweep (images per forward)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a tiny model (smoke test)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
-    from trainer.rewards import build_reward_manager
 
-    device = torch.device(args.device)
-    runtime = "colocate" if device.type == "cuda" else "cpu"
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    result: dict = {"device": name,
-                    "torch": torch.__version__, "images": args.images,
-                    "resolution": args.resolution, "prompts": args.prompts, "tiny": args.tiny}
-    import transformers
-    result["transformers"] = transformers.__version__
+def load_manager(args, device: torch.device, runtime: str, result: dict):
+    """The reward manager around a freshly built random-weight scorer; build and load seconds
+    go into ``result``."""
     with tempfile.TemporaryDirectory(prefix="bench_pickscore_") as directory:
         result["build_s"] = build_model_dir(directory, tiny=args.tiny, device=device)
         start = time.perf_counter()
@@ -137,22 +135,12 @@ def main(argv: list[str] | None = None) -> int:
         manager = build_reward_manager(scorer_path="trainer.rewards.pickscore.PickScoreScorer",
                                        model_path=directory, runtime=runtime, device=device)
         result["load_s"] = time.perf_counter() - start
-    scorer = manager.scorers[0]
-    result["attn_implementation"] = getattr(scorer.clip.model.config, "_attn_implementation", None)
-    result["dtype"] = str(scorer.clip.dtype).removeprefix("torch.")
-    generator = torch.Generator(device=device).manual_seed(0)
-    images = torch.randint(0, 256, (args.images, args.resolution, args.resolution, 3),
-                           dtype=torch.uint8, device=device, generator=generator)
-    prompts = [f"prompt {i % args.prompts}: a red panda drinking tea in a garden, detailed"
-               for i in range(args.images)]
-    metadata = [{} for _ in prompts]
-    result["preprocess_check"] = check_preprocessing(scorer.clip.transform, images)
-    print(f"preprocessing on {device.type} vs the CPU uint8 path: "
-          f"{result['preprocess_check']}", flush=True)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        base_mem = torch.cuda.memory_allocated(device)
+    return manager
 
+
+def sweep_batch_sizes(manager, images, prompts, args) -> dict[int, dict]:
+    """Median scoring time of the whole rollout per scorer batch size (the default first)."""
+    scorer, metadata = manager.scorers[0], [{} for _ in prompts]
     sweep = {}
     default_batch = scorer.clip.batch_size
     for batch_size in dict.fromkeys([default_batch, *args.batch_sizes]):
@@ -161,11 +149,51 @@ def main(argv: list[str] | None = None) -> int:
         times = [manager.score(images, prompts, metadata)[1]["reward/score_time"]
                  for _ in range(args.repeats)]
         sweep[batch_size] = {"median_s": statistics.median(times), "min_s": min(times),
-                             "images_per_s": args.images / statistics.median(times)}
+                             "images_per_s": args.images / statistics.median(times),
+                             "times_s": times}
         print(f"batch_size {batch_size:>4}: {sweep[batch_size]['median_s'] * 1e3:8.1f} ms "
               f"median of {args.repeats} -> {sweep[batch_size]['images_per_s']:8.1f} images/s",
               flush=True)
     scorer.clip.batch_size = default_batch
+    return sweep
+
+
+def markdown_row(result: dict, args, runtime: str) -> str:
+    arch = "tiny CLIP (smoke test)" if args.tiny else "PickScore arch (CLIP ViT-H-14, random)"
+    return (f"| {arch}, {result['dtype']}, {args.images} x {args.resolution}², "
+            f"{args.prompts} prompts, {runtime}, batch {result['default_batch_size']} | "
+            f"{result['device']} | {result['images_per_s']:.0f} images/s "
+            f"({result['s_per_rollout']:.2f} s per rollout; peak "
+            f"{result.get('peak_gb', float('nan')):.1f} GB) | target ≥ "
+            f"{TARGET_IMAGES_PER_S:.0f} images/s; CPU path ≈ {CPU_PATH_S_PER_ROLLOUT:.0f} s "
+            f"per rollout |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    runtime = "colocate" if device.type == "cuda" else "cpu"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    result: dict = {"device": name, "torch": torch.__version__,
+                    "transformers": transformers.__version__, "images": args.images,
+                    "resolution": args.resolution, "prompts": args.prompts, "tiny": args.tiny}
+    manager = load_manager(args, device, runtime, result)
+    scorer = manager.scorers[0]
+    result["attn_implementation"] = getattr(scorer.clip.model.config, "_attn_implementation", None)
+    result["dtype"] = str(scorer.clip.dtype).removeprefix("torch.")
+    generator = torch.Generator(device=device).manual_seed(0)
+    images = torch.randint(0, 256, (args.images, args.resolution, args.resolution, 3),
+                           dtype=torch.uint8, device=device, generator=generator)
+    prompts = [f"prompt {i % args.prompts}: a red panda drinking tea in a garden, detailed"
+               for i in range(args.images)]
+    result["preprocess_check"] = check_preprocessing(scorer.clip.transform, images)
+    print(f"preprocessing on {device.type} vs the CPU uint8 path: "
+          f"{result['preprocess_check']}", flush=True)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base_mem = torch.cuda.memory_allocated(device)
+    sweep = sweep_batch_sizes(manager, images, prompts, args)
+    default_batch = scorer.clip.batch_size
     result["sweep"] = {str(k): v for k, v in sweep.items()}
     result["default_batch_size"] = default_batch
     result["images_per_s"] = sweep[default_batch]["images_per_s"]
@@ -175,19 +203,29 @@ def main(argv: list[str] | None = None) -> int:
         result["peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
     result["target_images_per_s"] = TARGET_IMAGES_PER_S
     result["meets_target"] = result["images_per_s"] >= TARGET_IMAGES_PER_S
-
-    arch = "tiny CLIP (smoke test)" if args.tiny else "PickScore arch (CLIP ViT-H-14, random)"
-    row = (f"| {arch}, {result['dtype']}, {args.images} x {args.resolution}², "
-           f"{args.prompts} prompts, {runtime}, batch {default_batch} | {result['device']} | "
-           f"{result['images_per_s']:.0f} images/s ({result['s_per_rollout']:.2f} s per "
-           f"rollout; peak {result.get('peak_gb', float('nan')):.1f} GB) | target ≥ "
-           f"{TARGET_IMAGES_PER_S:.0f} images/s; CPU path ≈ {CPU_PATH_S_PER_ROLLOUT:.0f} s "
-           f"per rollout |")
-    result["markdown_row"] = row
-    print(row)
+    result["markdown_row"] = markdown_row(result, args, runtime)
+    print(result["markdown_row"])
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=2)
+    record(result, sweep, args)
     return 0
+
+
+def record(result: dict, sweep: dict, args) -> None:
+    """The run's figures as rows of bench/results.csv (bench/results.py)."""
+    rec = Recorder("bench_rewards", device=result["device"])
+    model = "tiny-clip" if args.tiny else "pickscore-arch"
+    case = f"{model}-{result['dtype']}-{args.images}x{args.resolution}-{args.prompts}prompts"
+    for batch_size, figures in sweep.items():
+        per_s = [args.images / t for t in figures["times_s"]]
+        default = batch_size == result["default_batch_size"]
+        rec.add(case if default else f"{case}-batch{batch_size}", "images_per_s",
+                figures["images_per_s"], "images/s", samples=per_s)
+    rec.add(case, "s_per_rollout", result["s_per_rollout"], "s",
+            samples=sweep[result["default_batch_size"]]["times_s"])
+    if "peak_gb" in result:
+        rec.add(case, "peak_memory", result["peak_gb"], "GB")
+    rec.write()
 
 
 if __name__ == "__main__":

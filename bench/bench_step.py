@@ -36,6 +36,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from record_rows import record_step  # noqa: E402
 
 
 def build_qwen_shaped(out: Path, layers: int, tiny: bool) -> Path:
@@ -340,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
                                           "args": vars(args) | {"model_dir": str(model_dir)}},
                                          indent=2, default=str))
     print_table(results, extra, args)
+    record_step(results, extra, args)
     return 0
 
 

@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from record_rows import record_toy
+
 
 def parse_variant(text: str) -> tuple[str, list[str]]:
     name, _, rest = text.partition(":")
@@ -136,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         curve = " ".join(f"{e['rollout']}:{e['reward_mean']:.3f}" for e in r.get("evals", []))
         print(f"{r.get('name')}: rc={r['returncode']} {r.get('seconds_per_rollout')} s/rollout "
               f"noise={r.get('noise')} eval {curve}")
+    record_toy(results, args)
     return max((abs(r["returncode"]) for r in results), default=0)
 
 

@@ -137,7 +137,6 @@ def local_copy_bench(report, sources: dict, device, reps, label, store=True):
                            512 << 20)
     plan = CopyPlan(buckets, offsets, numels, [sources[n].dtype for n in names], dst_dt,
                     torch.device(device), use_kernel=True)
-    import numpy as np
     ptrs = np.array([sources[n].data_ptr() for n in names], dtype=np.int64)
     srcs = dict(enumerate(sources[n] for n in names))
 

@@ -24,6 +24,7 @@ sys.path[:0] = [str(ROOT)]
 import torch  # noqa: E402
 
 from kernels.sde_reference import sde_log_prob_ref, sde_step_ref  # noqa: E402
+from record_rows import record_peer  # noqa: E402
 
 QWEN_LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj",
                      "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"]
@@ -144,8 +145,10 @@ def main() -> int:
     p.add_argument("--updates", type=int, default=2)
     p.add_argument("--rollouts", type=int, default=3)
     a = p.parse_args()
-    print(run_peer(a.model_dir, micro_batch=a.micro_batch, updates=a.updates,
-                   rollouts=a.rollouts))
+    peer = run_peer(a.model_dir, micro_batch=a.micro_batch, updates=a.updates,
+                    rollouts=a.rollouts)
+    print(peer)
+    record_peer(peer)
     return 0
 
 

@@ -7,7 +7,7 @@ the same kernel only reads: that is the receiver's verification and `weights_che
 
 The copy is limited by bytes in flight per SM (registers per thread bound the resident
 warps) and by integer issue (~6 ops per checksummed word), not by DRAM (figures:
-bench/RESULTS.md, "Figures behind code choices"). Hence:
+bench/reports/2026-11-29_h200_code-choices.md). Hence:
 - 16-bit words travel as int32 pairs (PACK): the store is the loaded register, and the lanes
   need 3 accumulators per pair instead of 2 per word (1.5 vs 2 registers and adds per word),
   so more of the register file holds loads in flight;
@@ -38,7 +38,7 @@ import importlib.util
 import numpy as np
 import torch
 
-# The defaults are the best config of `python bench/bench_ipc.py --sweep` (bench/RESULTS.md).
+# The defaults are the best config of `python bench/bench_ipc.py --sweep` (bench/reports/2026-11-29_h200_weight-sync.md).
 # CHUNK (words per program) keeps the chunk table of a 16 GB sync near 0.5 MB and the epilogue
 # (block reductions + two atomics) negligible.
 CHUNK = 1 << 17

@@ -14,7 +14,7 @@ Design choices:
   copy computed; that costs one extra read of the synced bytes. verify="fused" trusts the
   fused checksum (sender side) plus the manifest's counts: no second pass.
   "full" stays the default on both backends although it costs one read of the synced bytes
-  (bench/RESULTS.md, "Figures behind code choices"). With
+  (bench/reports/2026-11-29_h200_code-choices.md). With
   "fused" nobody reads the receiver's memory: the sender checksums the registers it stores,
   the receiver echoes those lanes, so a write that lands wrong (bad offset, a peer
   scribbling, a fault injected after the copy, as the tests do) commits undetected. Choose
@@ -26,6 +26,7 @@ Design choices:
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -232,17 +233,7 @@ class WeightReceiver:
         checked = self._check(header, entries, mode)
         problems = list(checked.problems)
         if self.backend == "cuda":
-            if header.get("uuid") is not None and header["uuid"] != self._mem.export()["uuid"]:
-                problems.append(f"sender writes from GPU {header['uuid']}, the engine is on "
-                                f"{self._mem.export()['uuid']}")
-            if header.get("written_event") is not None:
-                if self._written_event is not None:
-                    self._written_event.close()
-                self._written_event = IpcEvent.open(header["written_event"],
-                                                    self._device.index)
-                self.handle_opens += 1
-            if self._written_event is None:
-                problems.append("the sender has not exported its 'written' event")
+            problems += self._cuda_problems(header)
         problems += self._state_problems(version, checked.idx)
         if problems:
             send(self._conn, ("reject", seq, problems, False))
@@ -284,6 +275,22 @@ class WeightReceiver:
             problem = f"receiver failed to verify: {type(exc).__name__}: {exc}"
             self._fail(problem)
             send(self._conn, ("failed", seq, [problem]))
+
+    def _cuda_problems(self, header: dict) -> list[str]:
+        """The sender writes from this engine's GPU and has exported its 'written' event (a
+        new one is opened here)."""
+        problems = []
+        if header.get("uuid") is not None and header["uuid"] != self._mem.export()["uuid"]:
+            problems.append(f"sender writes from GPU {header['uuid']}, the engine is on "
+                            f"{self._mem.export()['uuid']}")
+        if header.get("written_event") is not None:
+            if self._written_event is not None:
+                self._written_event.close()
+            self._written_event = IpcEvent.open(header["written_event"], self._device.index)
+            self.handle_opens += 1
+        if self._written_event is None:
+            problems.append("the sender has not exported its 'written' event")
+        return problems
 
     def _finish(self, seq, version, mode, header, checked: _Checked, report: dict) -> None:
         idx = checked.idx
@@ -434,7 +441,6 @@ class WeightReceiver:
 
 
 def _pid() -> int:
-    import os
     return os.getpid()
 
 

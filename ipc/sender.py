@@ -157,18 +157,7 @@ class WeightSender:
                   "buckets": len(m.plan.buckets), "checksum": checksum,
                   "lanes": lanes.astype("<u4").tobytes()}
         t_end = time.perf_counter()
-        try:
-            send(self._conn, ("end", seq, version, report))
-            reply = recv_until(self._conn, t_end + self._timeout, self._peer_pid, seq=seq)
-        except (PeerGone, Timeout) as exc:
-            raise WeightSyncError("post-write", [f"no commit from the receiver: {_why(exc)}"],
-                                  version) from None
-        if reply[0] != "committed":
-            raise WeightSyncError("post-write", list(reply[2]) if len(reply) > 2 else
-                                  [f"unexpected reply {reply[0]!r}"], version)
-        if reply[2] != checksum:
-            raise WeightSyncError("post-write", [f"receiver committed checksum {reply[2]}, "
-                                                 f"sender computed {checksum}"], version)
+        self._commit(seq, version, report, t_end + self._timeout)
         t1 = time.perf_counter()
         return SyncStats(
             version=version, mode=mode, tensors=len(m.names), bytes=m.header["nbytes"],
@@ -177,6 +166,21 @@ class WeightSender:
             verify=self._verify,
             timings={"prepare": t_begin - t0, "begin": t_write - t_begin,
                      "write": t_end - t_write, "commit": t1 - t_end})
+
+    def _commit(self, seq: int, version: int, report: dict, deadline: float) -> None:
+        """Send the end of the version and wait for the receiver to commit the same checksum."""
+        try:
+            send(self._conn, ("end", seq, version, report))
+            reply = recv_until(self._conn, deadline, self._peer_pid, seq=seq)
+        except (PeerGone, Timeout) as exc:
+            raise WeightSyncError("post-write", [f"no commit from the receiver: {_why(exc)}"],
+                                  version) from None
+        if reply[0] != "committed":
+            raise WeightSyncError("post-write", list(reply[2]) if len(reply) > 2 else
+                                  [f"unexpected reply {reply[0]!r}"], version)
+        if reply[2] != report["checksum"]:
+            raise WeightSyncError("post-write", [f"receiver committed checksum {reply[2]}, "
+                                                 f"sender computed {report['checksum']}"], version)
 
     def close(self) -> None:
         """Say goodbye and close the opened handles (the receiver's weights stay valid)."""
@@ -402,7 +406,7 @@ class _Scan:
 
     Per-tensor Python cost is what bounds the adapter sync (1,440 tensors): attribute reads
     and `zip(*items)` cost milliseconds, identity and data-pointer compares a fraction of one
-    (figures: bench/RESULTS.md, "Figures behind code choices"). So when the same tensor objects come back at
+    (figures: bench/reports/2026-11-29_h200_code-choices.md). So when the same tensor objects come back at
     the same addresses with the same shapes (parameters updated in place, step after step),
     everything else is reused from `last`: dtype, contiguity and device of an object cannot
     change without its data pointer or shape changing, except by rebinding `.data` to a

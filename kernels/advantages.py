@@ -17,6 +17,31 @@ def _describe(t) -> str:
     return f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
 
 
+def _input_problems(values, group_index, std_mode, eps) -> list[str]:
+    problems = []
+    values_ok = isinstance(values, torch.Tensor) and values.is_floating_point() and values.dim() == 1
+    if not values_ok:
+        problems.append(f"values must be a 1-D floating tensor, got {_describe(values)}")
+    if not (isinstance(group_index, torch.Tensor) and group_index.dtype == torch.int64
+            and group_index.dim() == 1):
+        problems.append(f"group_index must be a 1-D int64 tensor, got {_describe(group_index)}")
+    elif values_ok:
+        if group_index.shape != values.shape:
+            problems.append(f"group_index has shape {tuple(group_index.shape)}, "
+                            f"expected {tuple(values.shape)}")
+        if group_index.device != values.device:
+            problems.append(f"group_index is on {group_index.device}, values on {values.device}")
+        if values.numel() == 0:
+            problems.append("values is empty")
+    if std_mode not in STD_MODES:
+        problems.append(f"std_mode must be one of {STD_MODES}, got {std_mode!r}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+        problems.append(f"eps must be a finite float > 0, got {eps!r}")
+    if not problems and not bool(torch.isfinite(values).all()):  # NOTE: host sync
+        problems.append("values contain NaN or inf (check the reward function)")
+    return problems
+
+
 def normalize_grouped(values: torch.Tensor, group_index: torch.Tensor, *, std_mode: str = "group",
                       eps: float = 1e-6, batch_std: torch.Tensor | None = None,
                       zero_degenerate: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -41,27 +66,7 @@ def normalize_grouped(values: torch.Tensor, group_index: torch.Tensor, *, std_mo
     ``group_ids``, ``group_mean``, ``group_std``, ``group_size`` and ``degenerate`` (all
     ``[num_groups]``), ``inverse`` (``[N]``, each value's group position) and ``batch_std`` (0-dim).
     """
-    problems = []
-    values_ok = isinstance(values, torch.Tensor) and values.is_floating_point() and values.dim() == 1
-    if not values_ok:
-        problems.append(f"values must be a 1-D floating tensor, got {_describe(values)}")
-    if not (isinstance(group_index, torch.Tensor) and group_index.dtype == torch.int64
-            and group_index.dim() == 1):
-        problems.append(f"group_index must be a 1-D int64 tensor, got {_describe(group_index)}")
-    elif values_ok:
-        if group_index.shape != values.shape:
-            problems.append(f"group_index has shape {tuple(group_index.shape)}, "
-                            f"expected {tuple(values.shape)}")
-        if group_index.device != values.device:
-            problems.append(f"group_index is on {group_index.device}, values on {values.device}")
-        if values.numel() == 0:
-            problems.append("values is empty")
-    if std_mode not in STD_MODES:
-        problems.append(f"std_mode must be one of {STD_MODES}, got {std_mode!r}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
-        problems.append(f"eps must be a finite float > 0, got {eps!r}")
-    if not problems and not bool(torch.isfinite(values).all()):  # NOTE: host sync
-        problems.append("values contain NaN or inf (check the reward function)")
+    problems = _input_problems(values, group_index, std_mode, eps)
     if problems:
         raise ValueError("normalize_grouped: invalid input:\n  - " + "\n  - ".join(problems))
 

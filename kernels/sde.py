@@ -125,6 +125,30 @@ def check_step_inputs(op: str, named: list[tuple[str, object]], sigma, sigma_nex
                       sde_type, backend: str, replay: bool, validate: bool,
                       sigma_one: str = "refuse", log_prob_form: str = "gaussian") -> str:
     """Raise one ValueError listing every problem; return the resolved backend."""
+    problems = _option_problems(eta, sde_type, backend, replay, sigma_one, log_prob_form)
+    eta_ok = isinstance(eta, (int, float)) and not isinstance(eta, bool) and math.isfinite(eta)
+    ref_name, ref = named[0]
+    if not isinstance(ref, torch.Tensor) or ref.dim() < 1 or ref.numel() == 0:
+        problems.append(f"{ref_name} must be a non-empty tensor of shape [B, ...], got "
+                        f"{tuple(ref.shape) if isinstance(ref, torch.Tensor) else type(ref).__name__}")
+        raise ValueError(f"{op}: invalid input:\n  - " + "\n  - ".join(problems))
+    batch, device = ref.shape[0], ref.device
+    problems += _tensor_problems(named, ref_name, ref)
+    sigma_problems = _sigma_type_problems(sigma, sigma_next, batch, device)
+    problems += sigma_problems
+    resolved = resolve_backend(backend, device) if backend in BACKENDS else backend
+    if resolved == "triton":
+        problems += _triton_problems(named, batch, device)
+    if not problems and not sigma_problems and validate and eta_ok:
+        problems += _sigma_value_problems(sigma, sigma_next, batch, device, sde_type=sde_type,
+                                          eta=eta, replay=replay, sigma_one=sigma_one,
+                                          log_prob_form=log_prob_form)
+    if problems:
+        raise ValueError(f"{op}: invalid input:\n  - " + "\n  - ".join(problems))
+    return resolved
+
+
+def _option_problems(eta, sde_type, backend, replay, sigma_one, log_prob_form) -> list[str]:
     problems: list[str] = []
     if sde_type not in SDE_TYPES:
         problems.append(f"sde_type must be one of {SDE_TYPES}, got {sde_type!r}")
@@ -143,13 +167,12 @@ def check_step_inputs(op: str, named: list[tuple[str, object]], sigma, sigma_nex
     if replay and eta_ok and sde_type in SDE_TYPES and is_deterministic(eta, sde_type):
         problems.append("the log-prob is undefined for the deterministic ODE step (sde_type='ode' or "
                         "eta == 0): there is no noise, hence no density")
+    return problems
 
-    ref_name, ref = named[0]
-    if not isinstance(ref, torch.Tensor) or ref.dim() < 1 or ref.numel() == 0:
-        problems.append(f"{ref_name} must be a non-empty tensor of shape [B, ...], got "
-                        f"{tuple(ref.shape) if isinstance(ref, torch.Tensor) else type(ref).__name__}")
-        raise ValueError(f"{op}: invalid input:\n  - " + "\n  - ".join(problems))
-    batch, device = ref.shape[0], ref.device
+
+def _tensor_problems(named, ref_name, ref) -> list[str]:
+    """Every input a float tensor shaped and placed like the first one."""
+    problems = []
     for name, t in named:
         if not isinstance(t, torch.Tensor):
             problems.append(f"{name} must be a tensor, got {type(t).__name__}")
@@ -159,43 +182,38 @@ def check_step_inputs(op: str, named: list[tuple[str, object]], sigma, sigma_nex
         if t.shape != ref.shape:
             problems.append(f"{name} has shape {tuple(t.shape)}, expected {tuple(ref.shape)} "
                             f"(like {ref_name})")
-        if t.device != device:
-            problems.append(f"{name} is on {t.device}, expected {device} (like {ref_name})")
-    sigmas_ok = True
+        if t.device != ref.device:
+            problems.append(f"{name} is on {t.device}, expected {ref.device} (like {ref_name})")
+    return problems
+
+
+def _sigma_type_problems(sigma, sigma_next, batch, device) -> list[str]:
+    problems = []
     for name, s in (("sigma", sigma), ("sigma_next", sigma_next)):
         if isinstance(s, torch.Tensor):
             if not s.is_floating_point() or s.shape not in ((), (1,), (batch,)):
-                sigmas_ok = False
                 problems.append(f"{name} must be a float or a floating tensor of shape [B]={batch} "
                                 f"(or 0-dim), got {s.dtype} {tuple(s.shape)}")
             elif s.device != device:
-                sigmas_ok = False
                 problems.append(f"{name} is on {s.device}, expected {device}")
         elif isinstance(s, bool) or not isinstance(s, (int, float)):
-            sigmas_ok = False
             problems.append(f"{name} must be a python float or a tensor of shape [B], got {type(s).__name__}")
+    return problems
 
-    resolved = resolve_backend(backend, device) if backend in BACKENDS else backend
-    if resolved == "triton":
-        if not triton_available():
-            problems.append("backend='triton' but triton is not installed")
-        else:
-            if device.type != "cuda" and not _triton_module().INTERPRET:
-                problems.append(f"backend='triton' on {device.type} tensors needs TRITON_INTERPRET=1 in "
-                                "the environment before the first Triton kernel is used")
-            if any(isinstance(t, torch.Tensor) and t.dtype == torch.float64 for _, t in named):
-                problems.append("backend='triton' computes in fp32; use backend='torch' for float64 inputs")
-            if batch > _MAX_GRID_Y:
-                problems.append(f"backend='triton' supports at most {_MAX_GRID_Y} samples per call, "
-                                f"got {batch}")
 
-    if not problems and sigmas_ok and validate and eta_ok:
-        problems += _sigma_value_problems(sigma, sigma_next, batch, device, sde_type=sde_type,
-                                          eta=eta, replay=replay, sigma_one=sigma_one,
-                                          log_prob_form=log_prob_form)
-    if problems:
-        raise ValueError(f"{op}: invalid input:\n  - " + "\n  - ".join(problems))
-    return resolved
+def _triton_problems(named, batch, device) -> list[str]:
+    if not triton_available():
+        return ["backend='triton' but triton is not installed"]
+    problems = []
+    if device.type != "cuda" and not _triton_module().INTERPRET:
+        problems.append(f"backend='triton' on {device.type} tensors needs TRITON_INTERPRET=1 in "
+                        "the environment before the first Triton kernel is used")
+    if any(isinstance(t, torch.Tensor) and t.dtype == torch.float64 for _, t in named):
+        problems.append("backend='triton' computes in fp32; use backend='torch' for float64 inputs")
+    if batch > _MAX_GRID_Y:
+        problems.append(f"backend='triton' supports at most {_MAX_GRID_Y} samples per call, "
+                        f"got {batch}")
+    return problems
 
 
 _SIGMA_SHAPES = ((), (1,))

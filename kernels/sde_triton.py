@@ -33,8 +33,8 @@ Design choices:
 
 Latency, not bandwidth, limited the bf16 case, so: every kernel issues its data loads before
 the sigma loads (one round trip per program), the forward tile is 16 KiB per input
-(``reduction_config``), and the launch path holds no hidden tensor ops (figures: bench/RESULTS.md,
-"Figures behind code choices").
+(``reduction_config``), and the launch path holds no hidden tensor ops (figures:
+bench/reports/2026-11-29_h200_code-choices.md).
 """
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ from functools import lru_cache
 import torch
 import triton
 import triton.language as tl
+from triton.testing import do_bench
 
 from .sde_reference import LOG_SQRT_2PI
 
@@ -129,7 +130,6 @@ def _launch_elementwise(kernel, key: tuple, n: int, batch: int, args: tuple, con
 
 
 def _fastest(kernel, n, batch, args, constexprs) -> tuple[int, int]:
-    from triton.testing import do_bench
     timings = {}
     for block, warps in ELEMENTWISE_CONFIGS:
         grid = (triton.cdiv(n, block), batch)

@@ -19,6 +19,8 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# bench scripts run by tests append their rows here, never to bench/results.csv (bench/results.py)
+os.environ.setdefault("BENCH_RESULTS", os.devnull)
 
 
 def _has_cuda() -> bool:

@@ -11,16 +11,27 @@ error (exit code 2). Rank 0 holds the run directory's lock for the run's life
 (``trainer.rundir``); a run that stops for a known cause (run dir in use, a stalled run, an
 engine that cannot be recovered, a checkpoint that cannot be trusted) prints one line naming
 it and exits with code 1, without a traceback.
+
+torch, the loop, the engine client and the checkpoint code are imported inside the functions
+that need them: checking a command line and a config imports none of them (unless the device
+or the GPU count has to be probed), so a bad command fails at once.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
+import socket
 import sys
 
-from trainer.config import Config, ConfigError, field_help, flag_table, load_config
+from trainer.config import (Config, ConfigError, dump_toml, field_help, flag_table,
+                            load_config)
+from trainer.preflight import preflight
+from trainer.preflight_imports import check_imports
+from trainer.rundir import RunDirError, RunDirLock, claim_run_dir
+from trainer.watchdog import TrainingStalledError
 
 _ARGV_ENV = "FLOWGRPO_LAUNCH_ARGV"
 
@@ -83,8 +94,6 @@ def main(argv: list[str]) -> int:
     try:
         problems: list[str] = []
         cfg, args = resolve(argv, problems)  # a missing recipe still raises at once
-        from trainer.preflight import preflight
-        from trainer.preflight_imports import check_imports
         nproc = cfg.launch.nproc
         if nproc is None:
             import torch
@@ -102,11 +111,9 @@ def main(argv: list[str]) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.dry_run:
-        from trainer.config import dump_toml
         print(dump_toml(cfg))
         return 0
     if not (nproc == 1 and nnodes == 1) and cfg.launch.node_rank == 0:
-        from trainer.rundir import RunDirError, RunDirLock, claim_run_dir
         try:  # refuse before torchrun starts any rank; rank 0 takes the lock for real
             with RunDirLock(cfg.logging.run_dir):
                 claim_run_dir(cfg, check_only=True)
@@ -130,7 +137,6 @@ def main(argv: list[str]) -> int:
 
 def free_port() -> int:
     """A TCP port free on this host now (rendezvous / MASTER_PORT on one machine)."""
-    import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -194,7 +200,6 @@ def _claim_on_rank0(cfg: Config, rank: int):
     """Rank 0 locks the run dir and applies --resume/--overwrite; every rank gets its
     verdict (the lock, or None, and the resulting config)."""
     from trainer.checkpoint.shards import broadcast_from_rank0
-    from trainer.rundir import RunDirError, RunDirLock, claim_run_dir
     lock, load, error = None, None, None
     if rank == 0:
         try:
@@ -208,7 +213,6 @@ def _claim_on_rank0(cfg: Config, rank: int):
     load, error = broadcast_from_rank0((load, error))
     if error is not None:
         raise RunDirError(error)
-    import dataclasses
     return lock, dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint,
                                                                          load=load))
 
@@ -217,7 +221,5 @@ def _known_failures() -> tuple[type[BaseException], ...]:
     """Failures whose message says everything: reported in one line, exit code 1."""
     from trainer.checkpoint import CheckpointError, ContractMismatchError
     from trainer.engine.client import EngineError
-    from trainer.rundir import RunDirError
-    from trainer.watchdog import TrainingStalledError
     return (RunDirError, CheckpointError, ContractMismatchError, EngineError,
             TrainingStalledError)

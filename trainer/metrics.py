@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 
 
 class MetricsLogger:
@@ -35,10 +36,10 @@ class MetricsLogger:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
-        if tensorboard:
+        if tensorboard:  # local: TensorBoard's writer (protobuf) only when it is enabled
             from torch.utils.tensorboard import SummaryWriter
             self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
-        if wandb:  # readable name, resumable id: trainer/wandb_run.py
+        if wandb:  # optional dependency; readable name, resumable id: trainer/wandb_run.py
             from trainer.wandb_run import init_wandb
             self._wandb = init_wandb(self.run_dir, wandb_project, config or {})
 
@@ -111,7 +112,6 @@ class MetricsLogger:
             if self._tb is not None:
                 self._tb.add_image(tag, grid, step, dataformats="HWC")
             if path is not None:
-                from PIL import Image
                 path.parent.mkdir(parents=True, exist_ok=True)
                 Image.fromarray(grid).save(path)
         return grid
@@ -122,11 +122,10 @@ class MetricsLogger:
             return
         if self._tb is not None:
             self._tb.add_image(tag, image, step, dataformats="HWC")
-        if self._wandb is not None:
+        if self._wandb is not None:  # wandb is optional: trainer.wandb_run imports it
             from trainer.wandb_run import log_image
             log_image(self._wandb, tag, step, image)
         if path is not None:
-            from PIL import Image
             path.parent.mkdir(parents=True, exist_ok=True)
             Image.fromarray(image).save(path)
 

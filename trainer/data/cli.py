@@ -15,6 +15,9 @@ import argparse
 import json
 import sys
 
+from trainer.data.curate import CurateError, curate
+from trainer.data.inspect_data import inspect_files, report
+from trainer.data.prepare import CONVERTERS, PrepareError, prepare
 from trainer.data.schema import TASKS
 
 
@@ -23,7 +26,6 @@ def _parser() -> argparse.ArgumentParser:
                                      description="Prepare, curate and inspect prompt data.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from trainer.data.prepare import CONVERTERS
     prep = sub.add_parser("prepare", help="convert a prompt source to the unified JSONL schema")
     prep.add_argument("--source", required=True, choices=sorted(CONVERTERS))
     prep.add_argument("--input", required=True, help="input file or directory")
@@ -60,7 +62,6 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     if args.command == "prepare":
-        from trainer.data.prepare import PrepareError, prepare
         try:
             stats = prepare(source=args.source, input_path=args.input, output=args.output,
                             task=args.task, id_prefix=args.id_prefix,
@@ -72,7 +73,6 @@ def main(argv: list[str] | None = None) -> int:
               f"({stats['skipped_empty']} empty prompts skipped)")
         return 0
     if args.command == "curate":
-        from trainer.data.curate import CurateError, curate
         try:
             result = curate(inputs=args.input, out_dir=args.out_dir, prefix=args.prefix,
                             min_prompt_words=args.min_prompt_words, eval_size=args.eval_size,
@@ -84,7 +84,6 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(json.dumps(result, indent=2))
         return 0
-    from trainer.data.inspect_data import inspect_files, report
     if args.train is None and not args.eval:
         print("inspect: give --train and/or --eval", file=sys.stderr)
         return 2

@@ -38,6 +38,27 @@ def curate(*, inputs: Sequence[str], out_dir: str, prefix: str = "", min_prompt_
            eval_subset_sizes: Sequence[int] = (), check_media: bool = True,
            split_salt: str = "") -> dict[str, Any]:
     """Run the pipeline above; returns counts and the written paths."""
+    problems = _option_problems(inputs, min_prompt_words, eval_size, eval_fraction,
+                                eval_subset_sizes)
+    if problems:
+        raise CurateError("curate: " + "; ".join(problems))
+    if eval_size is None and eval_fraction is None:
+        eval_fraction = DEFAULT_EVAL_FRACTION
+    kept, stats = _filter_records(inputs, os.path.abspath(out_dir), min_prompt_words,
+                                  check_media)
+    if eval_size is not None and eval_size >= len(kept):
+        raise CurateError(f"curate: --eval-size {eval_size} leaves no training records "
+                          f"({len(kept)} kept after filtering)")
+    written = {}
+    for name, records in _split(kept, eval_size, eval_fraction, eval_subset_sizes,
+                                split_salt).items():
+        target = os.path.join(out_dir, f"{prefix}{name}.jsonl")
+        written[name] = {"path": target, "records": write_jsonl(target, records)}
+    return {**stats, "kept": len(kept), "files": written}
+
+
+def _option_problems(inputs: Sequence[str], min_prompt_words: int, eval_size: int | None,
+                     eval_fraction: float | None, eval_subset_sizes: Sequence[int]) -> list[str]:
     problems = []
     if eval_size is not None and eval_fraction is not None:
         problems.append("give --eval-size or --eval-fraction, not both")
@@ -57,16 +78,18 @@ def curate(*, inputs: Sequence[str], out_dir: str, prefix: str = "", min_prompt_
     missing_inputs = [p for p in inputs if not os.path.isfile(p)]
     if missing_inputs:
         problems.append(f"input file(s) not found: {missing_inputs}")
-    if problems:
-        raise CurateError("curate: " + "; ".join(problems))
-    if eval_size is None and eval_fraction is None:
-        eval_fraction = DEFAULT_EVAL_FRACTION
+    return problems
 
+
+def _filter_records(inputs: Sequence[str], out_abs: str, min_prompt_words: int,
+                    check_media: bool) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """Every valid record that passes the filters, first copy of each content, media paths
+    relocated to the output directory; raises with every bad record."""
+    problems = []
     stats = {"read": 0, "dropped_missing_media": 0, "dropped_short": 0, "dropped_duplicate": 0}
     kept: list[dict[str, Any]] = []
     seen_content: set[str] = set()
     id_owner: dict[str, str] = {}
-    out_abs = os.path.abspath(out_dir)
     for path in inputs:
         base = os.path.dirname(os.path.abspath(path))
         for line in read_lines(path):
@@ -98,10 +121,12 @@ def curate(*, inputs: Sequence[str], out_dir: str, prefix: str = "", min_prompt_
     if problems:
         raise CurateError(f"curate: {len(problems)} bad record(s), nothing written:\n  "
                           + "\n  ".join(problems))
-    if eval_size is not None and eval_size >= len(kept):
-        raise CurateError(f"curate: --eval-size {eval_size} leaves no training records "
-                          f"({len(kept)} kept after filtering)")
+    return kept, stats
 
+
+def _split(kept: list[dict[str, Any]], eval_size: int | None, eval_fraction: float | None,
+           eval_subset_sizes: Sequence[int], split_salt: str) -> dict[str, list[dict[str, Any]]]:
+    """train / eval (and nested evalK subsets) by each sample id's salted hash."""
     keys = [split_key(r["metadata"]["sample_id"], split_salt) for r in kept]
     if eval_size is not None:
         rank = sorted(range(len(kept)), key=keys.__getitem__)
@@ -112,11 +137,7 @@ def curate(*, inputs: Sequence[str], out_dir: str, prefix: str = "", min_prompt_
              "eval": [r for i, r in enumerate(kept) if i in eval_rank]}
     for k in sorted(eval_subset_sizes):
         names[f"eval{k}"] = [r for i, r in enumerate(kept) if eval_rank.get(i, k) < k]
-    written = {}
-    for name, records in names.items():
-        target = os.path.join(out_dir, f"{prefix}{name}.jsonl")
-        written[name] = {"path": target, "records": write_jsonl(target, records)}
-    return {**stats, "kept": len(kept), "files": written}
+    return names
 
 
 def _relocate_media(record: dict[str, Any], base: str, out_abs: str) -> dict[str, Any]:

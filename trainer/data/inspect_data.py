@@ -22,6 +22,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
+from PIL import Image
+
 from trainer.data.records import Line, read_lines
 from trainer.data.schema import (IMAGE_SUFFIXES, TASKS, content_hash, is_url, media_entries,
                                  record_problems, resolve_media)
@@ -51,7 +53,6 @@ def _classify(problem: str) -> str:
 def _decode_problem(path: str) -> str | None:
     """None when the file decodes; otherwise why not."""
     if path.lower().endswith(IMAGE_SUFFIXES):
-        from PIL import Image
         try:
             with Image.open(path) as image:
                 image.load()
@@ -59,7 +60,7 @@ def _decode_problem(path: str) -> str | None:
             return f"cannot decode image {path}: {exc}"
         return None
     try:
-        import av  # PyAV: the decoder behind torchvision and imageio's ffmpeg plugin
+        import av  # optional: PyAV, the decoder behind torchvision and imageio's ffmpeg plugin
     except ImportError:
         return f"cannot decode {path}: no video decoder installed (pip install av)"
     try:

@@ -46,7 +46,7 @@ def _input_files(path: str, suffixes: tuple[str, ...]) -> list[str]:
 
 
 def _parquet_column(path: str, wanted: str | None) -> Iterator[Any]:
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # local: only parquet sources need pyarrow (and its numpy)
 
     shard = pq.ParquetFile(path)
     names = shard.schema_arrow.names

@@ -48,6 +48,7 @@ def read_lines(path: str) -> Iterator[Line]:
 
 
 def _read_parquet(path: str) -> Iterator[Line]:
+    # local: preflight reads prompt files through this module and stays numpy-free for JSONL
     import pyarrow.parquet as pq
 
     number = 0

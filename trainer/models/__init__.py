@@ -18,7 +18,7 @@ ADAPTERS: dict[str, str] = {
 
 def adapter_class(path: str) -> type:
     """The adapter class named by a family in ``ADAPTERS`` or by a ``module.Class`` dotpath."""
-    from trainer.models.base import GenerativeModelAdapter
+    from trainer.models.base import GenerativeModelAdapter  # local: torch (see the docstring)
 
     dotpath = ADAPTERS.get(path, path)
     module_name, _, class_name = dotpath.rpartition(".")

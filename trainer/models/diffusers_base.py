@@ -4,7 +4,9 @@ A family adapter subclasses ``DiffusersAdapter``, names its diffusers classes an
 the prompt encoding, the velocity forward, decoding and its schedule, calling the diffusers
 pipeline's own helpers wherever one exists. Configs are read from the model directory's JSON
 files without loading weights, so the actor side (latent shapes, schedules, request building)
-never pays for the VAE or the text encoders.
+never pays for the VAE or the text encoders. For the same reason diffusers and transformers
+are imported inside the methods that read a config or build a model (here and in the family
+modules): importing an adapter class, as the config checks do, imports neither.
 """
 from __future__ import annotations
 

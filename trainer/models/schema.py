@@ -70,6 +70,8 @@ import base64
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
 
 from trainer.models.batch import RolloutBatch
 from trainer.models.guidance import NEGATIVE_PREFIX
@@ -91,18 +93,14 @@ _TENSOR_FORMAT = "safetensors+base64"
 # ---- JSON codec -------------------------------------------------------------------------
 def encode_tensor(t: torch.Tensor) -> dict[str, str]:
     """A tensor as a JSON object: its one-entry safetensors file, base64-encoded (any dtype)."""
-    from safetensors.torch import save
-
-    blob = save({"t": t.detach().to("cpu").contiguous()})
+    blob = save_safetensors({"t": t.detach().to("cpu").contiguous()})
     return {TENSOR_TAG: _TENSOR_FORMAT, "data": base64.b64encode(blob).decode("ascii")}
 
 
 def decode_tensor(obj: Mapping[str, Any]) -> torch.Tensor:
-    from safetensors.torch import load
-
     if obj.get(TENSOR_TAG) != _TENSOR_FORMAT:
         raise ValueError(f"unknown tensor encoding {obj.get(TENSOR_TAG)!r} (expected {_TENSOR_FORMAT!r})")
-    return load(base64.b64decode(obj["data"]))["t"]
+    return load_safetensors(base64.b64decode(obj["data"]))["t"]
 
 
 def to_jsonable(obj: Any) -> Any:

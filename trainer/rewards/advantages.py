@@ -43,6 +43,7 @@ import math
 import warnings
 
 import torch
+import torch.distributed as dist
 
 from kernels import normalize_grouped
 from kernels.advantages import DEGENERATE_VARIANCE, STD_MODES
@@ -90,8 +91,6 @@ def _check(components, group_index, weights, required, std_mode) -> int:
 def global_std(values: torch.Tensor) -> torch.Tensor:
     """Population std of ``values`` over every rank (float64, 0-dim); the local std without
     torch.distributed. Two-pass (mean first), so it matches the std of the concatenation."""
-    import torch.distributed as dist
-
     x = values.to(torch.float64)
     if not (dist.is_available() and dist.is_initialized()):
         return x.std(correction=0) if x.numel() else torch.zeros((), dtype=torch.float64)
@@ -125,7 +124,40 @@ def compute_advantages(components: dict[str, torch.Tensor], group_index: torch.T
     values = {c: v.detach().to(device=device, dtype=torch.float64) for c, v in components.items()}
     weights = dict(weights) if weights else {c: 1.0 for c in components}
 
-    failed = torch.zeros(num_groups, dtype=torch.bool, device=device)
+    failed, reasons = _failed_groups(values, required, inverse, num_groups)
+    valid = ~failed[inverse]
+    absent = [c for c in weights if c not in values and c not in required]
+    if absent:
+        warnings.warn(f"compute_advantages: weighted components {absent} were not produced; "
+                      "they contribute nothing this step", RuntimeWarning, stacklevel=2)
+    gi = group_index.to(torch.int64)
+    options = {"std_mode": std_mode, "zero_degenerate": zero_degenerate_groups}
+    if eps is not None:
+        options["eps"] = eps
+    advantages, combined_raw, low_variance = _weighted_sum(values, weights, valid, gi, groups,
+                                                           options)
+    advantages = torch.where(valid, advantages, torch.zeros_like(advantages))
+    clipped = 0.0
+    if clip_max is not None:
+        clipped = float((advantages.abs() > clip_max).sum().item())
+        advantages = advantages.clamp(-float(clip_max), float(clip_max))
+
+    failed_ids = groups[failed].tolist()
+    if failed_ids:
+        log.warning("reward: %d of %d groups failed and are not trained on (%s); group ids %s",
+                    len(failed_ids), num_groups, "; ".join(reasons), failed_ids[:16])
+    metrics = _component_metrics(values)
+    metrics.update(_advantage_metrics(advantages, valid, combined_raw, gi, low_variance & ~failed))
+    metrics.update({"reward/num_groups": float(num_groups),
+                    "reward/failed_groups": float(len(failed_ids)),
+                    "reward/advantage_clipped": clipped})
+    return advantages.to(torch.float32), metrics, failed_ids
+
+
+def _failed_groups(values: dict[str, torch.Tensor], required: list[str], inverse: torch.Tensor,
+                   num_groups: int) -> tuple[torch.Tensor, list[str]]:
+    """Groups with a required component missing or non-finite (bool [G]), and why."""
+    failed = torch.zeros(num_groups, dtype=torch.bool, device=inverse.device)
     reasons: list[str] = []
     for name in required:
         if name not in values:
@@ -137,24 +169,23 @@ def compute_advantages(components: dict[str, torch.Tensor], group_index: torch.T
             failed.index_fill_(0, inverse[bad].unique(), True)
             reasons.append(f"required component {name!r} is non-finite for {int(bad.sum())} "
                            "sample(s)")
-    valid = ~failed[inverse]
+    return failed, reasons
 
-    advantages = torch.zeros(inverse.shape[0], dtype=torch.float64, device=device)
+
+def _weighted_sum(values: dict[str, torch.Tensor], weights: dict[str, float], valid: torch.Tensor,
+                  gi: torch.Tensor, groups: torch.Tensor, options: dict
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sum over components of weight x the component normalized within its groups (float64
+    [B]), the weighted raw rewards, and which groups had no signal in any component."""
+    device = valid.device
+    advantages = torch.zeros(valid.shape[0], dtype=torch.float64, device=device)
     combined_raw = torch.zeros_like(advantages)
-    low_variance = torch.ones(num_groups, dtype=torch.bool, device=device)
-    absent = [c for c in weights if c not in values and c not in required]
-    if absent:
-        warnings.warn(f"compute_advantages: weighted components {absent} were not produced; "
-                      "they contribute nothing this step", RuntimeWarning, stacklevel=2)
-    gi = group_index.to(torch.int64)
-    options = {"std_mode": std_mode, "zero_degenerate": zero_degenerate_groups}
-    if eps is not None:
-        options["eps"] = eps
+    low_variance = torch.ones(groups.numel(), dtype=torch.bool, device=device)
     # sorted: under torch.distributed every rank runs the same collectives in the same order
     for name, weight in sorted(weights.items()):
         x = values.get(name)
         usable = torch.isfinite(x) & valid if x is not None else None
-        if std_mode == "batch":
+        if options["std_mode"] == "batch":
             local = x[usable] if x is not None else torch.zeros(0, dtype=torch.float64, device=device)
             options["batch_std"] = global_std(local)
         if x is None or not usable.any():
@@ -164,17 +195,10 @@ def compute_advantages(components: dict[str, torch.Tensor], group_index: torch.T
         signal = info["group_ids"][~info["degenerate"]]
         low_variance &= ~torch.isin(groups, signal)
         combined_raw += weight * torch.where(usable, x, torch.zeros_like(x))
-    advantages = torch.where(valid, advantages, torch.zeros_like(advantages))
-    clipped = 0.0
-    if clip_max is not None:
-        clipped = float((advantages.abs() > clip_max).sum().item())
-        advantages = advantages.clamp(-float(clip_max), float(clip_max))
+    return advantages, combined_raw, low_variance
 
-    failed_ids = groups[failed].tolist()
-    if failed_ids:
-        log.warning("reward: %d of %d groups failed and are not trained on (%s); group ids %s",
-                    len(failed_ids), num_groups, "; ".join(reasons), failed_ids[:16])
 
+def _component_metrics(values: dict[str, torch.Tensor]) -> dict[str, float]:
     metrics: dict[str, float] = {}
     for name, x in values.items():
         finite = x[torch.isfinite(x)]
@@ -182,25 +206,25 @@ def compute_advantages(components: dict[str, torch.Tensor], group_index: torch.T
         metrics.update({f"reward/{name}_mean": mean, f"reward/{name}_std": std,
                         f"reward/{name}_min": lo, f"reward/{name}_max": hi,
                         f"reward/{name}_nonfinite": float(x.numel() - finite.numel())})
+    return metrics
+
+
+def _advantage_metrics(advantages: torch.Tensor, valid: torch.Tensor, combined_raw: torch.Tensor,
+                       gi: torch.Tensor, degenerate_ok: torch.Tensor) -> dict[str, float]:
     kept = advantages[valid]
     adv_var = kept.var(unbiased=False).item() if kept.numel() else 0.0
-    ok = ~failed
     group_std_mean = 0.0
     if valid.any():
         _, raw = normalize_grouped(combined_raw[valid], gi[valid], std_mode="none")
         group_std_mean = raw["group_std"].mean().item()
-    metrics.update({
+    return {
         "reward/advantage_mean": kept.mean().item() if kept.numel() else 0.0,
         "reward/advantage_std": math.sqrt(adv_var),
-        "reward/num_groups": float(num_groups),
-        "reward/failed_groups": float(len(failed_ids)),
         "reward/group_std_mean": group_std_mean,
         "reward/degenerate": float(adv_var < DEGENERATE_VARIANCE),
-        "reward/degenerate_groups": float((low_variance & ok).sum().item()),
-        "reward/advantage_clipped": clipped,
+        "reward/degenerate_groups": float(degenerate_ok.sum().item()),
         "reward/zero_advantage_fraction": float((advantages == 0).double().mean().item()),
-    })
-    return advantages.to(torch.float32), metrics, failed_ids
+    }
 
 
 def micro_batch_scale(advantages: torch.Tensor, rows: torch.Tensor, update: list[torch.Tensor], *,

@@ -12,6 +12,7 @@ import re
 from typing import Any, ClassVar
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 from trainer.rewards.base import RewardScorer
@@ -26,7 +27,6 @@ _LAYER_KEY = re.compile(r"^layers\.(\d+)\.(weight|bias)$")
 def load_linear_stack(path: str) -> nn.Sequential:
     """Build the head from a ``layers.<i>.{weight,bias}`` state dict (.safetensors or .pth)."""
     if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
         state = load_file(path)
     else:
         state = torch.load(path, map_location="cpu", weights_only=True)

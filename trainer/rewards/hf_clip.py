@@ -48,7 +48,7 @@ class HFClip:
     def __init__(self, model_path: str, *, processor_path: str | None = None,
                  device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
                  batch_size: int = 64) -> None:
-        from transformers import AutoTokenizer, CLIPModel
+        from transformers import AutoTokenizer, CLIPModel  # local: a multi-second import
 
         processor_path = processor_path or model_path
         problems = []

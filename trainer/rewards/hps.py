@@ -37,7 +37,7 @@ class HPSv2Scorer(RewardScorer):
     def __init__(self, *, model_path: str, arch: str = "ViT-H-14", arch_config: str | None = None,
                  device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
                  batch_size: int = 64) -> None:
-        import open_clip
+        import open_clip  # optional dependency (the [rewards] extra)
 
         checkpoint = model_path
         if os.path.isdir(model_path):

@@ -66,6 +66,7 @@ class ImageRewardHead(nn.Module):
 class ImageRewardModel(nn.Module):
     def __init__(self, arch: dict[str, int]):
         super().__init__()
+        # local: transformers is a multi-second import, paid only by a run that scores with it
         from transformers import (BlipTextConfig, BlipTextModel, BlipVisionConfig,
                                   BlipVisionModel)
         a = {**ARCHITECTURE, **arch}
@@ -125,7 +126,7 @@ class ImageRewardScorer(RewardScorer):
     def __init__(self, *, model_path: str, tokenizer_path: str | None = None,
                  architecture: dict | None = None, batch_size: int = 16, dtype: str = "fp32",
                  device: str | torch.device | None = None) -> None:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # local: a multi-second import
         problems = self.check_options(architecture=architecture, dtype=dtype)
         ckpt = _checkpoint_file(model_path)
         if not ckpt.is_file():

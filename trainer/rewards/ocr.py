@@ -65,7 +65,7 @@ def ocr_reward(target: str | None, recognised: str) -> float:
 
 
 def _rapidocr() -> Callable[[Any], list[tuple[str, float]]]:
-    from rapidocr_onnxruntime import RapidOCR
+    from rapidocr_onnxruntime import RapidOCR  # optional dependency (the [ocr] extra)
     engine = RapidOCR()
 
     def read(image) -> list[tuple[str, float]]:

@@ -33,7 +33,9 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
+import numpy as np
 import torch
+from PIL import Image
 
 from trainer.rewards.base import RewardError, RewardScorer, check_score_inputs
 
@@ -49,8 +51,6 @@ class RemoteRewardError(RewardError):
 def encode_png_base64(images: torch.Tensor, *, compress_level: int = 1) -> list[str]:
     """uint8 [B, H, W, 3] -> base64 PNG strings. Level 1: lossless either way, and the
     fastest zlib level (the payload is on a local network; encode time is on the step)."""
-    from PIL import Image
-
     arrays = images.detach().to("cpu").numpy()
 
     def one(array) -> str:
@@ -64,9 +64,6 @@ def encode_png_base64(images: torch.Tensor, *, compress_level: int = 1) -> list[
 
 def decode_png_base64(payloads: Sequence[str]) -> torch.Tensor:
     """base64 PNG strings (one size) -> uint8 [B, H, W, 3]."""
-    import numpy as np
-    from PIL import Image
-
     arrays = [np.asarray(Image.open(io.BytesIO(base64.b64decode(p, validate=True))).convert("RGB"))
               for p in payloads]
     shapes = sorted({a.shape for a in arrays})

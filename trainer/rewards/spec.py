@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainer.config import RewardConfig
+
 BUILTIN_SCORERS: dict[str, str] = {
     "pickscore": "trainer.rewards.pickscore.PickScoreScorer",
     "hps": "trainer.rewards.hps.HPSv2Scorer",
@@ -68,7 +70,6 @@ class ScorerSpec:
 
 
 def _default_scorer_path() -> str | None:
-    from trainer.config import RewardConfig
     return next(f.default for f in dataclasses.fields(RewardConfig) if f.name == "scorer_path")
 
 
@@ -167,7 +168,7 @@ def option_problems(cls: type, options: dict[str, Any], model_path: str | None,
 
 
 def scorer_class(dotpath: str) -> type:
-    from trainer.rewards.base import load_object
+    from trainer.rewards.base import load_object  # local: torch (this module is torch-free)
     cls = load_object(dotpath, "reward scorer path")
     if not isinstance(cls, type) or not callable(getattr(cls, "score", None)) or \
             not isinstance(getattr(cls, "components", None), tuple):
@@ -214,7 +215,7 @@ def import_problems(reward) -> list[str]:
         problems += [f"{spec.where}: {p}" for p in
                      option_problems(cls, spec.options, spec.model_path, spec.path, model_key)]
     if reward.custom_reward_path:
-        from trainer.rewards.function import FunctionScorer
+        from trainer.rewards.function import FunctionScorer  # local: torch, as above
         try:
             components["custom"] = FunctionScorer.from_dotpath(reward.custom_reward_path).components
         except ValueError as exc:

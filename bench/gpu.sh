@@ -1,0 +1,165 @@
+#!/usr/bin/env bash
+# Every GPU run, named by what it measures or checks; each purpose is one call of the device
+# tool (under its 10-minute limit):
+#   bash bench/gpu.sh kernels          SDE log-prob kernels: GPU tests, then the bench (SWEEP=1: tilings)
+#   bash bench/gpu.sh ipc              weight-sync transport: CUDA tests, then the bench with its sweep
+#   bash bench/gpu.sh engine           rollout side: engine generate bench, reward scoring bench
+#   bash bench/gpu.sh step [VARIANT]   one training step (bench_step.py) on the 8-layer model:
+#                                        default  recipe rows + floors + diffusers, then the peer
+#                                        offload  both modes with the colocate offloads forced
+#                                        nsys     two-step Nsight captures (REVS="after before")
+#   bash bench/gpu.sh multigpu         every GPU of the host: weak scaling 1 -> N, two-node dry run
+#   bash bench/gpu.sh gpu-tests        every GPU test (pytest -m gpu), the checkpoint self-check and
+#                                      each bench script's smoke case; ONLY=tests or ONLY=smoke runs
+#                                      one half (two calls where one would pass the 10 minutes)
+#   bash bench/gpu.sh toy-sweep        toy learning curves of a sweep file (SWEEP=bench/sweeps/...)
+#   bash bench/gpu.sh --list           every purpose and the commands it runs (no GPU needed)
+#   DRY_RUN=1 bash bench/gpu.sh P      print purpose P's commands without running anything
+# The exit status is non-zero when any command failed. Needs the carried wheels in .whl
+# (diffusers, importlib_metadata; for nsys the libdw1 / libelf1 .deb files in .dw). Figures
+# are appended to $OUT/results.csv (merge: python bench/results.py merge FILE --commit SHA, then
+# python bench/make_table.py); logs come back as $OUT/<purpose>-logs.tar.gz.
+set -u
+cd "$(dirname "$0")/.."
+PURPOSES="kernels ipc engine step multigpu gpu-tests toy-sweep"
+PYT="python3 -m pytest -q -o addopts= -p no:cacheprovider"
+MODEL=${MODEL:-/tmp/bench_qwen8}
+STEP="python3 bench/bench_step.py --layers 8 --model-dir $MODEL"
+
+purpose_kernels() {
+  step kernels_tests 120 $PYT -x tests/test_kernels_sde.py tests/test_kernels_loss.py
+  TAIL=45 step kernels_bench 200 python3 bench/bench_kernels.py --out "$LOGS/kernels.md" \
+    ${SWEEP:+--sweep}
+}
+
+purpose_ipc() {
+  step ipc_tests 90 $PYT -m gpu tests/test_ipc_cuda.py
+  TAIL=45 step ipc_bench 240 python3 bench/bench_ipc.py --sweep --out "$LOGS/ipc.md"
+}
+
+purpose_engine() {
+  TAIL=20 step engine_bench 150 python3 bench/bench_engine.py --out "$LOGS/engine.md"
+  TAIL=20 step rewards_bench 100 python3 bench/bench_rewards.py --out "$LOGS/rewards.json"
+}
+
+purpose_step() {
+  case "${1:-default}" in
+  default)
+    TAIL=30 step step "${SECS:-330}" $STEP --out "$LOGS/step.json" --modes lora full --floors \
+      --diffusers ${STEP_ARGS:-}
+    TAIL=14 step peer "${SECS2:-230}" $STEP --out "$LOGS/peer.json" --modes lora --no-offload \
+      --micro-batch 4 --label "mb4-no-offload-" --peer ${STEP_ARGS:-}
+    ;;
+  offload)
+    TAIL=14 step offload_always "${SECS:-300}" $STEP --out "$LOGS/always.json" --modes lora full \
+      --label "offload-always-" --set fsdp.offload_policy=always ${STEP_ARGS:-}
+    ;;
+  nsys) step_nsys ;;
+  *) echo "unknown step variant '$1' (default, offload, nsys)" >&2; FAILED+=("step:$1") ;;
+  esac
+}
+
+step_nsys() {
+  local nsys
+  nsys=$(ls /opt/nvidia/nsight-compute/*/host/target-linux-x64/nsys 2>/dev/null | head -1)
+  if [ -z "${DRY_RUN:-}" ]; then
+    [ -n "$nsys" ] || { echo "no nsys on this machine" >&2; FAILED+=("nsys"); return; }
+    mkdir -p /tmp/dw && for f in .dw/*.deb; do dpkg -x "$f" /tmp/dw; done
+    export LD_LIBRARY_PATH=$(dirname "$(find /tmp/dw -name 'libdw.so.1' | head -1)"):${LD_LIBRARY_PATH:-}
+  fi
+  for rev in ${REVS:-after}; do
+    # "before": a checkout placed in .before (its bench_step.py builds its own model copy)
+    local dir=. model="--model-dir $MODEL"
+    [ "$rev" = before ] && dir=.before && model=""
+    TAIL=8 step "nsys_$rev" "${NSYS_SECS:-200}" "${nsys:-nsys}" profile \
+      --capture-range=cudaProfilerApi --capture-range-end=stop -t cuda,nvtx -o "/tmp/step_$rev" \
+      --force-overwrite true python3 "$dir/bench/bench_step.py" --layers 8 $model --modes lora \
+      --rollouts 4 --out "/tmp/nsys_$rev.json" --set logging.profile_steps=2:4
+    [ -n "${DRY_RUN:-}" ] && continue
+    "$nsys" stats --report nvtx_sum --format csv -o "$OUT/nvtx_$rev" "/tmp/step_$rev.nsys-rep" \
+      > /dev/null 2>&1
+    "$nsys" stats --report nvtx_sum "/tmp/step_$rev.nsys-rep" 2>/dev/null | head -40
+    gzip -c "/tmp/step_$rev.nsys-rep" > "$OUT/step_$rev.nsys-rep.gz"
+  done
+}
+
+purpose_multigpu() {
+  local gpus=${GPUS:-$([ -n "${DRY_RUN:-}" ] && echo N || python3 -c \
+    "import torch; print(torch.cuda.device_count())")}
+  TAIL=40 step multi_gpu 560 python3 bench/bench_multi_gpu.py --out "$LOGS/multi_gpu.json" \
+    --layers 8 --gpus 1 "$gpus" --nnodes-dry-run --timeout 170 ${SETS:-}
+}
+
+purpose_gpu-tests() {
+  if [ "${ONLY:-tests}" != smoke ]; then
+    TAIL=25 step gpu_tests 330 $PYT -m gpu tests
+    TAIL=8 step ckpt_selfcheck 120 python3 tests/test_checkpoint_harness.py selfcheck cuda 1
+  fi
+  [ "${ONLY:-smoke}" = tests ] && return
+  # each bench script's smoke case: a few seconds on the GPU; its rows stay out of the figures
+  local BENCH_RESULTS="$LOGS/smoke_results.csv"
+  export BENCH_RESULTS
+  step smoke_kernels 60 python3 bench/bench_kernels.py --shapes 8x36864 --dtypes bf16 \
+    --impls eager,triton
+  step smoke_ipc 60 python3 bench/bench_ipc.py --smoke
+  step smoke_engine 60 python3 bench/bench_engine.py --tiny --layers 2 --warmup 1 --repeats 1
+  step smoke_rewards 60 python3 bench/bench_rewards.py --tiny --images 8 --resolution 64 \
+    --prompts 2 --repeats 1 --batch-sizes 8 --out "$LOGS/smoke_rewards.json"
+  # the step bench with its floors, diffusers' pipeline and the peer loop (peer_step.py, floors.py)
+  step smoke_step 240 python3 bench/bench_step.py --tiny --modes lora --rollouts 2 --floors \
+    --diffusers --peer --micro-batch 4 --out "$LOGS/smoke_step.json"
+  step smoke_multigpu 150 python3 bench/bench_multi_gpu.py --tiny --gpus 1 --modes lora \
+    --rollouts 2 --out "$LOGS/smoke_multi.json"
+  step smoke_toy 120 python3 bench/bench_toy_learning.py --rollouts 1 --eval-every 1 \
+    --eval-prompts 4 --eval-samples 1 --device cuda --out "$LOGS/smoke_toy.json"
+}
+
+purpose_toy-sweep() {
+  local sweep=${SWEEP:-bench/sweeps/toy_round6.txt}
+  local name; name=$(basename "$sweep" .txt)
+  TAIL=20 step "toy_sweep_$name" "${SECS:-560}" python3 bench/bench_toy_learning.py \
+    --variants-file "$sweep" --rollouts "${ROLLOUTS:-100}" --eval-every 20 --eval-prompts 256 \
+    --noise-seeds 7 99 --parallel 12 --device cuda --out "$LOGS/$name.json"
+}
+
+list_purposes() {
+  DRY_RUN=1
+  for p in $PURPOSES; do
+    echo "$p:"
+    if [ "$p" = step ]; then
+      for v in default offload nsys; do echo " step $v:"; purpose_step "$v"; done
+    else
+      "purpose_$p"
+    fi
+  done
+}
+
+PURPOSE=${1:-}
+[ -n "$PURPOSE" ] || { echo "usage: bash bench/gpu.sh PURPOSE|--list  ($PURPOSES)" >&2; exit 2; }
+if [ "$PURPOSE" != --list ] && ! [[ " $PURPOSES " == *" $PURPOSE "* ]]; then
+  echo "unknown purpose '$PURPOSE'; one of: $PURPOSES (or --list)" >&2
+  exit 2
+fi
+OUT=${OUT:-/tmp/out}; LOGS=$OUT/logs
+[ "$PURPOSE" = --list ] && DRY_RUN=1
+[ -n "${DRY_RUN:-}" ] || mkdir -p "$LOGS"
+source bench/gpu_env.sh
+if [ "$PURPOSE" = --list ]; then
+  list_purposes
+  exit 0
+fi
+if [ -z "${DRY_RUN:-}" ]; then
+  export BENCH_RESULTS="$OUT/results.csv"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+fi
+shift
+"purpose_$PURPOSE" "$@"
+if [ -z "${DRY_RUN:-}" ]; then
+  tar -czf "$OUT/$PURPOSE-logs.tar.gz" -C "$LOGS" . && rm -rf "$LOGS"
+fi
+if [ ${#FAILED[@]} -gt 0 ]; then
+  echo "FAILED: ${FAILED[*]}" >&2
+  exit 1
+fi
+echo "all passed: $PURPOSE"

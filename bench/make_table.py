@@ -1,0 +1,193 @@
+"""Render the current benchmark figures from bench/results.csv into the READMEs.
+
+    python bench/make_table.py            # rewrite the generated tables in place
+    python bench/make_table.py --check    # exit 1 if a generated table is out of date
+
+Two tables, each between marker comments that nothing else writes inside:
+- bench/README.md: every current figure (the last row of each bench, case, metric and
+  device), one table per bench;
+- README.md: the headline figures named in ``HEADLINES`` below, each with the device and
+  date it was measured on.
+A headline whose figure is missing from results.csv is an error naming it, so a renamed case
+cannot silently drop a figure from the README.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.results import DEFAULT_PATH, REPO, current, read_rows  # noqa: E402
+
+BEGIN, END = "<!-- results-table:begin (bench/make_table.py) -->", "<!-- results-table:end -->"
+BENCH_README = REPO / "bench" / "README.md"
+MAIN_README = REPO / "README.md"
+H200 = "NVIDIA H200"
+
+
+@dataclass(frozen=True)
+class Headline:
+    what: str
+    keys: tuple[tuple[str, str, str], ...]  # (bench, case, metric), shown as "a / b"
+    note: str = ""
+    device: str = H200
+
+
+HEADLINES = (
+    Headline("one training step, 8-layer Qwen-Image-shaped model, 8 x 384², LoRA / full, "
+             "recipe defaults",
+             (("bench_step", "qwen8l-lora", "step_s"), ("bench_step", "qwen8l-full", "step_s"))),
+    Headline("the plain eager loop / this trainer, LoRA, micro-batch 4, 2 updates, no offload",
+             (("bench_step", "qwen8l-peer-mb4", "step_s"),
+              ("bench_step", "qwen8l-mb4-no-offload-lora", "step_s")),
+             "bench/peer_step.py"),
+    Headline("train stage per trained transition over the compiled fwd+bwd floor of the same "
+             "run, LoRA / full",
+             (("bench_step", "qwen8l-lora", "floor_ratio"),
+              ("bench_step", "qwen8l-full", "floor_ratio")), "target ≤ 1.3x"),
+    Headline("engine generate, same model, 8 x 384², 12 steps / diffusers' eager pipeline",
+             (("bench_step", "qwen8l-lora", "engine_images_per_s"),
+              ("bench_step", "qwen8l-diffusers-eager-pipeline", "images_per_s"))),
+    Headline("share of the step outside model compute, measured in place, LoRA / full, "
+             "recipe defaults",
+             (("bench_step", "qwen8l-lora", "outside_compute_share"),
+              ("bench_step", "qwen8l-full", "outside_compute_share")), "target ≤ 5 %"),
+    Headline("same, no offload, fused AdamW, LoRA / full",
+             (("bench_step", "qwen8l-lora-fused-adamw", "outside_compute_share"),
+              ("bench_step", "qwen8l-full-fused-adamw", "outside_compute_share")),
+             "target ≤ 5 %"),
+    Headline("same, full, at the recipes' global batch on one GPU (8 prompts x 8 samples)",
+             (("bench_step", "qwen8l-full-64samples", "outside_compute_share"),),
+             "target ≤ 5 %"),
+    Headline("weight sync inside the step, full 5.5 GB / LoRA adapter 0.10 GB",
+             (("bench_step", "qwen8l-full-fused-adamw", "weight_sync_s"),
+              ("bench_step", "qwen8l-lora-fused-adamw", "weight_sync_s"))),
+    Headline("weak scaling 1 → 2 GPUs, one group of 8 per GPU, LoRA / full",
+             (("bench_multi_gpu", "qwen8l-lora-x2", "weak_scaling_efficiency"),
+              ("bench_multi_gpu", "qwen8l-full-x2", "weak_scaling_efficiency")),
+             "target ≥ 90 %"),
+    Headline("SDE log-prob fwd+bwd kernels, bf16 64 x 1,048,576: CUDA graph / eager torch / "
+             "torch.compile",
+             (("bench_kernels", "64x1048576/bf16/fwd+bwd", "triton_graph_ms"),
+              ("bench_kernels", "64x1048576/bf16/fwd+bwd", "eager_ms"),
+              ("bench_kernels", "64x1048576/bf16/fwd+bwd", "compile_ms"))),
+    Headline("same, bf16 8 x 36,864: CUDA graph / one call from Python, host-inclusive",
+             (("bench_kernels", "8x36864/bf16/fwd+bwd", "triton_graph_ms"),
+              ("bench_kernels", "8x36864/bf16/fwd+bwd", "host_triton_ms")),
+             "target ≤ 0.05 ms"),
+    Headline("weight sync, 16 GB bf16, verify full / fused / SGLang's tensor path",
+             (("bench_ipc", "ipc-full-sync-16gb-verify=full", "TBps"),
+              ("bench_ipc", "ipc-full-sync-16gb-verify=fused", "TBps"),
+              ("bench_ipc", "torch-reductions-sglang-path-16gb", "TBps"))),
+    Headline("adapter sync, 1,440 tensors, 377 MB",
+             (("bench_ipc", "ipc-adapter-sync-1440-tensors", "ms"),), "target ≤ 2 ms"),
+    Headline("colocate offload of the LoRA actor (fp32 base 10.3 GiB): left on the GPU / "
+             "offload / onload",
+             (("bench_step", "qwen8l-lora-offload-train", "allocated_after_offload"),
+              ("bench_step", "qwen8l-lora-offload-train", "offload_s"),
+              ("bench_step", "qwen8l-lora-offload-train", "onload_s")),
+             "bit-identical training with and without (tests/test_offload_gpu.py)"),
+    Headline("PickScore-shaped reward, 256 x 384², bf16",
+             (("bench_rewards", "pickscore-arch-bfloat16-256x384-32prompts", "images_per_s"),),
+             "target ≥ 200 images/s"),
+)
+
+
+def fmt(text: str) -> str:
+    """A figure to about three significant digits, without exponents."""
+    value = float(text)
+    size = abs(value)
+    if size >= 100:
+        return f"{value:,.0f}"
+    if size >= 10:
+        return f"{value:.1f}"
+    if size >= 1:
+        return f"{value:.2f}"
+    return f"{value:.3g}"
+
+
+def _joined(values: list[str]) -> str:
+    unique = list(dict.fromkeys(values))
+    return " / ".join(unique)
+
+
+def headline_table(rows: list[dict[str, str]]) -> str:
+    latest = current(rows)
+    missing = [f"{h.device}: {'/'.join(key)}" for h in HEADLINES for key in h.keys
+               if (*key, h.device) not in latest]
+    if missing:
+        raise KeyError("headline figures missing from bench/results.csv: " + "; ".join(missing))
+    lines = ["| what | figure | note | measured |", "|---|---|---|---|"]
+    for h in HEADLINES:
+        found = [latest[(*key, h.device)] for key in h.keys]
+        units = [r["unit"] for r in found]
+        if len(set(units)) == 1:
+            figure = " / ".join(fmt(r["value"]) for r in found) + f" {units[0]}"
+        else:
+            figure = " / ".join(f"{fmt(r['value'])} {r['unit']}" for r in found)
+        when = _joined([r["date"] for r in found])
+        lines.append(f"| {h.what} | {figure} | {h.note} | {h.device}, {when} |")
+    return "\n".join(lines)
+
+
+def full_table(rows: list[dict[str, str]]) -> str:
+    by_bench: dict[str, list[dict[str, str]]] = {}
+    for row in current(rows).values():
+        by_bench.setdefault(row["bench"], []).append(row)
+    parts = []
+    for bench, group in by_bench.items():
+        parts += [f"#### {bench}", "",
+                  "| case | metric | value | min / median / max | device | torch | date | commit |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in group:
+            spread = (" / ".join(fmt(r[k]) for k in ("min", "median", "max"))
+                      if r["median"] else "")
+            parts.append(f"| {r['case']} | {r['metric']} | {fmt(r['value'])} {r['unit']} | "
+                         f"{spread} | {r['device']} | {r['torch']} | {r['date']} | "
+                         f"{r['commit']} |")
+        parts.append("")
+    return "\n".join(parts).rstrip()
+
+
+def replace_between_markers(text: str, table: str, where: Path) -> str:
+    if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
+        raise ValueError(f"{where}: needs exactly one {BEGIN!r} followed by one {END!r}")
+    head, rest = text.split(BEGIN)
+    _, tail = rest.split(END)
+    return f"{head}{BEGIN}\n{table}\n{END}{tail}"
+
+
+def rendered(results: Path = DEFAULT_PATH, bench_readme: Path = BENCH_README,
+             main_readme: Path = MAIN_README) -> dict[Path, str]:
+    """The two READMEs as they should read, from the results file."""
+    rows = read_rows(results)
+    return {bench_readme: replace_between_markers(bench_readme.read_text(encoding="utf-8"),
+                                                  full_table(rows), bench_readme),
+            main_readme: replace_between_markers(main_readme.read_text(encoding="utf-8"),
+                                                 headline_table(rows), main_readme)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true",
+                        help="report out-of-date tables instead of rewriting them")
+    parser.add_argument("--results", type=Path, default=DEFAULT_PATH)
+    args = parser.parse_args(argv)
+    stale = []
+    for path, text in rendered(args.results).items():
+        if path.read_text(encoding="utf-8") != text:
+            stale.append(path)
+            if not args.check:
+                path.write_text(text, encoding="utf-8")
+    if args.check and stale:
+        print("out of date with bench/results.csv (run python bench/make_table.py): "
+              + ", ".join(str(p.relative_to(REPO)) for p in stale), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

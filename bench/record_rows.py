@@ -1,0 +1,86 @@
+"""Results rows of the training-step and toy-learning benches (bench_step.py with its floors
+and peer, peer_step.py, bench_toy_learning.py): each script ends its main() with one call
+here, so the scripts keep their own tables and this module owns what goes into
+bench/results.csv (bench/results.py).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = str(Path(__file__).resolve().parents[1])
+if ROOT not in sys.path:  # the scripts run as `python bench/x.py`, with only bench/ on the path
+    sys.path.insert(0, ROOT)
+
+from bench.results import Recorder, device_name  # noqa: E402
+
+
+def record_step(results: list[dict], extra: dict, args) -> None:
+    """bench_step.py: one case per row (``qwen8l-lora``, with the run's ``--label`` prefix),
+    its step / stage seconds, train ms per transition, floor and ratio, engine images/s, peak
+    memory and share outside model compute; the diffusers pipeline and the peer when timed."""
+    rec = Recorder("bench_step", device=device_name(args.device))
+    setup = f"{'tiny-' if args.tiny else ''}qwen{args.layers}l"
+    samples = 8 * args.groups
+    for r in results:
+        case = f"{setup}-{r['label']}" + (f"-{samples}samples" if args.groups != 1 else "")
+        times = [t for t in r["step_times"] if t is not None]
+        rec.add(case, "step_s", r["step_time"], "s", samples=times[1:] or times)
+        stages = r["stage_times"]
+        for metric, key in (("rollout_s", "perf/rollout_time"), ("train_s", "perf/train_time")):
+            if key in stages:
+                rec.add(case, metric, stages[key], "s")
+        if stages.get("perf/rollout_time"):
+            rec.add(case, "engine_images_per_s", samples / stages["perf/rollout_time"],
+                    "images/s")
+        rec.add(case, "train_ms_per_transition", r["train_ms_per_transition"], "ms")
+        if "floor_ms_per_transition" in r:
+            rec.add(case, "floor_ms_per_transition", r["floor_ms_per_transition"], "ms")
+            rec.add(case, "floor_ratio", r["floor_ratio"], "x")
+        rec.add(case, "peak_memory", r["peak_gb"], "GB")
+        rec.add(case, "outside_compute_share", 100 * r["share_outside"], "%")
+    if "diffusers_images_per_s" in extra:
+        rec.add(f"{setup}-diffusers-eager-pipeline", "images_per_s",
+                extra["diffusers_images_per_s"], "images/s")
+    if extra.get("peer"):
+        _peer_rows(rec, f"{setup}-peer-mb{extra['peer']['micro_batch']}", extra["peer"])
+    rec.write()
+
+
+def _peer_rows(rec: Recorder, case: str, peer: dict) -> None:
+    for metric, key in (("step_s", "step"), ("rollout_s", "rollout"), ("train_s", "train")):
+        rec.add(case, metric, peer[key], "s")
+    rec.add(case, "train_ms_per_transition", peer["train_ms_per_transition"], "ms")
+    rec.add(case, "peak_memory", peer["peak_gb"], "GB")
+
+
+def record_peer(peer: dict) -> None:
+    """peer_step.py run on its own: the plain eager loop's figures."""
+    rec = Recorder("peer_step", device=device_name("cuda"))
+    _peer_rows(rec, f"peer-mb{peer['micro_batch']}-u{peer['updates']}", peer)
+    rec.write()
+
+
+def record_toy(results: list[dict], args) -> None:
+    """bench_toy_learning.py: per variant that finished, the eval reward at its first and last
+    point, their difference and the seconds per rollout; the eval's spread over the noise
+    seeds at the start when measured (the yardstick a gain is read against)."""
+    rec = Recorder("bench_toy_learning", device=device_name(args.device))
+    for r in results:
+        evals = r.get("evals") or []
+        if r.get("returncode") != 0 or len(evals) < 2:
+            continue
+        case = f"{args.recipe}-{r['name']}"
+        first, last = evals[0], evals[-1]
+        rec.add(case, "eval_reward_start", first["reward_mean"], "reward")
+        rec.add(case, f"eval_reward_at_{last['rollout']}", last["reward_mean"], "reward")
+        rec.add(case, f"eval_gain_at_{last['rollout']}",
+                last["reward_mean"] - first["reward_mean"], "reward")
+        if r.get("seconds_per_rollout"):
+            rec.add(case, "s_per_rollout", r["seconds_per_rollout"], "s")
+        noise = [first["reward_mean"], *(r.get("noise") or [])]
+        if len(noise) > 1:
+            rec.add(case, "eval_seed_spread", max(noise) - min(noise), "reward")
+    if rec.rows:
+        rec.write()
+
