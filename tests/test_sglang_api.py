@@ -78,6 +78,8 @@ def test_sglang_refuses_what_it_lacks(server):
         assert fragment in problems, fragment
     assert stock_problems({"sde_type": "sde", "driver_sigmas": False, "driver_xt": False},
                           extension=False) == []
+    assert stock_problems({"sde_type": "dance", "driver_sigmas": True, "driver_xt": True},
+                          extension=True) == []
 
 
 def test_rollout_packs_and_replays_with_ratio_one(server, adapter):
