@@ -139,6 +139,19 @@ def _server_args(s, model_dir):
     return server_args
 
 
+def _build_controller(*, batch, pipeline_config):
+    """SGLang's scheduler-stepped rollout controller, minus sequence-parallel sharding (its
+    default needs SGLang's process groups; one worker here)."""
+    return _sglang()["FlowRolloutController"](
+        sde_type=batch.rollout_sde_type, noise_level=float(batch.rollout_noise_level),
+        log_prob_no_const=batch.rollout_log_prob_no_const, debug_mode=batch.rollout_debug_mode,
+        sde_step_indices=batch.rollout_sde_step_indices, generator=batch.generator,
+        return_dit_trajectory=batch.rollout_return_dit_trajectory,
+        return_step_indices=batch.rollout_return_step_indices,
+        shard_for_sp=lambda b, x: x, gather_for_sp=lambda b, x: x,
+        sigmas=batch.scheduler.sigmas, latents_shape=tuple(batch.latents.shape))
+
+
 class TinyScheduler:
     """Answers SGLang's scheduler-client calls in-process (see the module docstring)."""
 
@@ -211,23 +224,12 @@ class TinyScheduler:
         scheduler, timesteps = req.scheduler, req.timesteps
         cond = adapter.encode_prompts(self.frozen, [req.prompt] * n)
 
-        def build_controller(*, batch, pipeline_config):  # SGLang's, minus SP sharding
-            return s["FlowRolloutController"](
-                sde_type=batch.rollout_sde_type, noise_level=float(batch.rollout_noise_level),
-                log_prob_no_const=batch.rollout_log_prob_no_const,
-                debug_mode=batch.rollout_debug_mode,
-                sde_step_indices=batch.rollout_sde_step_indices, generator=batch.generator,
-                return_dit_trajectory=batch.rollout_return_dit_trajectory,
-                return_step_indices=batch.rollout_return_step_indices,
-                shard_for_sp=lambda b, x: x, gather_for_sp=lambda b, x: x,
-                sigmas=batch.scheduler.sigmas, latents_shape=tuple(batch.latents.shape))
-
         hooks = s["rollout_hooks"]
         # called through the denoising stage's module attribute, as SGLang's loop calls it
         # (where a plugin's hook on it takes effect)
         s["denoising"].prepare_rollout_if_enabled(
             batch=req, pipeline_config=self.server_args.pipeline_config,
-            build_controller=build_controller)
+            build_controller=_build_controller)
         latents = req.latents
         # SGLang's Qwen-Image cond kwargs: no mask when every text token is real (always so
         # for one prompt), txt_seq_lens, img_shapes, and the embeddings

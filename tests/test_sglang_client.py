@@ -254,6 +254,12 @@ def test_preflight_names_what_stock_sglang_cannot_do():
         preflight(load_config("tiny", urls + ['rollout.sampling={"sde_type": "dance", '
                                               '"driver_xt": false}']),
                   world_size=1, device="cpu", check_paths=False)
+    adapter_mode = ["lora.rank=4", "fsdp.trainable_mode=lora", "lora.adapter_mode=true"]
+    with pytest.raises(ConfigError, match="SGLang's lora_merge takes an integer lora_alpha"):
+        preflight(load_config("tiny", urls + adapter_mode + ["lora.alpha=8.5"]),
+                  world_size=1, device="cpu", check_paths=False)
+    preflight(load_config("tiny", urls + adapter_mode + ["lora.alpha=8"]),
+              world_size=1, device="cpu", check_paths=False)
 
 
 def test_ci_and_readme_install_the_pinned_sglang():

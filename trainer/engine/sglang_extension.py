@@ -73,7 +73,7 @@ def register() -> None:
 
 
 # ---- HTTP process ----------------------------------------------------------------------------
-def block_problems(block: Any, num_inference_steps: int) -> list[str]:
+def block_problems(block: Any, num_inference_steps: int | None) -> list[str]:
     """Every problem of a request's block ([] when SGLang can run it with this plugin)."""
     if not isinstance(block, dict):
         return [f"must be a table, got {type(block).__name__}"]
@@ -86,8 +86,10 @@ def block_problems(block: Any, num_inference_steps: int) -> list[str]:
     if block.get("sde_type") == "dance" and not noise:
         problems.append("sde_type 'dance' is this plugin's sampler, which draws the driver's "
                         "noise: send the noise keys")
-    if "sigmas" in block:
-        problems += _sigma_problems(block["sigmas"], num_inference_steps)
+    if "sigmas" in block and num_inference_steps is None:
+        problems.append("'sigmas' needs the request's num_inference_steps")
+    elif "sigmas" in block:
+        problems += _sigma_problems(block["sigmas"], int(num_inference_steps))
     return problems
 
 
@@ -113,7 +115,7 @@ def take_block(original, request, *args, **kwargs):
     if block is None:
         _pending.set(None)
         return original(request, *args, **kwargs)
-    problems = block_problems(block, int(request.num_inference_steps))
+    problems = block_problems(block, request.num_inference_steps)
     if problems:
         from fastapi import HTTPException  # SGLang's HTTP layer: a 400 naming every problem
 

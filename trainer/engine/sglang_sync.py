@@ -344,6 +344,10 @@ def sglang_config_problems(cfg: Any) -> list[str]:
     elif r.sglang_weight_sync == "disk" and cfg.sync_mode == "adapter":
         problems.append("rollout.sglang_weight_sync='disk' reloads full weights: LoRA adapter "
                         "sync mode needs 'tensor' (SGLang's lora_merge), or drop adapter_mode")
+    alpha = cfg.lora.alpha or cfg.lora.rank
+    if cfg.sync_mode == "adapter" and float(alpha) != int(alpha):
+        problems.append(f"lora.alpha={cfg.lora.alpha!r}: SGLang's lora_merge takes an integer "
+                        "lora_alpha")
     conc = r.sglang_concurrency
     if isinstance(conc, bool) or not isinstance(conc, int) or conc < 1:
         problems.append(f"rollout.sglang_concurrency must be a positive integer, got {conc!r}")
