@@ -175,7 +175,7 @@ def test_trainer_step_through_sglang_syncs_the_served_weights(server, tiny_model
                                                               lora):
     """generate -> pack -> replay (first ratio 1) -> update -> sync through SGLang's
     deserializer -> checker -> the next rollout is served by the trained weights (LoRA:
-    merged into the base by the trainer, the sync mode a checker can verify)."""
+    merged into the base by the trainer; adapter mode's lora_merge: tests/test_sglang_lora.py)."""
     from trainer.actor.sync import merged_full_tensors
     from trainer.config import load_config
     from trainer.loop import Trainer
