@@ -5,16 +5,21 @@
 
 What is SGLang's code here: the FastAPI routers (``rollout_api``, ``weights_api``: request
 parsing, ``SamplingParams`` validation, per-output slicing, msgpack + tensor tags), the
-request -> ``Req`` preparation, the rollout hooks (``prepare_rollout_if_enabled`` is called
-through the denoising stage's module, where plugins hook it, as SGLang's loop calls it) and
-``FlowRolloutController`` (the SDE step, its log-prob, the [T+1] trajectory, the denoising
-env), the scheduler/worker post-training mixins (payload selection by GPU UUID,
-``MultiprocessingSerializer`` + restricted unpickler, ``WeightsUpdater`` flattened-bucket
-reconstruction and in-place load, ``TensorUpdateChecker``).
+request -> ``Req`` preparation, the pipeline object (a ``LoRAPipeline``: SGLang's own
+constructor, LoRA layer conversion and merge), Qwen-Image's timestep stage
+(``TimestepPreparationStage`` with ``prepare_mu`` over SGLang's ``FlowMatchEulerDiscreteScheduler``
+built from the checkpoint's scheduler config), the rollout hooks (``prepare_rollout_if_enabled``
+is called through the denoising stage's module, where plugins hook it, as SGLang's loop calls
+it), the scheduler's ``step`` with the ``FlowRolloutController`` transition (the SDE step, its
+log-prob, the [T+1] trajectory, the denoising env), the scheduler/worker post-training mixins
+(payload selection by GPU UUID, ``MultiprocessingSerializer`` + restricted unpickler,
+``WeightsUpdater`` flattened-bucket reconstruction, in-place load and ``lora_merge``,
+``TensorUpdateChecker``).
 What stands in for SGLang's GPU runtime: ``TinyScheduler`` answers ``async_scheduler_client.
 forward`` with the tiny diffusers model of tests/tiny_models.py (prompt encoding, the
 transformer forward, VAE decode through our adapter; x_T drawn from the request's generators as
-SGLang draws it: one generator per output seeded seed + k).
+SGLang draws it: one generator per output seeded seed + k), and ``TinyPipeline`` hands SGLang's
+pipeline constructor those already-built modules instead of loading a checkpoint.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import socket
 import threading
 import time
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -66,11 +72,15 @@ def _import_sglang():
     from sglang.multimodal_gen.runtime.entrypoints.post_training import (io_struct, rollout_api,
                                                                           weights_api)
     from sglang.multimodal_gen.runtime.pipelines_core.schedule_batch import OutputBatch, Req
+    from sglang.multimodal_gen.runtime.pipelines.qwen_image import prepare_mu
+    from sglang.multimodal_gen.runtime.pipelines_core.lora.pipeline import LoRAPipeline
     from sglang.multimodal_gen.runtime.pipelines_core.stages import denoising
     from sglang.multimodal_gen.runtime.post_training import (gpu_worker_post_training_mixin,
                                                               rollout_hooks,
                                                               scheduler_post_training_mixin,
                                                               tensor_update_checker)
+    from sglang.multimodal_gen.runtime.models.schedulers.scheduling_flow_match_euler_discrete import (
+        FlowMatchEulerDiscreteScheduler)
     from sglang.multimodal_gen.runtime.post_training.flow_rollout_controller import (
         FlowRolloutController)
     from sglang.multimodal_gen.runtime.scheduler_client import async_scheduler_client
@@ -91,14 +101,55 @@ def restore_torch_reductions() -> None:
         reductions.init_reductions()
 
 
-class _Pipeline:
-    """What WeightsUpdater / TensorUpdateChecker read from a pipeline: named modules."""
+def tiny_pipeline_class():
+    """A ``LoRAPipeline`` over modules built in-process: SGLang's constructor runs (its LoRA
+    bookkeeping, its stage list), only loading a checkpoint and building an executor are
+    replaced; its stage is Qwen-Image's timestep preparation, as ``QwenImagePipeline`` adds it."""
+    s = _sglang()
 
-    def __init__(self, modules: dict[str, torch.nn.Module], model_path: str) -> None:
-        self.modules, self.model_path = modules, model_path
+    class TinyPipeline(s["LoRAPipeline"]):
+        pipeline_name = "TinyQwenImage"
+        _required_config_modules = ["transformer", "scheduler"]
 
-    def get_module(self, name: str):
-        return self.modules.get(name)
+        def __init__(self, model_path, server_args, modules) -> None:
+            self._built = modules
+            super().__init__(model_path, server_args)
+
+        def build_executor(self, server_args):
+            return None  # stages are called one at a time by TinyScheduler
+
+        def load_modules(self, server_args, loaded_modules=None):
+            return dict(self._built)
+
+        def create_pipeline_stages(self, server_args):
+            self.add_standard_timestep_preparation_stage(prepare_extra_kwargs=[s["prepare_mu"]])
+
+    return TinyPipeline
+
+
+def _server_args(s, model_dir):
+    """SGLang's native Qwen-Image configs (task T2I, QwenImageSamplingParams), as a server
+    launched on a Qwen-Image checkpoint resolves them; the VAE's arch from its config.json (the
+    timestep stage's ``prepare_mu`` reads its scale factor)."""
+    server_args = s["ServerArgs"](model_path=str(model_dir), pipeline_class_name="QwenImagePipeline")
+    server_args.pipeline_config = s["QwenImagePipelineConfig"]()
+    vae = server_args.pipeline_config.vae_config
+    vae.update_model_arch(json.loads((Path(model_dir) / "vae" / "config.json").read_text()))
+    vae.post_init()
+    return server_args
+
+
+def _build_controller(*, batch, pipeline_config):
+    """SGLang's scheduler-stepped rollout controller, minus sequence-parallel sharding (its
+    default needs SGLang's process groups; one worker here)."""
+    return _sglang()["FlowRolloutController"](
+        sde_type=batch.rollout_sde_type, noise_level=float(batch.rollout_noise_level),
+        log_prob_no_const=batch.rollout_log_prob_no_const, debug_mode=batch.rollout_debug_mode,
+        sde_step_indices=batch.rollout_sde_step_indices, generator=batch.generator,
+        return_dit_trajectory=batch.rollout_return_dit_trajectory,
+        return_step_indices=batch.rollout_return_step_indices,
+        shard_for_sp=lambda b, x: x, gather_for_sp=lambda b, x: x,
+        sigmas=batch.scheduler.sigmas, latents_shape=tuple(batch.latents.shape))
 
 
 class TinyScheduler:
@@ -112,7 +163,11 @@ class TinyScheduler:
         self.adapter = QwenImageAdapter(str(model_dir))
         self.frozen = self.adapter.load_frozen(device="cpu", dtype=torch.float32)
         self.transformer = self.adapter.load_train_model().eval()
-        self.pipeline = _Pipeline({"transformer": self.transformer}, str(model_dir))
+        scheduler = s["FlowMatchEulerDiscreteScheduler"].from_pretrained(str(model_dir),
+                                                                         subfolder="scheduler")
+        self.pipeline = tiny_pipeline_class()(str(model_dir), server_args,
+                                              {"transformer": self.transformer,
+                                               "scheduler": scheduler})
         self.lock = threading.Lock()
         self.requests: list = []  # every rollout Req, for the tests to inspect
         self.weight_requests: list = []  # every weight-route request object
@@ -149,38 +204,33 @@ class TinyScheduler:
                         io.GetWeightsChecksumReqInput: sched._handle_get_weights_checksum}
             return handlers[type(req)]([req])
 
+    def _prepare(self, req):
+        """x_T from the request's generators, then SGLang's timestep stage (Qwen-Image's order:
+        latent preparation, timestep preparation, denoising)."""
+        n, h, w = req.num_outputs_per_prompt, req.height, req.width
+        gens = [torch.Generator("cpu").manual_seed(req.seed + k) for k in range(n)]
+        shape = self.adapter.latent_shape(h, w)
+        req.generator = gens
+        req.latents = torch.stack([torch.randn(shape, generator=g) for g in gens])
+        (stage,) = self.pipeline.stages
+        return stage(req, self.server_args)
+
     @torch.no_grad()
     def _rollout(self, req):
         s, adapter = self.s, self.adapter
         self.requests.append(req)
-        n, h, w, steps = req.num_outputs_per_prompt, req.height, req.width, req.num_inference_steps
-        gens = [torch.Generator("cpu").manual_seed(req.seed + k) for k in range(n)]
-        shape = (n, *adapter.latent_shape(h, w))
-        latents = torch.stack([torch.randn(shape[1:], generator=g) for g in gens])
-        sigmas = adapter.scheduler_sigmas(steps, h, w).to(torch.float32)
+        req = self._prepare(req)
+        n, h, w = req.num_outputs_per_prompt, req.height, req.width
+        scheduler, timesteps = req.scheduler, req.timesteps
         cond = adapter.encode_prompts(self.frozen, [req.prompt] * n)
-        req.generator = gens
-        req.latents = latents
-
-        def build_controller(*, batch, pipeline_config):  # SGLang's, minus its scheduler object
-            return s["FlowRolloutController"](
-                sde_type=batch.rollout_sde_type, noise_level=float(batch.rollout_noise_level),
-                log_prob_no_const=batch.rollout_log_prob_no_const,
-                debug_mode=batch.rollout_debug_mode,
-                sde_step_indices=batch.rollout_sde_step_indices, generator=gens,
-                return_dit_trajectory=batch.rollout_return_dit_trajectory,
-                return_step_indices=batch.rollout_return_step_indices,
-                shard_for_sp=lambda b, x: x, gather_for_sp=lambda b, x: x,
-                sigmas=sigmas, latents_shape=tuple(batch.latents.shape))
 
         hooks = s["rollout_hooks"]
         # called through the denoising stage's module attribute, as SGLang's loop calls it
         # (where a plugin's hook on it takes effect)
         s["denoising"].prepare_rollout_if_enabled(
             batch=req, pipeline_config=self.server_args.pipeline_config,
-            build_controller=build_controller)
+            build_controller=_build_controller)
         latents = req.latents
-        ctrl = req.rollout_controllers[hooks.VISUAL_STREAM]
         # SGLang's Qwen-Image cond kwargs: no mask when every text token is real (always so
         # for one prompt), txt_seq_lens, img_shapes, and the embeddings
         mask = cond["prompt_embeds_mask"]
@@ -190,14 +240,16 @@ class TinyScheduler:
                "img_shapes": [[(1, *(d // 2 for d in adapter.latent_grid(h, w)))]] * n}
         hooks.init_rollout_env_if_enabled(batch=req, image_kwargs={}, pos_cond_kwargs=pos,
                                           neg_cond_kwargs={}, guidance=None)
-        for i in range(steps):
-            v = adapter.velocity(self.transformer, latents, sigmas[i], cond, h, w)
-            latents = ctrl.transition(batch=req, model_output=v, sample=latents.float(),
-                                      current_sigma=sigmas[i], next_sigma=sigmas[i + 1],
-                                      dt=sigmas[i + 1] - sigmas[i], generator=None, step_index=i,
-                                      timestep=sigmas[i] * 1000)
-        hooks.finalize_rollout_if_enabled(batch=req, latents=latents, num_inference_steps=steps,
-                                          final_timestep=sigmas[steps] * 1000,
+        scheduler.set_begin_index(0)
+        # eager: SGLang compiles its LoRA layers' forward (a GPU-side speed-up, slow on CPU)
+        with torch.compiler.set_stance("force_eager"):
+            for i, t in enumerate(timesteps):
+                v = adapter.velocity(self.transformer, latents, scheduler.sigmas[i], cond, h, w)
+                latents = scheduler.step(v, t, latents, return_dict=False,
+                                         **hooks.rollout_step_kwargs(req))[0]
+        hooks.finalize_rollout_if_enabled(batch=req, latents=latents,
+                                          num_inference_steps=len(timesteps),
+                                          final_timestep=timesteps.new_zeros(()),
                                           pipeline_config=self.server_args.pipeline_config)
         images = adapter.decode(self.frozen, latents, h, w)  # uint8 [n, H, W, 3]
         # SGLang's decoded frames: float in [0, 1], [B, C, F=1, H, W]
@@ -234,11 +286,7 @@ def serve_sglang(model_dir, *, weights_api: bool = True):
     s = _sglang()
     client = s["async_scheduler_client"]
     previous = client.__dict__.get("forward")  # an outer serve_sglang's scheduler, if any
-    # SGLang's native Qwen-Image configs (task T2I, QwenImageSamplingParams), as a server
-    # launched on a Qwen-Image checkpoint resolves them
-    server_args = s["ServerArgs"](model_path=str(model_dir),
-                                  pipeline_class_name="QwenImagePipeline")
-    server_args.pipeline_config = s["QwenImagePipelineConfig"]()
+    server_args = _server_args(s, model_dir)
     s["set_global_server_args"](server_args)
     scheduler = TinyScheduler(model_dir, server_args)
     strategy = torch.multiprocessing.get_sharing_strategy()

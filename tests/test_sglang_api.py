@@ -78,6 +78,8 @@ def test_sglang_refuses_what_it_lacks(server):
         assert fragment in problems, fragment
     assert stock_problems({"sde_type": "sde", "driver_sigmas": False, "driver_xt": False},
                           extension=False) == []
+    assert stock_problems({"sde_type": "dance", "driver_sigmas": True, "driver_xt": True},
+                          extension=True) == []
 
 
 def test_rollout_packs_and_replays_with_ratio_one(server, adapter):
@@ -173,7 +175,7 @@ def test_trainer_step_through_sglang_syncs_the_served_weights(server, tiny_model
                                                               lora):
     """generate -> pack -> replay (first ratio 1) -> update -> sync through SGLang's
     deserializer -> checker -> the next rollout is served by the trained weights (LoRA:
-    merged into the base by the trainer, the sync mode a checker can verify)."""
+    merged into the base by the trainer; adapter mode's lora_merge: tests/test_sglang_lora.py)."""
     from trainer.actor.sync import merged_full_tensors
     from trainer.config import load_config
     from trainer.loop import Trainer
@@ -240,30 +242,6 @@ def test_payload_labelled_with_gpu_uuid(server, adapter, monkeypatch):
     assert client.committed_version == 8  # a failed sync never advances the version
 
 
-def test_adapter_sync_is_an_sglang_lora_merge(server, monkeypatch):
-    """LoRA adapter mode: lora_A/lora_B under the layer names SGLang groups by, as a
-    lora_merge update with alpha and rank; SGLang's own refusal (this stand-in pipeline has no
-    LoRA layers) fails the sync."""
-    from trainer.engine import sglang_sync
-
-    sent = []
-    serialize = sglang_sync.serialize_payload
-    monkeypatch.setattr(sglang_sync, "serialize_payload", lambda obj: sent.append(obj)
-                        or serialize(obj))
-    client = SGLangEngineClient(server.url)
-    peft = "base_model.model.transformer_blocks.0.attn.to_q"
-    payload = [(f"{peft}.lora_A.default.weight", torch.randn(4, 16)),
-               (f"{peft}.lora_B.default.weight", torch.zeros(16, 4))]
-    with pytest.raises(SGLangSyncError, match="requires a LoRAPipeline-backed model"):
-        SGLangWeightSync(client, lora=(8, 4)).sync(3, payload, mode="adapter")
-    req = server.scheduler.weight_requests[-1]
-    assert (req.weight_update_mode, req.lora_alpha, req.lora_rank) == ("lora_merge", 8, 4)
-    names = [m.name for m in sent[-1]["transformer"]["metadata"]]
-    # SGLang splits at ".lora_A" / ".lora_B": the layer name must be the model's, unprefixed
-    assert names == ["transformer_blocks.0.attn.to_q.lora_A.default.weight",
-                     "transformer_blocks.0.attn.to_q.lora_B.default.weight"]
-
-
 def test_trainer_refuses_a_family_the_client_cannot_map(tiny_model_dir, tmp_path):
     from trainer.config import load_config
     from trainer.loop import Trainer
@@ -285,25 +263,3 @@ def test_checker_catches_an_update_sglang_skipped(server, adapter):
     with pytest.raises(SGLangSyncError, match="missing 1 tensor"):
         SGLangWeightSync(client).sync(11, renamed)
     assert client.committed_version != 11
-
-
-def test_full_sync_of_a_peft_model_splits_base_and_adapter(server, adapter):
-    """The first sync of the LoRA adapter mode: base weights under the served names as a
-    checked plain update, then lora_A/lora_B as lora_merge (refused by this stand-in)."""
-    from peft import LoraConfig, get_peft_model
-
-    client = SGLangEngineClient(server.url)
-    model = get_peft_model(_bumped(adapter, 0.001), LoraConfig(r=2, lora_alpha=4,
-                                                                target_modules=["to_q"]))
-    seen = len(server.scheduler.weight_requests)
-    with pytest.raises(SGLangSyncError, match="requires a LoRAPipeline-backed model"):
-        SGLangWeightSync(client, lora=(4, 2)).sync(12, model.named_parameters())
-    kinds = [(type(r).__name__, getattr(r, "weight_update_mode", None))
-             for r in server.scheduler.weight_requests[seen:]]
-    assert kinds == [("UpdateWeightFromTensorReqInput", None),
-                     ("UpdateWeightFromTensorCheckerReqInput", None),
-                     ("UpdateWeightFromTensorReqInput", "lora_merge")]
-    served = dict(server.scheduler.transformer.named_parameters())
-    base = {n.removeprefix("base_model.model.").replace(".base_layer.", "."): p
-            for n, p in model.named_parameters() if ".lora_" not in n}
-    assert set(base) == set(served) and all(torch.equal(served[n], p) for n, p in base.items())

@@ -244,6 +244,22 @@ def test_preflight_names_what_stock_sglang_cannot_do():
     ok = load_config("tiny", ["rollout.engine=sglang", 'rollout.sglang_urls=["http://127.0.0.1:9"]',
                               'rollout.sampling={"driver_sigmas": false, "driver_xt": false}'])
     preflight(ok, world_size=1, device="cpu", check_paths=False)
+    # the extension takes the driver's sigmas, x_T and noise, and dance (on the driver's noise)
+    urls = ["rollout.engine=sglang", 'rollout.sglang_urls=["http://127.0.0.1:9"]',
+            "rollout.sglang_extension=true"]
+    preflight(load_config("tiny", urls + ['rollout.sampling={"sde_type": "dance", '
+                                          '"driver_sigmas": true, "driver_xt": true}']),
+              world_size=1, device="cpu", check_paths=False)
+    with pytest.raises(ConfigError, match="sde_type='dance' runs on the extension's sampler"):
+        preflight(load_config("tiny", urls + ['rollout.sampling={"sde_type": "dance", '
+                                              '"driver_xt": false}']),
+                  world_size=1, device="cpu", check_paths=False)
+    adapter_mode = ["lora.rank=4", "fsdp.trainable_mode=lora", "lora.adapter_mode=true"]
+    with pytest.raises(ConfigError, match="SGLang's lora_merge takes an integer lora_alpha"):
+        preflight(load_config("tiny", urls + adapter_mode + ["lora.alpha=8.5"]),
+                  world_size=1, device="cpu", check_paths=False)
+    preflight(load_config("tiny", urls + adapter_mode + ["lora.alpha=8"]),
+              world_size=1, device="cpu", check_paths=False)
 
 
 def test_ci_and_readme_install_the_pinned_sglang():

@@ -1,6 +1,7 @@
 """trainer.engine.sglang_extension loaded into SGLang's own rollout path (sglang==0.5.23) by
-SGLang's hook registry, on CPU: the driver's x_T and step noise, ``dance``, kernels.sde_step as
-the sampler; inert for stock requests. tests/sglang_fixtures.py says what is SGLang's code."""
+SGLang's hook registry, on CPU: the driver's sigmas (through SGLang's timestep stage), x_T and
+step noise, ``dance``, kernels.sde_step as the sampler; inert for stock requests.
+tests/sglang_fixtures.py says what is SGLang's code."""
 from __future__ import annotations
 
 import json
@@ -37,11 +38,19 @@ def server(tiny_model_dir):
         yield srv
 
 
-def _request(adapter, sampling_extra, sde_indices):
+#: A schedule SGLang's own grid for the tiny Qwen-Image at 32x32 (shifted, stretched to 0.02)
+#: is not: what the driver sends must be what the loop runs.
+DRIVER_SIGMAS = [1.0, 0.8, 0.5, 0.2, 0.0]
+
+
+def _request(adapter, sampling_extra, sde_indices, sigmas=None):
     sampling = {"height": 32, "width": 32, "num_inference_steps": 4, "eta": 0.7,
-                "driver_sigmas": False, **sampling_extra}
-    return adapter.build_rollout_request(PROMPTS, IDS, sampling, rollout_id=0, seed=7,
-                                         sde_indices=sde_indices)
+                "driver_sigmas": sigmas is not None, **sampling_extra}
+    request = adapter.build_rollout_request(PROMPTS, IDS, sampling, rollout_id=0, seed=7,
+                                            sde_indices=sde_indices)
+    if sigmas is not None:
+        request["extra_sampling_params"]["sigmas"] = list(sigmas)
+    return request
 
 
 def test_entry_point_names_the_plugin():
@@ -80,6 +89,56 @@ def test_dance_with_driver_noise_is_our_sampler(server):
     assert torch.equal(again["dit_trajectory"]["latents"], response["dit_trajectory"]["latents"])
 
 
+@pytest.mark.parametrize("driver_xt", [True, False], ids=["our_sampler", "sglang_sampler"])
+def test_driver_sigmas_are_the_schedule_sglang_runs(server, driver_xt):
+    """SGLang's timestep stage binds the request's scheduler; the plugin's hook sets its grid
+    to the driver's sigmas verbatim (SGLang alone would shift them by mu): the loop steps
+    them, the trajectory echoes them, and the replay's log-prob equals the engine's, with our
+    sampler (driver noise) or SGLang's (its own noise)."""
+    import kernels
+    from trainer.actor.replay import replay_log_probs
+
+    adapter, transformer = server.scheduler.adapter, server.scheduler.transformer
+    stock = _request(adapter, {"driver_xt": False, "sde_type": "sde"}, [1, 2])
+    served = SGLangEngineClient(server.url).generate(stock)["dit_trajectory"]["sigmas"]
+    assert not torch.allclose(served, torch.tensor(DRIVER_SIGMAS), atol=1e-3)
+
+    request = _request(adapter, {"driver_xt": driver_xt, "sde_type": "sde"}, [1, 2],
+                       sigmas=DRIVER_SIGMAS)
+    with pytest.raises(ValueError, match="stock SGLang rejects"):
+        SGLangEngineClient(server.url).generate(request)
+    seen = len(server.scheduler.requests)
+    response = SGLangEngineClient(server.url, extension=True).generate(request)
+    for req in server.scheduler.requests[seen:]:  # what SGLang's loop stepped
+        assert torch.equal(req.scheduler.sigmas, torch.tensor(DRIVER_SIGMAS))
+        assert torch.equal(req.timesteps, req.scheduler.sigmas[:-1] * 1000)
+    assert torch.equal(response["dit_trajectory"]["sigmas"], torch.tensor(DRIVER_SIGMAS))
+    batch = adapter.pack_trajectory(response, request)
+    if driver_xt:  # step 1 is kernels.sde_step from the driver's sigma 0.8 to 0.5
+        x_1 = batch.latents[:1, 0]
+        cond = {k: v[:1] for k, v in batch.conditions.items()}
+        with torch.no_grad():
+            v = adapter.velocity(transformer, x_1, torch.tensor(0.8), cond, 32, 32)
+        step = kernels.sde_step(x_1, v, 0.8, 0.5, eta=0.7, sde_type="sde",
+                                noise=adapter.step_noise(IDS[:1], 1, list(x_1.shape[1:]), seed=7))
+        assert torch.allclose(batch.next_latents[0, 0], step.prev_sample[0], atol=1e-5, rtol=0)
+    with torch.no_grad():
+        replay = replay_log_probs(adapter, transformer, batch, backend="torch")
+    assert torch.allclose(replay, batch.log_probs, atol=2e-4, rtol=0)
+
+
+def test_bad_driver_sigmas_are_a_400(server):
+    body = {"prompt": "a cat", "seed": 1, "width": 32, "height": 32, "num_inference_steps": 4,
+            "extra_sampling_params": {"flowgrpo": {
+                "sample_ids": ["a"], "model_family": "qwen_image", "latent_shape": [64, 16],
+                "sde_type": "dance", "sigmas": [1.0, 0.5, 0.7, 0.1]}}}
+    detail = _post_400(server.url, body)
+    for fragment in ("'sigmas' holds 4 values, num_inference_steps=4 needs 5",
+                     "'sigmas' must run from <= 1.0 down to 0.0", "must decrease strictly",
+                     "sde_type 'dance' is this plugin's sampler"):
+        assert fragment in detail, fragment
+
+
 def test_hooks_are_inert_for_stock_requests(server):
     adapter, transformer = server.scheduler.adapter, server.scheduler.transformer
     from trainer.actor.replay import replay_log_probs
@@ -95,24 +154,36 @@ def test_hooks_are_inert_for_stock_requests(server):
 def test_malformed_block_is_a_400(server):
     body = {"prompt": "a cat", "seed": 1, "width": 32, "height": 32, "num_inference_steps": 4,
             "extra_sampling_params": {"flowgrpo": {"sample_ids": ["a"], "colour": 1}}}
-    req = urllib.request.Request(server.url + "/rollout/generate", data=json.dumps(body).encode(),
+    detail = _post_400(server.url, body)
+    assert "unknown key 'colour'" in detail and "missing 'model_family'" in detail
+
+
+def _post_400(url: str, body: dict) -> str:
+    req = urllib.request.Request(url + "/rollout/generate", data=json.dumps(body).encode(),
                                  method="POST", headers={"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(req, timeout=60)
     assert info.value.code == 400
-    detail = json.loads(info.value.read())["detail"]
-    assert "unknown key 'colour'" in detail and "missing 'noise_recipe'" in detail
+    return json.loads(info.value.read())["detail"]
 
 
-def test_trainer_step_with_the_extension(server, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("driver_sigmas", [False, True], ids=["server_sigmas", "driver_sigmas"])
+def test_trainer_step_with_the_extension(server, tiny_model_dir, tmp_path, monkeypatch,
+                                         driver_sigmas):
     """rollout.sglang_extension: a training step with dance and the driver's noise through
-    SGLang; every candidate starts from the driver's x_T and the replay matches."""
+    SGLang; every candidate starts from the driver's x_T and the replay matches. With
+    driver_sigmas the trainer's schedule (here one SGLang's grid is not) is the one sampled."""
     from trainer.config import load_config
     from trainer.loop import Trainer
+    from trainer.models.qwen_image import QwenImageAdapter
     from trainer.preflight import preflight
 
+    if driver_sigmas:
+        monkeypatch.setattr(QwenImageAdapter, "scheduler_sigmas",
+                            lambda self, steps, h, w: torch.tensor(DRIVER_SIGMAS))
     sampling = {"driver_xt": True, "sde_type": "dance", "sde_indices": [0, 2],
-                "sde_pool": [0, 1, 2], "sde_resample_per_rollout": False}
+                "sde_pool": [0, 1, 2], "sde_resample_per_rollout": False,
+                "driver_sigmas": driver_sigmas}
     overrides = trainer_overrides(tiny_model_dir("qwen_image"), server.url, tmp_path, sampling)
     cfg = load_config("tiny", overrides + ["rollout.sglang_extension=true"])
     preflight(cfg, world_size=1, device="cpu")
@@ -123,6 +194,10 @@ def test_trainer_step_with_the_extension(server, tiny_model_dir, tmp_path):
         x_t = trainer.adapter.initial_latents(batch.sample_ids, 32, 32,
                                               seed=cfg.rollout.generation_seed)
         assert torch.equal(batch.latents[:, 0], x_t)
+        if driver_sigmas:  # steps 0 and 2 of the driver's schedule
+            want = torch.tensor(DRIVER_SIGMAS)
+            assert torch.equal(batch.sigmas, want[[0, 2]].expand_as(batch.sigmas))
+            assert torch.equal(batch.sigmas_next, want[[1, 3]].expand_as(batch.sigmas))
         metrics = trainer.train_step(1)
         assert metrics["train/logp_parity"] < 2e-4
         assert trainer.engine.committed_version == trainer.policy_version == 1

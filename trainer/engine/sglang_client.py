@@ -44,9 +44,9 @@ class SGLangEngineClient:
     ``embedded``: the server is the embedded engine's HTTP mode (one batched JSON request);
     None decides on first use from ``/health``. ``concurrency``: SGLang requests (one per
     candidate) in flight at once. ``extension``: the server loads
-    ``trainer.engine.sglang_extension`` (driver x_T and step noise, ``dance``). ``timeout_s``
-    bounds each call. ``committed_version`` is the weight version the trainer's sync last
-    verified on this server (None: never synced).
+    ``trainer.engine.sglang_extension`` (driver sigmas, x_T and step noise, ``dance``).
+    ``timeout_s`` bounds each call. ``committed_version`` is the weight version the trainer's
+    sync last verified on this server (None: never synced).
     """
 
     def __init__(self, base_url: str, *, timeout_s: float = 600.0, embedded: bool | None = None,

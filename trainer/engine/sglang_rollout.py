@@ -63,14 +63,20 @@ def stock_problems(sampling: Mapping[str, Any], *, extension: bool) -> list[str]
     or SGLang with ``trainer.engine.sglang_extension`` loaded (``extension``)."""
     problems = []
     hint = "(load the trainer's SGLang extension, see trainer/engine/README.md, or"
-    if not extension and sampling.get("sde_type", "sde") not in STOCK_SDE_TYPES:
-        problems.append(f"sampling.sde_type={sampling.get('sde_type')!r}: stock SGLang implements "
+    sde_type = sampling.get("sde_type", "sde")
+    driver_xt = sampling.get("driver_xt", True) is not False
+    if sde_type not in STOCK_SDE_TYPES and not extension:
+        problems.append(f"sampling.sde_type={sde_type!r}: stock SGLang implements "
                         f"{list(STOCK_SDE_TYPES)} only {hint} use 'sde')")
-    if sampling.get("driver_sigmas", True) is not False:
-        problems.append("sampling.driver_sigmas is on but SGLang takes no sigma schedule from the "
-                        "request, with or without the extension (set sampling.driver_sigmas=false:"
-                        " the server's schedule is echoed and replayed)")
-    if not extension and sampling.get("driver_xt", True) is not False:
+    elif sde_type not in STOCK_SDE_TYPES and not driver_xt:
+        problems.append(f"sampling.sde_type={sde_type!r} runs on the extension's sampler, which "
+                        "draws the driver's step noise: set sampling.driver_xt=true")
+    if not extension and sampling.get("driver_sigmas", True) is not False:
+        problems.append(f"sampling.driver_sigmas is on but stock SGLang takes no sigma schedule "
+                        f"from a rollout request (its SamplingParams has no sigmas; the server "
+                        f"shifts its own grid) {hint} set sampling.driver_sigmas=false: the "
+                        f"server's schedule is echoed and replayed)")
+    if not extension and driver_xt:
         problems.append(f"sampling.driver_xt is on but stock SGLang draws x_T and the step noise "
                         f"from its own seeded generator {hint} set sampling.driver_xt=false)")
     if not extension and sampling.get("init_same_noise"):
@@ -83,34 +89,36 @@ def stock_problems(sampling: Mapping[str, Any], *, extension: bool) -> list[str]
 
 
 def extension_block(request: Mapping[str, Any], position: int) -> dict[str, Any]:
-    """What ``trainer.engine.sglang_extension`` needs for candidate ``position``."""
+    """What ``trainer.engine.sglang_extension`` needs for candidate ``position``: the driver's
+    noise keys when the request carries them, its sigmas when it carries them."""
     extra = request["extra_sampling_params"]
-    block = {"sample_ids": [extra["sample_ids"][position]],
-             "initial_noise_seed": int(extra["initial_noise_seed"]),
-             "noise_recipe": extra["noise_recipe"], "model_family": extra["model_family"],
-             "latent_shape": list(extra["latent_shape"]),
-             "init_noise_latent_shape": list(extra["init_noise_latent_shape"]),
-             "sde_type": request["rollout_sde_type"]}
-    if extra.get("initial_noise_ids"):
-        block["initial_noise_ids"] = [extra["initial_noise_ids"][position]]
+    block = {"sample_ids": [extra["sample_ids"][position]], "model_family": extra["model_family"],
+             "latent_shape": list(extra["latent_shape"]), "sde_type": request["rollout_sde_type"]}
+    if "noise_recipe" in extra:
+        block.update(noise_recipe=extra["noise_recipe"],
+                     initial_noise_seed=int(extra["initial_noise_seed"]),
+                     init_noise_latent_shape=list(extra["init_noise_latent_shape"]))
+        if extra.get("initial_noise_ids"):
+            block["initial_noise_ids"] = [extra["initial_noise_ids"][position]]
+    if "sigmas" in extra:
+        block["sigmas"] = [float(x) for x in extra["sigmas"]]
     return block
 
 
 def to_sglang_requests(request: Mapping[str, Any], *, extension: bool = False
                        ) -> list[dict[str, Any]]:
     """One SGLang ``RolloutRequest`` body per candidate of our batched ``request``; with
-    ``extension`` and the driver's x_T on, each carries the extension's block."""
+    ``extension`` and the driver's sigmas or x_T on, each carries the extension's block."""
     extra = request["extra_sampling_params"]
-    refused = ["sigmas"] + ([] if extension else ["noise_recipe", "initial_noise_seed"])
-    ours = [k for k in refused if k in extra]
-    if ours:
+    ours = [k for k in ("sigmas", "noise_recipe", "initial_noise_seed") if k in extra]
+    if ours and not extension:
         raise ValueError(f"the request carries {ours}, which stock SGLang rejects (HTTP 400): "
-                         "build it with sampling.driver_sigmas=false"
-                         + ("" if extension else " and driver_xt=false"))
-    with_block = extension and "noise_recipe" in extra
-    if request["rollout_sde_type"] not in STOCK_SDE_TYPES and not with_block:
+                         "build it with sampling.driver_sigmas=false and driver_xt=false, or "
+                         "load the trainer's SGLang extension")
+    if request["rollout_sde_type"] not in STOCK_SDE_TYPES and "noise_recipe" not in ours:
         raise ValueError(f"rollout_sde_type {request['rollout_sde_type']!r} is not one of "
-                         f"SGLang's {list(STOCK_SDE_TYPES)} (the extension adds 'dance')")
+                         f"SGLang's {list(STOCK_SDE_TYPES)} (the extension adds 'dance', "
+                         "with the driver's noise)")
     common = {
         "seed": None, "width": int(request["width"]), "height": int(request["height"]),
         "num_inference_steps": int(request["num_inference_steps"]), "num_outputs_per_prompt": 1,
@@ -126,7 +134,7 @@ def to_sglang_requests(request: Mapping[str, Any], *, extension: bool = False
     seed = int(request["seed"])
     bodies = [dict(common, prompt=prompt, seed=sample_seed(seed, sid))
               for prompt, sid in zip(request["prompt"], extra["sample_ids"])]
-    if with_block:
+    if ours:
         for b, body in enumerate(bodies):
             body["extra_sampling_params"] = {"flowgrpo": extension_block(request, b)}
     return bodies

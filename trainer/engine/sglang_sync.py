@@ -22,8 +22,8 @@ Facts of the released API (sglang 0.5.23) this module is written against:
 
 The checker needs the server's parameter names to equal the names we send (true for SGLang's
 diffusers backend; a native DiT that fuses parameters maps names on load and then cannot be
-checked by name). ``lora_merge`` updates (adapter sync mode) are accepted or refused by SGLang
-but cannot be checked by SHA-256 (the server merges in its own precision), so they are not.
+checked by name). ``lora_merge`` updates (adapter sync mode) are checked too: the merged
+weights' SHA-256 are computed as SGLang merges (trainer/engine/sglang_lora.py).
 """
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ from typing import Any, Iterable
 import torch
 
 from trainer.engine.client import EngineError
+from trainer.engine.sglang_lora import LoraBases, lora_layer, lora_pairs, pair_buckets
 
 TARGET_MODULE = "transformer"
 _PEFT_PREFIX = "base_model.model."
@@ -126,24 +127,28 @@ def _materialize(t: Any) -> torch.Tensor:
     return t.detach()
 
 
-def _split_lora(payload: Iterable[tuple[str, Any]], into: list | None):
-    """Names as the served module has them: the peft prefix and ``.base_layer`` dropped.
-    ``into`` (a list) collects the LoRA tensors instead of yielding them: a full sync of a peft
-    model sends its base weights as a plain update and its adapter as ``lora_merge``."""
+def _split_lora(payload: Iterable[tuple[str, Any]]
+                ) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
+    """(plain, LoRA) tensors under the served module's names: the peft prefix and
+    ``.base_layer`` dropped from plain names. Tensors stay unmaterialized (lazy/sharded)."""
+    plain, lora = [], []
     for name, t in payload:
         name = name.removeprefix(_PEFT_PREFIX)
-        if into is not None and ".lora_" in name:
-            into.append((name, t))
-            continue
-        yield name.replace(".base_layer.", "."), t
+        if lora_layer(name) is not None:
+            lora.append((name, t))
+        else:
+            plain.append((name.replace(".base_layer.", "."), t))
+    return plain, lora
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return t.to(dtype) if dtype is not None and t.is_floating_point() else t
 
 
 def _buckets(named: Iterable[tuple[str, Any]], bucket_bytes: int, dtype: torch.dtype | None):
     bucket, size = [], 0
     for name, t in named:
-        t = _materialize(t)
-        if dtype is not None and t.is_floating_point():
-            t = t.to(dtype)
+        t = _cast(_materialize(t), dtype)
         nbytes = t.numel() * t.element_size()
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
@@ -161,10 +166,12 @@ class SGLangWeightSync:
     ``bucket_bytes``) or "disk" (write ``<disk_dir>/transformer/model.safetensors`` and call
     ``/update_weights_from_disk``). ``dtype``: floating tensors are sent in the server's
     dtype (the checker hashes dtype and bytes as the server holds them). ``lora``:
-    ``(alpha, rank)`` for the adapter sync mode, whose steps after the first go as
-    ``lora_merge`` updates. Every sync but a ``lora_merge`` one is
-    checked with ``/update_weights_from_tensor_checker``; only then does ``client.
-    committed_version`` advance, so a rollout from unverified weights fails the driver's check.
+    ``(alpha, rank)`` for payloads with LoRA tensors (the adapter sync mode, and the first,
+    full sync of a peft model): those go as ``lora_merge`` updates, a layer's A and B always in
+    one request. Every update is checked with ``/update_weights_from_tensor_checker`` (plain
+    tensors by their bytes, a ``lora_merge`` by the merged weights it must leave, computed from
+    the base weights this sender sent); only then does ``client.committed_version`` advance,
+    so a rollout from unverified weights fails the driver's check.
     """
 
     self_verifying = True  # the loop need not compare checksums itself
@@ -186,47 +193,90 @@ class SGLangWeightSync:
         self.client, self.transport, self.bucket_bytes = client, transport, bucket_bytes
         self.disk_dir = None if disk_dir is None else Path(disk_dir)
         self.lora, self.target_module, self.dtype = lora, target_module, dtype
+        self.lora_bases = LoraBases()
+
+    def close(self) -> None:
+        """Drop the kept LoRA base weights (the sender holds no other resource)."""
+        self.lora_bases.weights.clear()
 
     # ---- one sync ---------------------------------------------------------------------------
     def sync(self, version: int, payload: Iterable[tuple[str, Any]], *, mode: str = "full"
              ) -> SGLangSyncStats:
         """Send ``payload`` ((name, tensor) in the engine's names) as weight version ``version``."""
         start = time.perf_counter()
-        lora_merge = mode == "adapter"
-        if lora_merge and self.lora is None:
-            raise SGLangSyncError("an adapter-mode sync needs lora=(alpha, rank)")
-        stats, digests = SGLangSyncStats(), {}
-        lora_tensors: list[tuple[str, Any]] = []
-        named = _split_lora(payload, into=None if lora_merge else lora_tensors)
-        if self.transport == "disk":
-            tensors = {n: t.contiguous() for bucket in _buckets(named, 1 << 62, self.dtype)
-                       for n, t in bucket}
-            self._write_and_reload(tensors)
-            digests = {n: tensor_sha256(t) for n, t in tensors.items()}
-            stats.tensors = len(tensors)
-            stats.bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        else:
-            for bucket in _buckets(named, self.bucket_bytes, self.dtype):
-                self._post_bucket(bucket, lora_merge)
-                if not lora_merge:
-                    digests.update((n, tensor_sha256(t)) for n, t in bucket)
-                stats.tensors += len(bucket)
-                stats.bytes += sum(t.numel() * t.element_size() for _, t in bucket)
-        if stats.tensors == 0:
+        plain, lora = _split_lora(payload)
+        if lora and self.lora is None:
+            raise SGLangSyncError("the payload holds LoRA tensors but no lora=(alpha, rank)")
+        if mode == "adapter" and not lora:
+            raise SGLangSyncError(f"weight version {version}: an adapter-mode sync without LoRA "
+                                  "tensors")
+        if not plain and not lora:
             raise SGLangSyncError(f"weight version {version}: the payload holds no tensors")
+        stats = SGLangSyncStats()
+        lora_layers = {lora_layer(n)[0] for n, _ in lora}
+        if plain:
+            self._sync_plain(version, plain, lora_layers, stats)
         stats.timings["write"] = time.perf_counter() - start
-        if digests:
-            self._check(digests, version)
-        if lora_tensors:  # a peft model's full sync: the adapter goes as SGLang's lora_merge
-            if self.lora is None:
-                raise SGLangSyncError("the payload holds LoRA tensors but no lora=(alpha, rank)")
-            for bucket in _buckets(lora_tensors, self.bucket_bytes, self.dtype):
-                self._post_bucket(bucket, True)
-                stats.tensors += len(bucket)
+        if lora:
+            self._sync_lora(version, lora, stats)
         stats.timings["verify"] = time.perf_counter() - start - stats.timings["write"]
         self.client.committed_version = int(version)
         stats.seconds = time.perf_counter() - start
         return stats
+
+    def _sync_plain(self, version: int, named: list[tuple[str, Any]], lora_layers: set[str],
+                    stats: SGLangSyncStats) -> None:
+        """A plain update, checked; the base weights of ``lora_layers`` are kept (the server
+        merges every later adapter into exactly these bytes)."""
+        if self.transport == "disk":
+            tensors = {n: t.contiguous() for bucket in _buckets(named, 1 << 62, self.dtype)
+                       for n, t in bucket}
+            self._write_and_reload(tensors)
+            buckets: Iterable[list[tuple[str, torch.Tensor]]] = [list(tensors.items())]
+        else:
+            buckets = _buckets(named, self.bucket_bytes, self.dtype)
+        digests = {}
+        for bucket in buckets:
+            if self.transport == "tensor":
+                self._post_bucket(bucket, False)
+            for n, t in bucket:
+                digests[n] = tensor_sha256(t)
+                if n.endswith(".weight") and n[:-len(".weight")] in lora_layers:
+                    self.lora_bases.keep(n[:-len(".weight")], t)
+            stats.tensors += len(bucket)
+            stats.bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+        try:
+            self._check(digests, version)
+        except SGLangSyncError as exc:
+            if not lora_layers:
+                raise
+            raise SGLangSyncError(f"{exc} (a server that merged an adapter before keeps its "
+                                  "linear weights under '.base_layer.' and merges into the base "
+                                  "it first saw: restart the SGLang server before the full sync "
+                                  "of a new or resumed adapter run)") from None
+
+    def _sync_lora(self, version: int, named: list[tuple[str, Any]],
+                   stats: SGLangSyncStats) -> None:
+        """``lora_merge`` updates, a layer's pair never split, then the merged weights checked."""
+        try:
+            pairs = lora_pairs((n, _cast(_materialize(t), self.dtype)) for n, t in named)
+        except ValueError as exc:
+            raise SGLangSyncError(f"weight version {version}: {exc}") from None
+        alpha = self.lora[0]
+        digests: dict[str, str] = {}
+        for bucket in pair_buckets(pairs, self.bucket_bytes):
+            try:
+                expected = self.lora_bases.manifest(bucket, alpha, tensor_sha256)
+            except KeyError as exc:
+                raise SGLangSyncError(f"weight version {version}: {exc.args[0]} (the first sync "
+                                      "of an adapter run sends the full model)") from None
+            named_bucket = [(f"{layer}.lora_{k}.weight", t) for layer, ab in bucket
+                            for k, t in zip("AB", ab)]
+            self._post_bucket(named_bucket, True)
+            digests.update(expected)
+            stats.tensors += len(named_bucket)
+            stats.bytes += sum(t.numel() * t.element_size() for _, t in named_bucket)
+        self._check(digests, version)
 
     def _post_bucket(self, bucket: list[tuple[str, torch.Tensor]], lora_merge: bool) -> None:
         flat = flattened_bucket(bucket)
@@ -294,6 +344,10 @@ def sglang_config_problems(cfg: Any) -> list[str]:
     elif r.sglang_weight_sync == "disk" and cfg.sync_mode == "adapter":
         problems.append("rollout.sglang_weight_sync='disk' reloads full weights: LoRA adapter "
                         "sync mode needs 'tensor' (SGLang's lora_merge), or drop adapter_mode")
+    alpha = cfg.lora.alpha or cfg.lora.rank
+    if cfg.sync_mode == "adapter" and float(alpha) != int(alpha):
+        problems.append(f"lora.alpha={cfg.lora.alpha!r}: SGLang's lora_merge takes an integer "
+                        "lora_alpha")
     conc = r.sglang_concurrency
     if isinstance(conc, bool) or not isinstance(conc, int) or conc < 1:
         problems.append(f"rollout.sglang_concurrency must be a positive integer, got {conc!r}")
