@@ -22,7 +22,7 @@
 set -u
 cd "$(dirname "$0")/.."
 PURPOSES="kernels ipc engine step multigpu gpu-tests toy-sweep"
-PYT="python3 -m pytest -q -o addopts= -p no:cacheprovider"
+PYT="python3 -m pytest -q -rs -o addopts= -p no:cacheprovider"
 MODEL=${MODEL:-/tmp/bench_qwen8}
 STEP="python3 bench/bench_step.py --layers 8 --model-dir $MODEL"
 

@@ -5,7 +5,7 @@
 FAILED=()
 if [ -z "${DRY_RUN:-}" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl >/dev/null 2>&1 && export PYTHONPATH=/tmp/site
+    --target /tmp/site .whl/*.whl >/dev/null 2>&1 && export PYTHONPATH=/tmp/site:$PWD
 fi
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 step() {

@@ -47,6 +47,7 @@ def _trainer(tmp_path, name: str, offload: bool):
         "train.num_rollouts=3", "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=4",
         "train.micro_batch_size=4", "data.eval_prompt_data=none", "launch.device=cuda",
         f"fsdp.offload_train={'true' if offload else 'false'}", "logging.progress=false",
+        "fsdp.offload_policy=always",  # offload every step (as_needed would skip it here)
         "logging.tensorboard=false", f"logging.run_dir={tmp_path / name}"])
     return Trainer(cfg, rank=0, world=1, device="cuda")
 
