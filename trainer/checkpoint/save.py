@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -96,9 +97,31 @@ def _commit(trainer, root: Path, task: str, step: int, iter_dir: Path) -> None:
     layout.write_latest(root, task, step)
 
 
-def describe_failure(exc: BaseException) -> str:
+# Free space under which a failed write is taken for a full disk (see describe_failure).
+NEARLY_FULL_BYTES = 1 << 20
+
+
+def disk_full(path: Path) -> str | None:
+    """An ENOSPC line when the filesystem holding ``path`` has almost no space left, else None."""
+    probe = Path(path)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        st = os.statvfs(probe)
+    except OSError:
+        return None
+    free = st.f_bavail * st.f_frsize
+    if free >= NEARLY_FULL_BYTES:
+        return None
+    return (f"ENOSPC: No space left on device ({free} of {st.f_blocks * st.f_frsize} bytes "
+            f"free on the filesystem of {probe})")
+
+
+def describe_failure(exc: BaseException, written: Path | None = None) -> str:
     """The root cause of a failed write in one line: the OS error (errno name, strerror,
-    file) when there is one, also inside DCP's per-rank ``CheckpointException``."""
+    file) when there is one, also inside DCP's per-rank ``CheckpointException``. Without one,
+    and with the filesystem of ``written`` full, that is named first: torch's zip writer (DCP
+    uses it for non-tensor items) reports a short write as "unexpected pos", losing ENOSPC."""
     causes: list[BaseException] = []
     if isinstance(exc, CheckpointException):
         causes += [pair[0] for pair in exc.failures.values()]
@@ -112,7 +135,9 @@ def describe_failure(exc: BaseException) -> str:
                 return f"OSError {name}: {seen.strerror}{where}"
             seen = seen.__cause__ or seen.__context__
     first = causes[0]
-    return f"{type(first).__name__}: {str(first).splitlines()[0][:300] if str(first) else ''}"
+    said = f"{type(first).__name__}: {str(first).splitlines()[0][:300] if str(first) else ''}"
+    full = disk_full(written) if written is not None else None
+    return said if full is None else f"{full}; the writer reported {said}"
 
 
 def _remove_partial(trainer, iter_dir: Path) -> None:
@@ -182,7 +207,7 @@ def save_checkpoint(trainer, step: int, *, final: bool = False) -> Path | None:
             trainer.offloaded = None
         _write(trainer, step, iter_dir)
     except (Exception, CheckpointException) as exc:
-        cause = describe_failure(exc)
+        cause = describe_failure(exc, written=iter_dir)
         log.error("checkpoint write of %s failed on rank %d: %s", iter_dir, trainer.rank, cause,
                   exc_info=not isinstance(exc, (OSError, CheckpointException)))
         ok = False
@@ -202,7 +227,7 @@ def save_checkpoint(trainer, step: int, *, final: bool = False) -> Path | None:
         try:
             _commit(trainer, root, task, step, iter_dir)
         except Exception as exc:
-            error = describe_failure(exc)
+            error = describe_failure(exc, written=iter_dir)
             log.error("committing %s failed: %s", iter_dir, error)
             if not (iter_dir / layout.COMMITTED).exists():
                 _remove_partial(trainer, iter_dir)
