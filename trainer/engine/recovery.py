@@ -14,8 +14,8 @@ is caught, and then every rank takes part in the same steps:
 2. Budget: restarting the failed engines must stay within ``rollout.engine_max_restarts``
    (engines restarted in the whole run, all ranks counted); otherwise every rank raises the
    same ``EngineError`` naming the rank(s), the stage and the cause.
-3. Restart: each failed rank kills its engine and builds a new one (``_build_engine``: engine,
-   weight sender, rollout drivers; the drivers' seeds are kept).
+3. Restart: each failed rank kills its engine and builds a new one and its weight sender
+   (``_build_engine``); the rollout drivers are kept, now serving the new engine.
 4. Re-sync, by all ranks (it gathers FSDP shards, a collective): a rank-local call (a
    rollout's or an eval's generate) is followed by ``resync_engine`` at the current policy
    version on every rank, then every engine's version is checked, then the failed ranks run
@@ -92,11 +92,15 @@ def replace_engine(trainer) -> None:
             getattr(part, end)()
         except Exception as exc:  # the old engine is being replaced whatever state it is in
             log.warning("ending the failed engine's %s: %s", type(part).__name__, exc)
-    seeds = {name: getattr(trainer, name).seed for name in ("driver", "eval_driver")
-             if getattr(trainer, name, None) is not None}
+    drivers = {name: getattr(trainer, name) for name in ("driver", "eval_driver")
+               if getattr(trainer, name, None) is not None}
     trainer._build_engine()
-    for name, seed in seeds.items():  # e.g. an eval over several seeds keeps its own
-        getattr(trainer, name).seed = seed
+    # The rollout drivers stay, serving the new engine: their seeds (an eval over several
+    # seeds sets its own) and last rollout's statistics (the step's metrics, whose keys every
+    # rank must have alike for the all-reduce) are kept.
+    for name, driver in drivers.items():
+        driver.engines = [trainer.engine]
+        setattr(trainer, name, driver)
 
 
 def check_engine_version(trainer) -> None:
