@@ -148,9 +148,10 @@ def call_with_recovery(trainer, stage: str, call: Callable[[], Any], *,
             raise EngineError(f"{describe(stage, failed)}; not restarting it: {why}") from failure
         used, limit = int(trainer.engine_restarts), int(trainer.cfg.rollout.engine_max_restarts)
         trainer.engine_restarts = used + len(failed)
-        log.error("%s; restarting rank(s) %s (restarts %d of %d) and re-syncing the weights as "
-                  "version %d", describe(stage, failed), sorted(failed), trainer.engine_restarts,
-                  limit, version_at_start)
+        then = (f"running the {stage} again on every rank from version {version_at_start}"
+                if collective else f"re-syncing every rank's engine to version {version_at_start}")
+        log.error("%s; restarting the engine of rank(s) %s (restarts %d of %d), then %s",
+                  describe(stage, failed), sorted(failed), trainer.engine_restarts, limit, then)
         if rank in failed:
             replace_engine(trainer)
         restarted = True
