@@ -145,6 +145,24 @@ def test_trainer_restarts_stopped_engines_then_stops_at_the_budget(tmp_path, cap
         trainer.close()
 
 
+def test_restart_budget_counts_every_engine_restarted():
+    """The budget counts engines restarted on all ranks: two failing at once need two."""
+    from types import SimpleNamespace
+
+    from trainer.engine.recovery import refusal
+    trainer = SimpleNamespace(cfg=SimpleNamespace(rollout=SimpleNamespace(
+        engine="embedded", engine_max_restarts=3)), engine_restarts=2)
+    assert refusal(trainer, {1: "died"}) is None
+    assert refusal(trainer, {0: "died", 1: "died"}) == \
+        "restarting 2 engines would exceed the budget (2 of rollout.engine_max_restarts=3 used)"
+    trainer.engine_restarts = 3
+    assert refusal(trainer, {1: "died"}) == \
+        "restart budget spent (3 of rollout.engine_max_restarts=3)"
+    trainer.cfg.rollout.engine = "sglang"
+    trainer.engine_restarts = 0
+    assert "SGLang server is not restarted" in refusal(trainer, {0: "died"})
+
+
 # ---- two gloo ranks: every rank agrees, restarts and re-syncs together ---------------------
 def _inject(trainer, fault: str) -> None:
     engine = trainer.engine

@@ -78,8 +78,11 @@ def refusal(trainer, failed: dict[int, str]) -> str | None:
     if trainer.cfg.rollout.engine != "embedded":
         return "an SGLang server is not restarted by the trainer"
     used, limit = int(trainer.engine_restarts), int(trainer.cfg.rollout.engine_max_restarts)
-    if used + len(failed) > limit:
+    if used >= limit:
         return f"restart budget spent ({used} of rollout.engine_max_restarts={limit})"
+    if used + len(failed) > limit:
+        return (f"restarting {len(failed)} engines would exceed the budget ({used} of "
+                f"rollout.engine_max_restarts={limit} used)")
     return None
 
 
