@@ -77,14 +77,15 @@ def test_killed_engine_is_reported_at_once(engine):
 
 
 # ---- the trainer restarts and re-syncs -----------------------------------------------------
-def _toy_trainer(tmp_path, restarts: int):
+def _toy_trainer(tmp_path, restarts: int, *extra: str):
     from trainer.config import load_config
     from trainer.loop import Trainer
     cfg = load_config("toy", [
         f"logging.run_dir={tmp_path / 'run'}", "data.eval_prompt_data=none",
         "logging.progress=false", "rollout.write_artifacts=false", "logging.tensorboard=false",
         "rollout.rollout_batch_size=2", "rollout.engine_timeout_floor_s=5",
-        "rollout.engine_timeout_per_sample_s=0.5", f"rollout.engine_max_restarts={restarts}"])
+        "rollout.engine_timeout_per_sample_s=0.5", f"rollout.engine_max_restarts={restarts}",
+        *extra])
     return Trainer(cfg, rank=0, world=1, device="cpu")
 
 
@@ -99,10 +100,11 @@ def _engine_matches_actor(trainer) -> bool:
 
 
 def test_trainer_restarts_stopped_engines_then_stops_at_the_budget(tmp_path, caplog):
-    """A stopped engine in the rollout, then one stopped in the weight sync's checksum check:
-    each is killed, restarted and re-synced (the engine then holds the actor's weights); a
-    killed engine with the budget spent stops with a clear error."""
-    trainer = _toy_trainer(tmp_path, restarts=2)
+    """A stopped engine in the rollout, one stopped in the weight sync's checksum check, one
+    stopped during the weight transfer: each is killed, restarted and re-synced (the engine
+    then holds the actor's weights); a killed engine with the budget spent stops with a
+    clear error."""
+    trainer = _toy_trainer(tmp_path, 3, "weight_sync.timeout_s=3", "weight_sync.max_retries=0")
     pids = []
     try:
         trainer.train_step(0)
@@ -133,12 +135,20 @@ def test_trainer_restarts_stopped_engines_then_stops_at_the_budget(tmp_path, cap
         assert "checksum (stage: weight sync (checksum check))" in caplog.text
 
         pids.append(trainer.engine.pid)
+        _inject(trainer, "stop at the weight transfer")
+        trainer.train_step(3)
+        assert trainer.engine_restarts == 3 and trainer.engine.pid != pids[-1]
+        assert trainer.policy_version == 4 and trainer.engine.version == 4
+        assert _engine_matches_actor(trainer)
+        assert "is stopped (SIGSTOP?); the weight transfer failed" in caplog.text
+
+        pids.append(trainer.engine.pid)
         os.kill(pids[-1], signal.SIGKILL)
         with pytest.raises(EngineError) as e:
-            trainer.train_step(3)
+            trainer.train_step(4)
         msg = str(e.value)
         assert "engine failed during rollout" in msg and "died during generate" in msg
-        assert "restart budget spent (2 of rollout.engine_max_restarts=2)" in msg
+        assert "restart budget spent (3 of rollout.engine_max_restarts=3)" in msg
     finally:
         for pid in pids:
             _kill(pid)
@@ -163,6 +173,36 @@ def test_restart_budget_counts_every_engine_restarted():
     assert "SGLang server is not restarted" in refusal(trainer, {0: "died"})
 
 
+def test_transfer_failure_of_a_stopped_engine_on_several_ranks_stops_with_the_reason():
+    """With more than one rank, a weight transfer that failed because this rank's engine is
+    stopped is not restarted (the other ranks are inside the transfer's gathers): an
+    EngineError says why. A transfer failure with the engine alive keeps its own error."""
+    from types import SimpleNamespace
+
+    import ipc
+    import torch.distributed as dist
+    from trainer.engine.recovery import engine_down_behind
+    from trainer.launch import free_port
+    engine = SimpleNamespace(pid=4242, down=lambda: "stopped (SIGSTOP?)")
+    trainer = SimpleNamespace(engine=engine, rank=1, world=2)
+    failure = ipc.WeightSyncError("pre-write", ["no answer to begin: timed out"], 5)
+    assert "engine process 4242 is stopped (SIGSTOP?); the weight transfer failed: no answer " \
+           "to begin: timed out" in str(engine_down_behind(SimpleNamespace(engine=engine,
+                                                                          rank=0, world=1),
+                                                          failure))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)  # trainer.world = 2 above: taken for a multi-rank run
+    try:
+        with pytest.raises(EngineError, match=r"during weight sync on rank 1: engine process "
+                                              r"4242 is stopped .* part-way through the ranks' "
+                                              r"gathers"):
+            engine_down_behind(trainer, failure)
+        engine.down = lambda: None
+        assert engine_down_behind(trainer, failure) is None
+    finally:
+        dist.destroy_process_group()
+
+
 # ---- two gloo ranks: every rank agrees, restarts and re-syncs together ---------------------
 def _inject(trainer, fault: str) -> None:
     engine = trainer.engine
@@ -170,6 +210,14 @@ def _inject(trainer, fault: str) -> None:
         os.kill(engine.pid, signal.SIGKILL)
     elif fault == "stop":
         os.kill(engine.pid, signal.SIGSTOP)
+    elif fault == "stop at the weight transfer":
+        sender, real_sync = trainer.sender, trainer.sender.sync
+
+        def stop_then_sync(*args, **kwargs):  # the receiver never answers the transfer
+            sender.sync = real_sync
+            os.kill(engine.pid, signal.SIGSTOP)
+            return real_sync(*args, **kwargs)
+        sender.sync = stop_then_sync
     else:
         real_checksum = engine.checksum
 

@@ -6,7 +6,9 @@ one rank or many.
 
 ``call_with_recovery`` runs a call that talks to the engine. ``EngineUnavailableError`` (a
 missed deadline, a dead process, a closed pipe; the engine's own exceptions are not retried)
-is caught, and then every rank takes part in the same steps:
+is caught, and so is (world 1 only, see below) a ``WeightSyncError`` while the engine
+process is dead or stopped (the transfer timed out because the engine did); then every rank
+takes part in the same steps:
 
 1. Agreement: each rank contributes a failure flag (an all-reduce MAX of one number over the
    trainer's process group); when any is set, the failures' messages are all-gathered, so
@@ -33,6 +35,10 @@ Design choices:
 * The agreement costs one all-reduce of one number per engine call of a step; messages
   travel only when something failed.
 * SGLang servers are not ours to restart: their failures stop the run (on every rank).
+* An engine that stops during the weight transfer itself is restarted in a world of 1 only.
+  With more ranks the transfer's gathers run as the sender writes; a rank whose transfer
+  failed part-way has left the others inside a gather it cannot rejoin, so it stops with an
+  ``EngineError`` saying so (torchrun then ends the others).
 """
 from __future__ import annotations
 
@@ -42,6 +48,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ipc import WeightSyncError
 from trainer.engine.client import EngineError, EngineUnavailableError
 
 log = logging.getLogger("trainer")
@@ -66,6 +73,23 @@ def agree_on_failures(trainer, failure: BaseException | None) -> dict[int, str]:
     messages: list[str | None] = [None] * int(trainer.world)
     dist.all_gather_object(messages, message)
     return {rank: text for rank, text in enumerate(messages) if text is not None}
+
+
+def engine_down_behind(trainer, exc: WeightSyncError) -> EngineUnavailableError | None:
+    """The failure of a weight sync whose engine process is dead or stopped, as an engine
+    failure to restart (world 1; more ranks: an EngineError, see the module docstring);
+    None when the engine looks alive (the sync's own error stands)."""
+    down = getattr(trainer.engine, "down", None)
+    state = down() if callable(down) else None
+    if state is None:
+        return None
+    cause = (f"engine process {trainer.engine.pid} is {state}; the weight transfer failed: "
+             f"{str(exc).splitlines()[-1].strip(' -')}")
+    if _multi_rank(trainer):
+        raise EngineError(f"engine failed during weight sync on rank {trainer.rank}: {cause}; "
+                          "not restarting it: the transfer stopped part-way through the ranks' "
+                          "gathers") from exc
+    return EngineUnavailableError(cause)
 
 
 def describe(stage: str, failed: dict[int, str]) -> str:
@@ -143,6 +167,10 @@ def call_with_recovery(trainer, stage: str, call: Callable[[], Any], *,
                 pending = False
             except EngineUnavailableError as exc:
                 failure = exc
+            except WeightSyncError as exc:
+                failure = engine_down_behind(trainer, exc)
+                if failure is None:
+                    raise
         failed = agree_on_failures(trainer, failure)
         if not failed:
             return result
