@@ -177,6 +177,37 @@ def test_disk_full_save_is_counted_cleaned_and_training_continues(tmp_path, capl
             assert torch.equal(t, first[name]), name
 
 
+def test_failed_final_save_raises_naming_the_os_error(tmp_path, caplog, monkeypatch):
+    """The run's final save hits ENOSPC on a 2 MiB tmpfs: no later save can retry it, so it
+    raises CheckpointError naming the OS error and the newest committed checkpoint (after
+    the same logging, counting and clean-up as any failed save)."""
+    model_dir = h.save_tinynet(tmp_path / "model", dim=128)
+    with _small_disk(tmp_path / "disk", "2m") as mounted:
+        root = tmp_path / "disk" / "ckpt"
+        trainer = h.make_trainer(model_dir, root, lora=False)
+        trainer.metrics = Recorder()
+        h.train_step(trainer)
+        assert save_checkpoint(trainer, 1, final=False) is not None
+        if not mounted:
+            import trainer.checkpoint.save as save_mod
+
+            def full(*a, **k):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "simulated")
+            monkeypatch.setattr(save_mod, "write_shards", full)
+        h.train_step(trainer)
+        with caplog.at_level(logging.WARNING, "trainer.checkpoint"):
+            with pytest.raises(layout.CheckpointError) as e:
+                save_checkpoint(trainer, 2, final=True)
+        msg = str(e.value)
+        assert "final checkpoint (step 2) was not saved" in msg
+        assert "rank 0 (OSError ENOSPC: No space left on device" in msg
+        assert f"newest committed checkpoint is {root / 't2i' / layout.iter_name(1)}" in msg
+        assert "this was the run's final save" in caplog.text
+        assert trainer.checkpoint_failures == 1
+        assert trainer.metrics.rows == [(2, {"train/checkpoint_failures": 1.0})]
+        assert not (root / "t2i" / layout.iter_name(2)).exists()
+
+
 def test_rotation_keeps_another_timelines_checkpoints_unless_overwrite(model_dir, tmp_path,
                                                                        caplog):
     """A second run into the same --save without --load: its first save refuses to delete

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -76,14 +77,15 @@ def test_killed_engine_is_reported_at_once(engine):
 
 
 # ---- the trainer restarts and re-syncs -----------------------------------------------------
-def _toy_trainer(tmp_path, restarts: int):
+def _toy_trainer(tmp_path, restarts: int, *extra: str):
     from trainer.config import load_config
     from trainer.loop import Trainer
     cfg = load_config("toy", [
         f"logging.run_dir={tmp_path / 'run'}", "data.eval_prompt_data=none",
         "logging.progress=false", "rollout.write_artifacts=false", "logging.tensorboard=false",
         "rollout.rollout_batch_size=2", "rollout.engine_timeout_floor_s=5",
-        "rollout.engine_timeout_per_sample_s=0.5", f"rollout.engine_max_restarts={restarts}"])
+        "rollout.engine_timeout_per_sample_s=0.5", f"rollout.engine_max_restarts={restarts}",
+        *extra])
     return Trainer(cfg, rank=0, world=1, device="cpu")
 
 
@@ -91,15 +93,18 @@ def _engine_matches_actor(trainer) -> bool:
     from ipc import weights_checksum
     from trainer.actor.sync import sync_payload
     sent = dict(sync_payload(trainer.model, "full", name_map=trainer._engine_names()))
-    return weights_checksum({k: v.to(torch.float32) for k, v in sent.items()}) == \
+    # sharded ranks: lazy views whose full_tensor() gathers (every rank in the same order)
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in sent.items()}
+    return weights_checksum({k: v.to(torch.float32) for k, v in full.items()}) == \
         trainer.engine.checksum()
 
 
 def test_trainer_restarts_stopped_engines_then_stops_at_the_budget(tmp_path, caplog):
-    """A stopped engine in the rollout, then one stopped in the weight sync's checksum check:
-    each is killed, restarted and re-synced (the engine then holds the actor's weights); a
-    killed engine with the budget spent stops with a clear error."""
-    trainer = _toy_trainer(tmp_path, restarts=2)
+    """A stopped engine in the rollout, one stopped in the weight sync's checksum check, one
+    stopped during the weight transfer: each is killed, restarted and re-synced (the engine
+    then holds the actor's weights); a killed engine with the budget spent stops with a
+    clear error."""
+    trainer = _toy_trainer(tmp_path, 3, "weight_sync.timeout_s=3", "weight_sync.max_retries=0")
     pids = []
     try:
         trainer.train_step(0)
@@ -130,13 +135,227 @@ def test_trainer_restarts_stopped_engines_then_stops_at_the_budget(tmp_path, cap
         assert "checksum (stage: weight sync (checksum check))" in caplog.text
 
         pids.append(trainer.engine.pid)
+        _inject(trainer, "stop at the weight transfer")
+        trainer.train_step(3)
+        assert trainer.engine_restarts == 3 and trainer.engine.pid != pids[-1]
+        assert trainer.policy_version == 4 and trainer.engine.version == 4
+        assert _engine_matches_actor(trainer)
+        assert "is stopped (SIGSTOP?); the weight transfer failed" in caplog.text
+
+        pids.append(trainer.engine.pid)
         os.kill(pids[-1], signal.SIGKILL)
         with pytest.raises(EngineError) as e:
-            trainer.train_step(3)
+            trainer.train_step(4)
         msg = str(e.value)
         assert "engine failed during rollout" in msg and "died during generate" in msg
-        assert "restart budget spent (2 of rollout.engine_max_restarts=2)" in msg
+        assert "restart budget spent (3 of rollout.engine_max_restarts=3)" in msg
     finally:
         for pid in pids:
             _kill(pid)
         trainer.close()
+
+
+def test_restart_budget_counts_every_engine_restarted():
+    """The budget counts engines restarted on all ranks: two failing at once need two."""
+    from types import SimpleNamespace
+
+    from trainer.engine.recovery import refusal
+    trainer = SimpleNamespace(cfg=SimpleNamespace(rollout=SimpleNamespace(
+        engine="embedded", engine_max_restarts=3)), engine_restarts=2)
+    assert refusal(trainer, {1: "died"}) is None
+    assert refusal(trainer, {0: "died", 1: "died"}) == \
+        "restarting 2 engines would exceed the budget (2 of rollout.engine_max_restarts=3 used)"
+    trainer.engine_restarts = 3
+    assert refusal(trainer, {1: "died"}) == \
+        "restart budget spent (3 of rollout.engine_max_restarts=3)"
+    trainer.cfg.rollout.engine = "sglang"
+    trainer.engine_restarts = 0
+    assert "SGLang server is not restarted" in refusal(trainer, {0: "died"})
+
+
+def test_transfer_failure_of_a_stopped_engine_on_several_ranks_stops_with_the_reason():
+    """With more than one rank, a weight transfer that failed because this rank's engine is
+    stopped is not restarted (the other ranks are inside the transfer's gathers): an
+    EngineError says why. A transfer failure with the engine alive keeps its own error."""
+    from types import SimpleNamespace
+
+    import ipc
+    import torch.distributed as dist
+    from trainer.engine.recovery import engine_down_behind
+    from trainer.launch import free_port
+    engine = SimpleNamespace(pid=4242, down=lambda: "stopped (SIGSTOP?)")
+    trainer = SimpleNamespace(engine=engine, rank=1, world=2)
+    failure = ipc.WeightSyncError("pre-write", ["no answer to begin: timed out"], 5)
+    assert "engine process 4242 is stopped (SIGSTOP?); the weight transfer failed: no answer " \
+           "to begin: timed out" in str(engine_down_behind(SimpleNamespace(engine=engine,
+                                                                          rank=0, world=1),
+                                                          failure))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)  # trainer.world = 2 above: taken for a multi-rank run
+    try:
+        with pytest.raises(EngineError, match=r"during weight sync on rank 1: engine process "
+                                              r"4242 is stopped .* part-way through the ranks' "
+                                              r"gathers"):
+            engine_down_behind(trainer, failure)
+        engine.down = lambda: None
+        assert engine_down_behind(trainer, failure) is None
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- two gloo ranks: every rank agrees, restarts and re-syncs together ---------------------
+def _inject(trainer, fault: str) -> None:
+    engine = trainer.engine
+    if fault == "kill":
+        os.kill(engine.pid, signal.SIGKILL)
+    elif fault == "stop":
+        os.kill(engine.pid, signal.SIGSTOP)
+    elif fault == "stop at the weight transfer":
+        sender, real_sync = trainer.sender, trainer.sender.sync
+
+        def stop_then_sync(*args, **kwargs):  # the receiver never answers the transfer
+            sender.sync = real_sync
+            os.kill(engine.pid, signal.SIGSTOP)
+            return real_sync(*args, **kwargs)
+        sender.sync = stop_then_sync
+    else:
+        real_checksum = engine.checksum
+
+        def stop_then_checksum():  # the engine stops right when the sync cross-checks it
+            engine.checksum = real_checksum
+            os.kill(engine.pid, signal.SIGSTOP)
+            return real_checksum()
+        engine.checksum = stop_then_checksum
+
+
+def _rank_worker(rank: int, world: int, port: int, run_dir: str, out_dir: str,
+                 faults: dict, rollouts: int, max_restarts: int) -> None:
+    """One rank of ``python -m trainer launch --nproc 2`` (``rank_main``, as torchrun runs it),
+    its train_step wrapped to inject ``faults`` ({rollout id: (rank, fault)}, just before that
+    rollout's step) and to record, after each step, the policy version, its engine's version
+    and whether its engine holds the actor's weights."""
+    import json
+    from pathlib import Path
+
+    out = Path(out_dir)
+    log_fd = os.open(out / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)  # this rank's log, the launcher's "error: rank N: ..." line included
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_HUB_OFFLINE="1")
+    from trainer.launch import rank_main
+    from trainer.loop import Trainer
+    real_step = Trainer.train_step
+
+    def train_step(self, rollout_id):
+        target, fault = faults.get(rollout_id, (None, None))
+        if target == self.rank:
+            _inject(self, fault)
+        metrics = real_step(self, rollout_id)
+        record = {"rollout": rollout_id, "policy_version": self.policy_version,
+                  "engine_version": self.engine.version, "engine_pid": self.engine.pid,
+                  "restarts": self.engine_restarts, "matches": _engine_matches_actor(self)}
+        with open(out / f"rank{rank}.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        return metrics
+    Trainer.train_step = train_step
+    rc = 99
+    try:
+        rc = rank_main(["--config", "toy", "--set", f"logging.run_dir={run_dir}",
+                        "--set", "data.eval_prompt_data=none", "--set", "logging.progress=false",
+                        "--set", "rollout.write_artifacts=false",
+                        "--set", "logging.tensorboard=false",
+                        "--set", "rollout.rollout_batch_size=2",
+                        "--set", "rollout.n_samples_per_prompt=4",
+                        "--set", "train.micro_batch_size=2",
+                        "--set", f"train.num_rollouts={rollouts}",
+                        "--set", "checkpoint.save_interval=-1",
+                        "--set", "rollout.engine_timeout_floor_s=10",
+                        "--set", "rollout.engine_timeout_per_sample_s=0.5",
+                        "--set", f"rollout.engine_max_restarts={max_restarts}"])
+    except BaseException:  # an unexpected failure: its traceback goes to the rank's log
+        import traceback
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)  # no interpreter teardown: a gloo thread can abort it (test_sync_gather)
+
+
+def _run_two_ranks(tmp_path, faults: dict, rollouts: int, max_restarts: int):
+    """Both ranks' exit codes, logs, per-step records, and rank 0's metrics.jsonl rows."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from trainer.launch import free_port
+    out = tmp_path / "out"
+    out.mkdir()
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_rank_worker, args=(r, 2, port, str(tmp_path / "run"), str(out),
+                                                    faults, rollouts, max_restarts))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(600)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    logs = [(out / f"rank{r}.log").read_text() for r in range(2)]
+    records = [[json.loads(line) for line in (out / f"rank{r}.jsonl").read_text().splitlines()]
+               if (out / f"rank{r}.jsonl").exists() else [] for r in range(2)]
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()] \
+        if metrics.exists() else []
+    return [p.exitcode for p in procs], logs, records, rows
+
+
+def test_two_ranks_restart_and_resync_together(tmp_path):
+    """2 gloo ranks, one toy engine each. Rank 1's engine killed before a rollout, rank 0's
+    stopped (its deadline passes), rank 1's stopped during the weight sync's checksum check:
+    each time both ranks agree, the failed rank restarts its engine, both re-sync, and the
+    step completes with every engine at the trainer's policy version holding the actor's
+    weights; the run finishes (exit 0 on both ranks)."""
+    faults = {1: (1, "kill"), 2: (0, "stop"), 3: (1, "stop at the sync's checksum")}
+    codes, logs, records, rows = _run_two_ranks(tmp_path, faults, rollouts=4, max_restarts=3)
+    assert codes == [0, 0], "\n----\n".join(t[-4000:] for t in logs)
+    for r, text in enumerate(logs):
+        assert "error: rank" not in text and "Traceback" not in text, text[-4000:]
+        # every rank logged each restart with the failing rank and its cause
+        assert "engine failed during rollout on rank 1: engine process" in text
+        assert "died during generate (stage: rollout)" in text
+        assert "engine failed during rollout on rank 0: engine process" in text
+        assert "within its 12.0 s deadline; the process is stopped (SIGSTOP?)" in text
+        assert "engine failed during weight sync on rank 1" in text
+        assert "checksum (stage: weight sync (checksum check))" in text
+        assert [x["rollout"] for x in records[r]] == [0, 1, 2, 3]
+        assert [x["policy_version"] for x in records[r]] == [1, 2, 3, 4]
+        assert [x["engine_version"] for x in records[r]] == [1, 2, 3, 4]
+        assert [x["restarts"] for x in records[r]] == [0, 1, 2, 3]
+        assert all(x["matches"] for x in records[r]), records[r]
+    a, b, c, d = [x["engine_pid"] for x in records[0]]
+    assert a == b != c == d                                  # rank 0: restarted in rollout 2
+    a, b, c, d = [x["engine_pid"] for x in records[1]]
+    assert a != b == c != d and a != d                       # rank 1: in rollouts 1 and 3
+    assert [row["train/engine_restarts"] for row in rows] == [0.0, 1.0, 2.0, 3.0]
+    assert rows[-1]["train/policy_version"] == 4.0
+
+
+def test_two_ranks_stop_together_when_the_restart_budget_is_spent(tmp_path):
+    """rollout.engine_max_restarts=0 and rank 1's engine killed before rollout 1: both ranks
+    exit 1, each printing the same message naming rank 1, the stage and the cause."""
+    codes, logs, records, _ = _run_two_ranks(tmp_path, {1: (1, "kill")}, rollouts=3,
+                                             max_restarts=0)
+    assert codes == [1, 1], "\n----\n".join(t[-4000:] for t in logs)
+    for r, text in enumerate(logs):
+        errors = [line for line in text.splitlines() if line.startswith("error: rank")]
+        assert len(errors) == 1, text[-4000:]
+        assert errors[0].startswith(f"error: rank {r}: engine failed during rollout on rank 1: "
+                                    "engine process ")
+        assert "died during generate (stage: rollout)" in errors[0]
+        assert "not restarting it: restart budget spent (0 of " \
+               "rollout.engine_max_restarts=0)" in errors[0]
+        assert "Traceback" not in text, text[-4000:]
+        assert [x["rollout"] for x in records[r]] == [0]

@@ -155,3 +155,36 @@ def test_launch_that_cannot_train_exits_nonzero_naming_the_cause(tmp_path):
     assert "failed their reward checks" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert time.monotonic() - t0 < 300
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_launch_whose_final_save_fails_exits_nonzero_naming_the_os_error(tmp_path):
+    """--save on a 256 KiB tmpfs (a toy checkpoint is MBs): the save after rollout 1 fails
+    and training goes on; the final save after rollout 2 fails too, so the run's result is
+    not on disk: exit 1 naming ENOSPC."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("needs to mount a small tmpfs (root); the ENOSPC path itself is covered "
+                    "in test_checkpoint_faults.py")
+    try:
+        proc = _launch(tmp_path / "run", "--set", "train.num_rollouts=2",
+                       "--set", "checkpoint.save_interval=1",
+                       "--set", f"checkpoint.save={disk / 'ckpt'}")
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
+            .splitlines()]
+    assert sorted({row["step"] for row in rows}) == [1, 2]   # rollout 2 ran after a failed save
+    assert [(row["step"], row["train/checkpoint_failures"]) for row in rows
+            if set(row) == {"step", "time", "train/checkpoint_failures"}] == [(1, 1.0), (2, 2.0)]
+    assert "CHECKPOINT FAILED" in proc.stderr and "training continues" in proc.stderr
+    final = [line for line in proc.stderr.splitlines() if line.startswith("error: rank 0:")]
+    assert len(final) == 1, proc.stderr[-3000:]
+    assert "final checkpoint (step 2) was not saved" in final[0]
+    assert "ENOSPC: No space left on device" in final[0]
+    assert "there is no committed checkpoint" in final[0]
+    assert "Traceback" not in proc.stderr

@@ -316,7 +316,7 @@ class Trainer(TrainerState):
             torch.cuda.reset_peak_memory_stats(self.device)
         with self.timer.stage("train"):
             metrics.update(self.train_on(batch, advantages, rollout_id))
-        metrics.update(call_with_recovery(self, "weight sync", self.sync_weights))
+        metrics.update(call_with_recovery(self, "weight sync", self.sync_weights, collective=True))
         actor_now = actor_footprint(self.device) if first_measure else None
         if self.colocate.actor_offload:
             with self.timer.stage("offload"):
@@ -451,13 +451,14 @@ class Trainer(TrainerState):
         return history
 
     def maybe_save(self, step: int, is_last: bool) -> None:
-        """Every save_interval rollouts and at the end; save_interval -1 never saves."""
+        """Every save_interval rollouts and at the end; save_interval -1 never saves. A failed
+        final save raises (the run ends non-zero: its result is not on disk)."""
         ck = self.cfg.checkpoint
         if ck.save_interval < 0:
             return
         if is_last or (ck.save_interval and step % ck.save_interval == 0):
             with nvtx_range("checkpoint"):
-                save_checkpoint(self, step)
+                save_checkpoint(self, step, final=is_last)
 
     def close(self) -> None:
         for obj in (getattr(self, "sender", None), getattr(self, "engine", None)):

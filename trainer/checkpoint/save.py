@@ -10,7 +10,10 @@ itself; disk full included: DCP wraps the OSError in a ``CheckpointException``, 
 ``BaseException``) on any rank is logged loudly on every rank with the OS error, counted in
 ``trainer.checkpoint_failures`` (the loop logs it as ``train/checkpoint_failures``), its
 partial directory is removed by rank 0 and no COMMITTED marker exists; training goes on,
-the previous committed checkpoint stays the resume point and the next save retries.
+the previous committed checkpoint stays the resume point and the next save retries. The
+exception is the run's final save (``final=True``): no later save can retry it, so the
+trained weights would not be on disk; it raises ``CheckpointError`` on every rank naming
+each failed rank's OS error and the newest committed checkpoint (the run exits non-zero).
 
 Design choices:
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -36,7 +40,8 @@ from trainer.checkpoint import layout
 from trainer.checkpoint.contract import adapter_contract, sampling_fingerprint, \
     weight_sync_manifest
 from trainer.checkpoint.rng import write_rng
-from trainer.checkpoint.shards import all_ranks_ok, broadcast_from_rank0, write_shards
+from trainer.checkpoint.shards import (all_ranks_ok, broadcast_from_rank0, failures_by_rank,
+                                       write_shards)
 
 log = logging.getLogger("trainer.checkpoint")
 
@@ -92,9 +97,31 @@ def _commit(trainer, root: Path, task: str, step: int, iter_dir: Path) -> None:
     layout.write_latest(root, task, step)
 
 
-def describe_failure(exc: BaseException) -> str:
+# Free space under which a failed write is taken for a full disk (see describe_failure).
+NEARLY_FULL_BYTES = 1 << 20
+
+
+def disk_full(path: Path) -> str | None:
+    """An ENOSPC line when the filesystem holding ``path`` has almost no space left, else None."""
+    probe = Path(path)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        st = os.statvfs(probe)
+    except OSError:
+        return None
+    free = st.f_bavail * st.f_frsize
+    if free >= NEARLY_FULL_BYTES:
+        return None
+    return (f"ENOSPC: No space left on device ({free} of {st.f_blocks * st.f_frsize} bytes "
+            f"free on the filesystem of {probe})")
+
+
+def describe_failure(exc: BaseException, written: Path | None = None) -> str:
     """The root cause of a failed write in one line: the OS error (errno name, strerror,
-    file) when there is one, also inside DCP's per-rank ``CheckpointException``."""
+    file) when there is one, also inside DCP's per-rank ``CheckpointException``. Without one,
+    and with the filesystem of ``written`` full, that is named first: torch's zip writer (DCP
+    uses it for non-tensor items) reports a short write as "unexpected pos", losing ENOSPC."""
     causes: list[BaseException] = []
     if isinstance(exc, CheckpointException):
         causes += [pair[0] for pair in exc.failures.values()]
@@ -108,7 +135,9 @@ def describe_failure(exc: BaseException) -> str:
                 return f"OSError {name}: {seen.strerror}{where}"
             seen = seen.__cause__ or seen.__context__
     first = causes[0]
-    return f"{type(first).__name__}: {str(first).splitlines()[0][:300] if str(first) else ''}"
+    said = f"{type(first).__name__}: {str(first).splitlines()[0][:300] if str(first) else ''}"
+    full = disk_full(written) if written is not None else None
+    return said if full is None else f"{full}; the writer reported {said}"
 
 
 def _remove_partial(trainer, iter_dir: Path) -> None:
@@ -123,21 +152,30 @@ def _remove_partial(trainer, iter_dir: Path) -> None:
                   describe_failure(exc))
 
 
-def _count_failure(trainer, step: int, what: str) -> None:
+def _count_failure(trainer, step: int, what: str, task_dir: Path, final: bool) -> None:
+    """Log and count a failed save; the run's final save raises (see the module docstring)."""
     n = trainer.record_checkpoint_failure()
     log.error("!!! CHECKPOINT FAILED: %s at step %d (rank %d); no COMMITTED marker was written, "
-              "the previous committed checkpoint stays the resume point; training continues "
-              "(train/checkpoint_failures = %d)", what, step, trainer.rank, n)
+              "the previous committed checkpoint stays the resume point; %s "
+              "(train/checkpoint_failures = %d)", what, step, trainer.rank,
+              "this was the run's final save" if final else "training continues", n)
     metrics = getattr(trainer, "metrics", None)
     if metrics is not None and trainer.rank == 0:
         metrics.log(step, {"train/checkpoint_failures": float(n)}, console=False)
+    if final:
+        committed = layout.committed_iterations(task_dir)
+        newest = (f"the newest committed checkpoint is {committed[-1][1]}" if committed
+                  else f"there is no committed checkpoint in {task_dir}")
+        raise layout.CheckpointError(f"the run's final checkpoint (step {step}) was not saved: "
+                                     f"{what}; the trained weights are not on disk ({newest})")
 
 
-def save_checkpoint(trainer, step: int) -> Path | None:
+def save_checkpoint(trainer, step: int, *, final: bool = False) -> Path | None:
     """Save ``trainer`` as iteration ``step``; every rank calls this together.
 
     Returns the committed ``iter_*`` directory, or None when the write failed (counted,
-    logged, training continues). Raises CheckpointError when rotation fails.
+    logged, training continues). Raises CheckpointError when rotation fails, and when the
+    write of the run's ``final`` save fails.
     """
     cfg = trainer.cfg
     root, task = checkpoint_root(cfg), cfg.model.task
@@ -169,7 +207,7 @@ def save_checkpoint(trainer, step: int) -> Path | None:
             trainer.offloaded = None
         _write(trainer, step, iter_dir)
     except (Exception, CheckpointException) as exc:
-        cause = describe_failure(exc)
+        cause = describe_failure(exc, written=iter_dir)
         log.error("checkpoint write of %s failed on rank %d: %s", iter_dir, trainer.rank, cause,
                   exc_info=not isinstance(exc, (OSError, CheckpointException)))
         ok = False
@@ -178,9 +216,10 @@ def save_checkpoint(trainer, step: int) -> Path | None:
             from trainer.actor.model import offload_actor
             trainer.offloaded = offload_actor(trainer.model, trainer.optimizer)
     if not all_ranks_ok(ok):
+        causes = failures_by_rank(None if ok else cause)
         _remove_partial(trainer, iter_dir)
-        _count_failure(trainer, step, f"writing {iter_dir} failed on "
-                       f"{'this rank (' + cause + ')' if not ok else 'another rank'}")
+        _count_failure(trainer, step, f"writing {iter_dir} failed on " + "; ".join(
+            f"rank {rank} ({text})" for rank, text in sorted(causes.items())), task_dir, final)
         return None
 
     error = None
@@ -188,13 +227,14 @@ def save_checkpoint(trainer, step: int) -> Path | None:
         try:
             _commit(trainer, root, task, step, iter_dir)
         except Exception as exc:
-            error = describe_failure(exc)
+            error = describe_failure(exc, written=iter_dir)
             log.error("committing %s failed: %s", iter_dir, error)
             if not (iter_dir / layout.COMMITTED).exists():
                 _remove_partial(trainer, iter_dir)
     error = broadcast_from_rank0(error)
     if error is not None:
-        _count_failure(trainer, step, f"committing {iter_dir} failed on rank 0 ({error})")
+        _count_failure(trainer, step, f"committing {iter_dir} failed on rank 0 ({error})",
+                       task_dir, final)
         return None
     log.info("checkpoint %s committed in %.2fs", iter_dir, time.perf_counter() - t0)
     return iter_dir

@@ -39,6 +39,16 @@ def all_ranks_ok(ok: bool) -> bool:
     return bool(int(t.item()))  # NOTE: host sync (once per save)
 
 
+def failures_by_rank(cause: str | None) -> dict[int, str]:
+    """{rank: cause} of every rank whose ``cause`` is not None, on every rank (an all-gather
+    of small strings; every rank calls this together, on a failure path only)."""
+    if not distributed():
+        return {} if cause is None else {0: cause}
+    causes: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(causes, cause)
+    return {rank: text for rank, text in enumerate(causes) if text is not None}
+
+
 def broadcast_from_rank0(obj: Any) -> Any:
     """Rank 0's ``obj`` on every rank (pickled; small objects only)."""
     if not distributed():

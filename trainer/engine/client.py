@@ -220,7 +220,8 @@ class EngineClient:
     batch-first), ``checksum() -> str`` (over the engine's transformer weights, equal to
     ``ipc.weights_checksum`` of the same bytes), ``version`` (last committed weight version),
     ``release()`` / ``resume()`` (free / restore device memory; failures raise: a half-released engine cannot be trusted),
-    ``health() -> dict``, ``update_weights_from_disk(model_path)``, ``close()``.
+    ``health() -> dict``, ``update_weights_from_disk(model_path)``, ``down()`` (why the
+    process cannot answer, or None), ``close()``.
     ``http_url`` is the loopback URL of the engine's HTTP mode, or None.
     """
 
@@ -254,6 +255,17 @@ class EngineClient:
 
     def close(self) -> None:
         self._transport.close()
+
+    def down(self) -> str | None:
+        """Why a spawned engine cannot answer (its process dead, or stopped), or None (it may
+        be working, or it lives in this process)."""
+        process = getattr(self._transport, "process", None)
+        if process is None:
+            return None
+        if not process.is_alive():
+            return f"dead (exit code {process.exitcode})"
+        state = process_state(process.pid)
+        return state if state.startswith("stopped") else None
 
     def kill(self) -> None:
         """End a spawned engine at once (in-process engines are closed)."""
