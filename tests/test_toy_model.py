@@ -177,11 +177,34 @@ def test_pretrain_options_ship_with_the_weights(tmp_path):
         pretrain(tmp_path / "bad", seed=1, sigma_sampling="cosine", **kw)
 
 
+def test_pretrain_continues_from_a_model_directory_with_caption_noise(tmp_path):
+    """--init starts from the given weights (not a fresh init); --caption-noise is recorded and
+    changes what is trained on."""
+    kw = dict(steps=2, minutes=5, batch=4, warmup=1, threads=1, log_every=1000,
+              transformer_config=TINY_TRANSFORMER, text_encoder_config=TINY_TEXT)
+    pretrain(tmp_path / "base", seed=1, **kw)
+    base = load_file(tmp_path / "base" / "transformer" / "diffusion_pytorch_model.safetensors")
+    out = {}
+    for name, rate in (("clean", 0.0), ("noisy", 0.5)):
+        pretrain(tmp_path / name, seed=3, init=tmp_path / "base", caption_noise=rate,
+                 **{**kw, "steps": 1})
+        out[name] = load_file(tmp_path / name / "transformer" /
+                              "diffusion_pytorch_model.safetensors")
+    key = "transformer_blocks.0.attn.to_q.weight"
+    fresh, _, _ = modeling.build_untrained(3, transformer=TINY_TRANSFORMER, text_encoder=TINY_TEXT)
+    # one step from the base: close to it, far from a fresh init of the same seed
+    step = (out["clean"][key] - base[key]).abs().max()
+    assert 0 < step < (out["clean"][key] - fresh.state_dict()[key]).abs().max()
+    assert not torch.equal(out["clean"][key], out["noisy"][key])  # other images, other step
+    info = json.loads((tmp_path / "noisy" / "toy_config.json").read_text())["info"]
+    assert info["caption_noise"] == 0.5 and info["init"] == str(tmp_path / "base")
+
+
 def test_pretrain_cli_rejects_bad_arguments_at_once(capsys):
     with pytest.raises(SystemExit):
-        pretrain_main(["--out", "x", "--minutes", "0", "--steps", "-1"])
+        pretrain_main(["--out", "x", "--minutes", "0", "--steps", "-1", "--caption-noise", "1"])
     err = capsys.readouterr().err
-    assert "--minutes=0.0" in err and "--steps=-1" in err
+    assert "--minutes=0.0" in err and "--steps=-1" in err and "--caption-noise=1.0" in err
 
 
 def test_shipped_weights_sample_better_than_noise():

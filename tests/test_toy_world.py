@@ -125,3 +125,20 @@ def test_render_rejects_bad_specs_with_every_problem():
         world.render({"objects": [{"count": 0, "color": "red", "shape": "hexagon"}],
                       "relation": None}, 32, np.random.default_rng(0))
     assert "count=0" in str(exc.value) and "shape='hexagon'" in str(exc.value)
+
+
+def test_corrupt_spec_changes_each_fact_at_its_rate_and_stays_valid():
+    spec = world.parse_prompt("two red circles left of a blue square")
+    rng = np.random.default_rng(0)
+    assert world.corrupt_spec(spec, 0.0, rng) == spec
+    n, changed = 3000, {"count": 0, "color": 0, "relation": 0}
+    for _ in range(n):
+        c = world.corrupt_spec(spec, 0.3, rng)
+        assert world.validate_spec(c) == []  # colours stay distinct, counts in range
+        assert [g["shape"] for g in c["objects"]] == ["circle", "square"]
+        changed["count"] += c["objects"][0]["count"] != 2
+        changed["color"] += c["objects"][1]["color"] != "blue"
+        changed["relation"] += c["relation"] != "left of"
+    for fact, k in changed.items():
+        assert abs(k / n - 0.3) < 0.03, (fact, k / n)
+    assert spec == world.parse_prompt("two red circles left of a blue square")  # not mutated

@@ -126,3 +126,13 @@ def build_untrained(seed: int = 0, *, transformer: dict[str, Any] | None = None,
     te = build_text_encoder(tokenizer, **(text_encoder or {}))
     tr = build_transformer(te.config.hidden_size, **(transformer or {}))
     return tr, te, tokenizer
+
+
+def load_parts(model_dir: str | Path):
+    """(transformer, text_encoder, tokenizer) of a saved toy model directory, trainable fp32."""
+    model_dir = Path(model_dir)
+    transformer = SD3Transformer2DModel.from_pretrained(model_dir / "transformer",
+                                                        torch_dtype=torch.float32)
+    text_encoder = CLIPTextModel.from_pretrained(model_dir / "text_encoder",
+                                                 torch_dtype=torch.float32)
+    return transformer.train(), text_encoder.train(), build_tokenizer()

@@ -36,12 +36,14 @@ SIGMA_SAMPLING = ("logit_normal", "uniform")
 
 
 def _batch(rng: np.random.Generator, specs: list[dict[str, Any]], singles: list[dict[str, Any]],
-           batch: int, size: int) -> tuple[list[str], torch.Tensor]:
+           batch: int, size: int, caption_noise: float = 0.0) -> tuple[list[str], torch.Tensor]:
     prompts, images = [], np.empty((batch, size, size, 3), dtype=np.uint8)
     for i in range(batch):
         pool = singles if rng.random() < world.SINGLE_FRACTION else specs
         spec = pool[int(rng.integers(len(pool)))]
         prompts.append(world.spec_to_prompt(spec))
+        if caption_noise > 0:  # the image departs from its caption (world.corrupt_spec)
+            spec = world.corrupt_spec(spec, caption_noise, rng)
         images[i] = world.render(spec, size, rng)
     x0 = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1.0
     return prompts, x0
@@ -51,19 +53,26 @@ def pretrain(out: str | Path, *, seed: int = 0, steps: int = 1500, minutes: floa
              batch: int = 32, lr: float = 1e-3, warmup: int = 200, ema: float = 0.999,
              resolution: int = 32, threads: int | None = None, log_every: int = 100,
              snapshot_every: int = 0, sigma_sampling: str = "logit_normal",
-             pos_embed_scale: float = 1.0,
+             pos_embed_scale: float = 1.0, caption_noise: float = 0.0,
+             init: str | Path | None = None,
              transformer_config: dict[str, Any] | None = None,
              text_encoder_config: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train and write the model directory to ``out``; returns the run's info dict.
 
     ``snapshot_every`` > 0 also writes the EMA model every that many steps to
     ``out/snapshots/step-N`` (how the shipped step count was chosen: see README.md).
+    ``caption_noise``: the share of each caption fact (count, colour, relation) the rendered
+    image gets wrong (``world.corrupt_spec``). ``init``: a toy model directory to continue
+    from instead of a random init (its architecture is kept).
     """
     if threads:
         torch.set_num_threads(threads)
-    transformer, text_encoder, tokenizer = modeling.build_untrained(
-        seed, transformer=dict(transformer_config or {}, sample_size=resolution),
-        text_encoder=text_encoder_config)
+    if init is not None:
+        transformer, text_encoder, tokenizer = modeling.load_parts(init)
+    else:
+        transformer, text_encoder, tokenizer = modeling.build_untrained(
+            seed, transformer=dict(transformer_config or {}, sample_size=resolution),
+            text_encoder=text_encoder_config)
     if sigma_sampling not in SIGMA_SAMPLING:
         raise ValueError(f"sigma_sampling must be one of {SIGMA_SAMPLING}, got {sigma_sampling!r}")
     if pos_embed_scale != 1.0:
@@ -92,10 +101,11 @@ def pretrain(out: str | Path, *, seed: int = 0, steps: int = 1500, minutes: floa
         return {"seed": seed, "steps": step, "planned_steps": steps, "batch": batch, "lr": lr,
                 "ema": ema, "threads": torch.get_num_threads(), "wall_seconds": round(wall, 1),
                 "stopped_early": step < steps, "torch": torch.__version__,
-                "sigma_sampling": sigma_sampling, "pos_embed_scale": pos_embed_scale}
+                "sigma_sampling": sigma_sampling, "pos_embed_scale": pos_embed_scale,
+                "caption_noise": caption_noise, "init": None if init is None else str(init)}
 
     while step < steps and time.perf_counter() - start < minutes * 60:
-        prompts, x0 = _batch(rng, pairs, singles, batch, resolution)
+        prompts, x0 = _batch(rng, pairs, singles, batch, resolution, caption_noise)
         ids = tokenizer(prompts, padding="max_length", max_length=length,
                         return_tensors="pt").input_ids
         noise = torch.randn(x0.shape, generator=gen)
@@ -155,17 +165,26 @@ def main(argv: list[str] | None = None) -> int:
                    help="training noise levels: SD3's logit-normal(0, 1) or uniform in [0, 1]")
     p.add_argument("--pos-embed-scale", type=float, default=1.0,
                    help="multiply the transformer's fixed position table (shipped with it)")
+    p.add_argument("--caption-noise", type=float, default=0.0,
+                   help="share of each caption fact (count, colour, relation) the image gets "
+                        "wrong (world.corrupt_spec)")
+    p.add_argument("--init", default=None,
+                   help="continue from this toy model directory instead of a random init")
+    p.add_argument("--warmup", type=int, default=200, help="linear warm-up steps of the lr")
     p.add_argument("--snapshot-every", type=int, default=0,
                    help="also write the EMA model every N steps under OUT/snapshots/")
     args = p.parse_args(argv)
     problems = [f"--{k}={getattr(args, k)} must be > 0" for k in ("minutes", "steps", "batch", "lr")
                 if getattr(args, k) <= 0]
+    if not 0.0 <= args.caption_noise < 1.0:
+        problems.append(f"--caption-noise={args.caption_noise} must be in [0, 1)")
     if problems:
         p.error("; ".join(problems))
     info = pretrain(args.out, seed=args.seed, steps=args.steps, minutes=args.minutes,
                     batch=args.batch, lr=args.lr, threads=args.threads, ema=args.ema,
                     snapshot_every=args.snapshot_every, sigma_sampling=args.sigma_sampling,
-                    pos_embed_scale=args.pos_embed_scale)
+                    pos_embed_scale=args.pos_embed_scale, caption_noise=args.caption_noise,
+                    init=args.init, warmup=args.warmup)
     print(info)
     return 0
 

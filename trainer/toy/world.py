@@ -197,6 +197,31 @@ def make_prompt_records(n: int, *, seed: int, split: str = "train") -> list[dict
     return records
 
 
+# ---- caption noise ------------------------------------------------------------------------
+
+def corrupt_spec(spec: dict[str, Any], rate: float, rng: np.random.Generator) -> dict[str, Any]:
+    """A spec that departs from ``spec`` the way a web caption departs from its image: each
+    group's count and colour, and the relation, is independently replaced by another valid
+    value with probability ``rate`` (the result is always a valid spec of this world).
+
+    Pretraining on (prompt, render of a corrupted spec) pairs gives a model that draws what the
+    prompt asks only part of the time, like a real text-to-image base model: the samples of
+    one prompt then differ in what the reward checks, which is what RL learns from.
+    """
+    objs = [dict(g) for g in spec["objects"]]
+    for g in objs:
+        if rng.random() < rate:
+            g["count"] = int(rng.choice([n for n in COUNT_WORDS if n != g["count"]]))
+    for i, g in enumerate(objs):
+        if rng.random() < rate:
+            taken = {o["color"] for o in objs}  # groups keep different colours
+            g["color"] = str(rng.choice([c for c in COLORS if c not in taken]))
+    relation = spec["relation"]
+    if relation is not None and rng.random() < rate:
+        relation = OPPOSITE_RELATION[relation]
+    return {"objects": objs, "relation": relation}
+
+
 # ---- renderer -----------------------------------------------------------------------------
 
 def _regions(relation: str | None, size: int, rng: np.random.Generator
