@@ -142,3 +142,13 @@ def test_corrupt_spec_changes_each_fact_at_its_rate_and_stays_valid():
     for fact, k in changed.items():
         assert abs(k / n - 0.3) < 0.03, (fact, k / n)
     assert spec == world.parse_prompt("two red circles left of a blue square")  # not mutated
+
+
+def test_corrupt_spec_touches_only_the_facts_named():
+    spec = world.parse_prompt("two red circles left of a blue square")
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        c = world.corrupt_spec(spec, 1.0, rng, ("color",))
+        assert [g["count"] for g in c["objects"]] == [2, 1] and c["relation"] == "left of"
+        assert c["objects"][0]["color"] != "red" and c["objects"][1]["color"] != "blue"
+        assert world.validate_spec(c) == []

@@ -36,14 +36,15 @@ SIGMA_SAMPLING = ("logit_normal", "uniform")
 
 
 def _batch(rng: np.random.Generator, specs: list[dict[str, Any]], singles: list[dict[str, Any]],
-           batch: int, size: int, caption_noise: float = 0.0) -> tuple[list[str], torch.Tensor]:
+           batch: int, size: int, caption_noise: float = 0.0,
+           noisy_facts: tuple[str, ...] = world.CAPTION_FACTS) -> tuple[list[str], torch.Tensor]:
     prompts, images = [], np.empty((batch, size, size, 3), dtype=np.uint8)
     for i in range(batch):
         pool = singles if rng.random() < world.SINGLE_FRACTION else specs
         spec = pool[int(rng.integers(len(pool)))]
         prompts.append(world.spec_to_prompt(spec))
         if caption_noise > 0:  # the image departs from its caption (world.corrupt_spec)
-            spec = world.corrupt_spec(spec, caption_noise, rng)
+            spec = world.corrupt_spec(spec, caption_noise, rng, noisy_facts)
         images[i] = world.render(spec, size, rng)
     x0 = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1.0
     return prompts, x0
@@ -54,6 +55,7 @@ def pretrain(out: str | Path, *, seed: int = 0, steps: int = 1500, minutes: floa
              resolution: int = 32, threads: int | None = None, log_every: int = 100,
              snapshot_every: int = 0, sigma_sampling: str = "logit_normal",
              pos_embed_scale: float = 1.0, caption_noise: float = 0.0,
+             noisy_facts: tuple[str, ...] = world.CAPTION_FACTS,
              init: str | Path | None = None,
              transformer_config: dict[str, Any] | None = None,
              text_encoder_config: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -102,10 +104,11 @@ def pretrain(out: str | Path, *, seed: int = 0, steps: int = 1500, minutes: floa
                 "ema": ema, "threads": torch.get_num_threads(), "wall_seconds": round(wall, 1),
                 "stopped_early": step < steps, "torch": torch.__version__,
                 "sigma_sampling": sigma_sampling, "pos_embed_scale": pos_embed_scale,
-                "caption_noise": caption_noise, "init": None if init is None else str(init)}
+                "caption_noise": caption_noise, "noisy_facts": list(noisy_facts),
+                "init": None if init is None else str(init)}
 
     while step < steps and time.perf_counter() - start < minutes * 60:
-        prompts, x0 = _batch(rng, pairs, singles, batch, resolution, caption_noise)
+        prompts, x0 = _batch(rng, pairs, singles, batch, resolution, caption_noise, noisy_facts)
         ids = tokenizer(prompts, padding="max_length", max_length=length,
                         return_tensors="pt").input_ids
         noise = torch.randn(x0.shape, generator=gen)
@@ -168,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--caption-noise", type=float, default=0.0,
                    help="share of each caption fact (count, colour, relation) the image gets "
                         "wrong (world.corrupt_spec)")
+    p.add_argument("--noisy-facts", nargs="+", default=list(world.CAPTION_FACTS),
+                   choices=world.CAPTION_FACTS, help="which caption facts --caption-noise touches")
     p.add_argument("--init", default=None,
                    help="continue from this toy model directory instead of a random init")
     p.add_argument("--warmup", type=int, default=200, help="linear warm-up steps of the lr")
@@ -184,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                     batch=args.batch, lr=args.lr, threads=args.threads, ema=args.ema,
                     snapshot_every=args.snapshot_every, sigma_sampling=args.sigma_sampling,
                     pos_embed_scale=args.pos_embed_scale, caption_noise=args.caption_noise,
-                    init=args.init, warmup=args.warmup)
+                    noisy_facts=tuple(args.noisy_facts), init=args.init, warmup=args.warmup)
     print(info)
     return 0
 

@@ -199,10 +199,15 @@ def make_prompt_records(n: int, *, seed: int, split: str = "train") -> list[dict
 
 # ---- caption noise ------------------------------------------------------------------------
 
-def corrupt_spec(spec: dict[str, Any], rate: float, rng: np.random.Generator) -> dict[str, Any]:
+CAPTION_FACTS = ("count", "color", "relation")
+
+
+def corrupt_spec(spec: dict[str, Any], rate: float, rng: np.random.Generator,
+                 facts: tuple[str, ...] = CAPTION_FACTS) -> dict[str, Any]:
     """A spec that departs from ``spec`` the way a web caption departs from its image: each
     group's count and colour, and the relation, is independently replaced by another valid
-    value with probability ``rate`` (the result is always a valid spec of this world).
+    value with probability ``rate`` (the result is always a valid spec of this world); only
+    the ``facts`` named are ever replaced.
 
     Pretraining on (prompt, render of a corrupted spec) pairs gives a model that draws what the
     prompt asks only part of the time, like a real text-to-image base model: the samples of
@@ -210,14 +215,14 @@ def corrupt_spec(spec: dict[str, Any], rate: float, rng: np.random.Generator) ->
     """
     objs = [dict(g) for g in spec["objects"]]
     for g in objs:
-        if rng.random() < rate:
+        if "count" in facts and rng.random() < rate:
             g["count"] = int(rng.choice([n for n in COUNT_WORDS if n != g["count"]]))
-    for i, g in enumerate(objs):
-        if rng.random() < rate:
+    for g in objs:
+        if "color" in facts and rng.random() < rate:
             taken = {o["color"] for o in objs}  # groups keep different colours
             g["color"] = str(rng.choice([c for c in COLORS if c not in taken]))
     relation = spec["relation"]
-    if relation is not None and rng.random() < rate:
+    if "relation" in facts and relation is not None and rng.random() < rate:
         relation = OPPOSITE_RELATION[relation]
     return {"objects": objs, "relation": relation}
 
