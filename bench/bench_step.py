@@ -28,6 +28,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -36,16 +37,22 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler,  # noqa: E402
+                       QwenImagePipeline, QwenImageTransformer2DModel)
+from transformers import (AutoTokenizer, Qwen2_5_VLConfig,  # noqa: E402
+                          Qwen2_5_VLForConditionalGeneration)
+
+from bench_rewards import build_model_dir  # noqa: E402
+from floors import diffusers_images_per_s, fwd_bwd_ms, text_tokens  # noqa: E402
+from peer_step import run_peer  # noqa: E402
 from record_rows import record_step  # noqa: E402
+from tiny_models import write_qwen2_tokenizer  # noqa: E402
+from trainer.config import load_config  # noqa: E402
+from trainer.loop import Trainer  # noqa: E402
 
 
 def build_qwen_shaped(out: Path, layers: int, tiny: bool) -> Path:
-    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler,
-                           QwenImagePipeline, QwenImageTransformer2DModel)
-    from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    from tiny_models import write_qwen2_tokenizer
-
     vocab = write_qwen2_tokenizer(out / "_tok")
     tokenizer = AutoTokenizer.from_pretrained(out / "_tok")
     heads, head_dim, hidden = (2, 16, 32) if tiny else (24, 128, 3584)
@@ -133,11 +140,6 @@ def step_overrides(mode: str, model_dir: Path, reward_dir: Path | None, args, wo
 
 
 def run_mode(mode: str, model_dir: Path, reward_dir: Path | None, args, work: Path) -> dict:
-    import torch.distributed as dist
-
-    from trainer.config import load_config
-    from trainer.loop import Trainer
-
     cfg = load_config(*step_overrides(mode, model_dir, reward_dir, args, work,
                                       groups=args.groups))
     if not dist.is_initialized():
@@ -216,8 +218,6 @@ class GpuBusySampler:
         self._stop = None
 
     def __enter__(self):
-        import threading
-
         if self.device.type != "cuda":
             return self
         try:
@@ -243,8 +243,6 @@ class GpuBusySampler:
 def add_floors(results: list[dict], model_dir: Path, args) -> dict:
     """The floors of bench/floors.py, measured now, in this process, for each mode's
     micro-batch (rows = samples x trained steps), plus diffusers' eager generate."""
-    from floors import diffusers_images_per_s, fwd_bwd_ms, text_tokens
-
     steps, tokens = 3, text_tokens(str(model_dir))
     floors: dict = {}
     for r in results:
@@ -322,7 +320,6 @@ def main(argv: list[str] | None = None) -> int:
     work, model_dir = prepare_work("bench_step_", args.layers, args.tiny, args.model_dir)
     reward_dir = None
     if args.reward_model and not args.no_reward_model:
-        from bench_rewards import build_model_dir
         t0 = time.perf_counter()
         reward_dir = work / "pickscore"
         build_model_dir(str(reward_dir), tiny=args.tiny, device=torch.device(args.device))
@@ -334,7 +331,6 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps(results, indent=2))
     extra = add_floors(results, model_dir, args) if args.floors else {}
     if args.peer:
-        from peer_step import run_peer
         extra["peer"] = run_peer(str(model_dir), micro_batch=int(args.micro_batch),
                                  updates=2, rollouts=args.rollouts)
     Path(args.out).write_text(json.dumps({"rows": results, **extra,

@@ -14,14 +14,17 @@ import gc
 import statistics
 
 import torch
+from diffusers import QwenImagePipeline
+from peft import LoraConfig, get_peft_model
+
+from trainer.models.compile import compile_blocks
+from trainer.models.qwen_image import QwenImageAdapter
 
 BENCH_PROMPT = "a photo of a red panda number 7 in a teacup"
 
 
 def text_tokens(model_dir: str) -> int:
     """How many tokens the bench's prompt encodes to (the floor's text length)."""
-    from trainer.models.qwen_image import QwenImageAdapter
-
     adapter = QwenImageAdapter(model_dir)
     frozen = adapter.load_frozen(device="cuda", dtype=torch.bfloat16)
     length = int(adapter.encode_prompts(frozen, [BENCH_PROMPT])["prompt_embeds"].shape[1])
@@ -47,11 +50,6 @@ def _median_ms(fn, warmup: int, iters: int) -> float:
 
 def lora_transformer(model_dir: str, rank: int, compiled: bool):
     """The bf16 transformer with a LoRA of ``rank`` (trainable), or fully trainable at 0."""
-    from peft import LoraConfig, get_peft_model
-
-    from trainer.models.compile import compile_blocks
-    from trainer.models.qwen_image import QwenImageAdapter
-
     adapter = QwenImageAdapter(model_dir)
     model = adapter.load_train_model(dtype=torch.bfloat16, device="cuda")
     if rank <= 0:
@@ -101,8 +99,6 @@ def fwd_bwd_ms(model_dir: str, rows: int, *, rank: int = 64, compiled: bool = Tr
 
 def diffusers_images_per_s(model_dir: str, *, batch: int = 8, steps: int = 12,
                            height: int = 384, width: int = 384) -> float:
-    from diffusers import QwenImagePipeline
-
     pipe = QwenImagePipeline.from_pretrained(model_dir, torch_dtype=torch.bfloat16).to("cuda")
     pipe.set_progress_bar_config(disable=True)
     prompts = ["a photo of a red panda number 7 in a teacup"] * batch

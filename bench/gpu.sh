@@ -115,7 +115,7 @@ purpose_gpu-tests() {
 }
 
 purpose_toy-sweep() {
-  local sweep=${SWEEP:-bench/sweeps/toy_round6.txt}
+  local sweep=${SWEEP:-bench/sweeps/toy_around-the-recipe.txt}
   local name; name=$(basename "$sweep" .txt)
   TAIL=20 step "toy_sweep_$name" "${SECS:-560}" python3 bench/bench_toy_learning.py \
     --variants-file "$sweep" --rollouts "${ROLLOUTS:-100}" --eval-every 20 --eval-prompts 256 \

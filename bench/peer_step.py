@@ -22,9 +22,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 
 import torch  # noqa: E402
+from peft import LoraConfig, get_peft_model  # noqa: E402
 
 from kernels.sde_reference import sde_log_prob_ref, sde_step_ref  # noqa: E402
 from record_rows import record_peer  # noqa: E402
+from trainer.models.qwen_image import QwenImageAdapter  # noqa: E402
+from trainer.rewards.jpeg import jpeg_kilobytes  # noqa: E402
 
 QWEN_LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj",
                      "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"]
@@ -39,10 +42,6 @@ class PeerLoop:
     def __init__(self, model_dir: str, *, height: int = 384, width: int = 384, steps: int = 12,
                  sde_indices=(3, 4, 5), eta: float = 0.7, rank: int = 64, lr: float = 3e-4,
                  eps_clip: float = 1e-4) -> None:
-        from peft import LoraConfig, get_peft_model
-
-        from trainer.models.qwen_image import QwenImageAdapter
-
         self.adapter = QwenImageAdapter(model_dir)
         self.frozen = self.adapter.load_frozen(device="cuda", dtype=torch.bfloat16)
         model = self.adapter.load_train_model(dtype=torch.bfloat16, device="cuda")
@@ -109,8 +108,6 @@ class PeerLoop:
             self.optimizer.zero_grad(set_to_none=True)
 
     def step(self, prompts: list[str], seed: int, micro_batch: int, updates: int) -> dict:
-        from trainer.rewards.jpeg import jpeg_kilobytes
-
         t0 = _sync()
         cond, xs, nexts, old, images = self.sample(prompts, seed)
         t1 = _sync()

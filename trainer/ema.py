@@ -23,14 +23,17 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from trainer.actor.model import strip_wrapper_names
 
 
 def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """Trainable parameters under their checkpoint names (activation-checkpoint wrappers
     removed), the names ``trainer.checkpoint.export.read_model_tensors`` returns."""
-    from trainer.actor.model import strip_wrapper_names
-
     return [(strip_wrapper_names(n), p) for n, p in model.named_parameters() if p.requires_grad]
 
 
@@ -87,18 +90,12 @@ class ParameterEMA:
 
     def save(self, directory: Path) -> None:
         """DCP write of the shadow (every rank calls it under torch.distributed)."""
-        import torch.distributed as dist
-        import torch.distributed.checkpoint as dcp
-
         with _quiet_single_process():
             dcp.save(self.state_dict(), checkpoint_id=str(directory),
                      no_dist=not (dist.is_available() and dist.is_initialized()))
 
     def load(self, directory: Path) -> None:
         """In-place DCP read; the shadow's names and shapes must match this model's."""
-        import torch.distributed as dist
-        import torch.distributed.checkpoint as dcp
-
         state = self.state_dict()
         with _quiet_single_process():
             dcp.load(state, checkpoint_id=str(directory),
@@ -109,9 +106,6 @@ class ParameterEMA:
 def ema_model_tensors(iter_dir: Path, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``tensors`` (a checkpoint's model tensors) with the trainable ones replaced by the
     checkpoint's EMA, cast to each tensor's dtype: what export writes with ``--ema``."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     directory = Path(iter_dir) / "ema"
     if not directory.is_dir():
         raise FileNotFoundError(f"{iter_dir} has no EMA state (the run had ema.enabled off)")

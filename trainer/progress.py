@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
+from tqdm.auto import tqdm
+
 
 class RunProgress:
     def __init__(self, total: int, initial: int = 0, *, enabled: bool = True) -> None:
@@ -22,7 +24,6 @@ class RunProgress:
         self.postfix: dict[str, str] = {}
         self._train: _Ticker | None = None
         if enabled:
-            from tqdm.auto import tqdm
             self.bar = tqdm(total=total, initial=initial, desc="run", unit="rollout",
                             dynamic_ncols=True, position=0)
 
@@ -48,7 +49,6 @@ class RunProgress:
     def write(self, line: str) -> None:
         """A console line above the bars (tqdm.write keeps them intact)."""
         if self.bar is not None:
-            from tqdm.auto import tqdm
             tqdm.write(line)
 
     def watch(self, timer, updates_per_rollout: int = 0):
@@ -64,7 +64,6 @@ class RunProgress:
         """``with progress.train_bar(n) as bar: ... bar.tick()`` per optimizer update."""
         bar = None
         if self.enabled:
-            from tqdm.auto import tqdm
             bar = tqdm(total=total, desc="train", unit="update", leave=False, position=1)
         try:
             yield _Ticker(bar)

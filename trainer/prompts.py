@@ -11,18 +11,19 @@ from pathlib import Path
 
 import numpy as np
 
+from trainer.data.prompt_files import read_prompt_file
+from trainer.toy.world import make_prompt_records
+
 TOY_TRAIN_SIZE = 4096
 TOY_EVAL_SIZE = 64
 
 
 def load_records(source: str, *, seed: int = 0, limit: int | None = None) -> list[dict]:
     if source.startswith("toy:"):
-        from trainer.toy.world import make_prompt_records
         split = source.split(":", 1)[1] or "train"
         n = TOY_TRAIN_SIZE if split == "train" else TOY_EVAL_SIZE
         records = make_prompt_records(limit or n, seed=seed, split=split)
     else:
-        from trainer.data.prompt_files import read_prompt_file
         if not Path(source).exists():
             raise FileNotFoundError(f"prompt data {source!r} does not exist")
         records = read_prompt_file(source)  # PromptFileError (a ValueError) names file:line

@@ -30,6 +30,9 @@ import socket
 import time
 from pathlib import Path
 
+# trainer.checkpoint is imported inside the functions that read checkpoints: the torch-free
+# launcher (trainer.launch) imports this module, and trainer.checkpoint imports torch.
+
 log = logging.getLogger("trainer")
 
 LOCK_FILE = ".lock"
@@ -88,7 +91,7 @@ def _describe_holder(text: str) -> str:
 
 def previous_run(cfg) -> list[str]:
     """What in the run's directories shows an earlier run (empty: nothing)."""
-    from trainer.checkpoint.layout import committed_iterations
+    from trainer.checkpoint.layout import committed_iterations  # local: torch (see the top)
     from trainer.checkpoint.save import checkpoint_root
     found = []
     metrics = Path(cfg.logging.run_dir) / "metrics.jsonl"
@@ -104,7 +107,7 @@ def previous_run(cfg) -> list[str]:
 
 def _newer_than_explicit_load(cfg) -> list[int]:
     """Committed iterations of the save root newer than an explicit ``--load .../iter_N``."""
-    from trainer.checkpoint.layout import committed_iterations, parse_iter
+    from trainer.checkpoint.layout import committed_iterations, parse_iter  # local: torch
     from trainer.checkpoint.save import checkpoint_root
     if not cfg.checkpoint.load:
         return []
@@ -140,7 +143,7 @@ def claim_run_dir(cfg, *, check_only: bool = False):
     if ck.resume:
         if ck.load:
             return cfg
-        from trainer.checkpoint.save import checkpoint_root
+        from trainer.checkpoint.save import checkpoint_root  # local: torch (see the top)
         if any("committed checkpoints" in f for f in found):
             log.info("--resume: continuing from the newest verified checkpoint under %s",
                      checkpoint_root(cfg))

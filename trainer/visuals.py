@@ -18,13 +18,14 @@ from typing import Sequence
 
 import numpy as np
 import torch
+from PIL import Image, ImageDraw, ImageFont
+from torchvision.utils import make_grid
 
 PALETTE = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189),
            (140, 86, 75), (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207)]
 
 
 def _font(size: int):
-    from PIL import ImageFont
     return ImageFont.load_default(size=size)
 
 
@@ -42,7 +43,6 @@ def captions(prompts: Sequence[str], rewards: torch.Tensor | Sequence[float]) ->
 
 
 def _caption_tile(image: np.ndarray, text: str, min_tile: int, lines: int) -> np.ndarray:
-    from PIL import Image, ImageDraw
     tile = Image.fromarray(np.ascontiguousarray(image))
     if tile.width < min_tile:
         scale = math.ceil(min_tile / tile.width)
@@ -62,7 +62,6 @@ def _caption_tile(image: np.ndarray, text: str, min_tile: int, lines: int) -> np
 def captioned_grid(images: torch.Tensor | np.ndarray, texts: Sequence[str], *, ncol: int = 8,
                    min_tile: int = 128, lines: int = 3) -> np.ndarray:
     """uint8 [N, H, W, 3] + N captions -> one uint8 [H', W', 3] grid (white padding)."""
-    from torchvision.utils import make_grid
     arrays = images.cpu().numpy() if isinstance(images, torch.Tensor) else np.asarray(images)
     if len(arrays) != len(texts):
         raise ValueError(f"{len(arrays)} images but {len(texts)} captions")
@@ -136,7 +135,6 @@ def _panel(draw, box, title: str, series: dict[str, list], colours: dict[str, tu
 
 
 def draw_reward_curve(total: dict[str, list], parts: dict[str, list]) -> np.ndarray:
-    from PIL import Image, ImageDraw
     width, height = 900, 640
     img = Image.new("RGB", (width, height), "white")
     draw = ImageDraw.Draw(img)
@@ -169,7 +167,6 @@ def read_metrics(path: Path) -> list[dict]:
 
 def write_reward_curve(run_dir: str | Path) -> Path:
     """Redraw ``<run_dir>/reward_curve.png`` from ``<run_dir>/metrics.jsonl``."""
-    from PIL import Image
     run_dir = Path(run_dir)
     total, parts = reward_series(read_metrics(run_dir / "metrics.jsonl"))
     path = run_dir / "reward_curve.png"
@@ -192,6 +189,5 @@ def log_pictures(trainer, step: int, *, evaluated: bool) -> None:
         trainer.metrics.image("train/samples", step, grid,
                               path=trainer.run_dir / "train_samples" / f"step{step:05d}.png")
     if evaluated:
-        from PIL import Image
         path = write_reward_curve(trainer.run_dir)
         trainer.metrics.image("reward_curve", step, np.asarray(Image.open(path).convert("RGB")))

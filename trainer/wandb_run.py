@@ -15,6 +15,8 @@ import secrets
 from pathlib import Path
 from typing import Any
 
+from trainer.models import ADAPTERS  # torch-free
+
 ID_FILE = "wandb_run_id"
 
 
@@ -23,7 +25,6 @@ def run_name(config: dict[str, Any]) -> str:
     if logging.get("wandb_name"):
         return str(logging["wandb_name"])
     parts = [Path(str(logging.get("run_dir", "run"))).name]
-    from trainer.models import ADAPTERS  # torch-free
     adapter = str(config.get("model", {}).get("adapter_path", ""))
     family = {path: name for name, path in ADAPTERS.items()}.get(
         adapter, adapter.rsplit(".", 1)[-1].removesuffix("Adapter").lower())
@@ -52,11 +53,11 @@ def resumable_id(run_dir: str | Path) -> str:
 
 
 def init_wandb(run_dir: str | Path, project: str, config: dict[str, Any]):
-    import wandb
+    import wandb  # optional dependency (the wandb extra): only runs that log to W&B need it
     return wandb.init(project=project, config=config, dir=str(run_dir), name=run_name(config),
                       id=resumable_id(run_dir), resume="allow")
 
 
 def log_image(run, tag: str, step: int, image, caption: str | None = None) -> None:
-    import wandb
+    import wandb  # optional, as above
     run.log({tag: wandb.Image(image, caption=caption)}, step=step)

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    apply_activation_checkpointing as _apply_ac, checkpoint_wrapper)
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from trainer.config import Config
 from trainer.dtypes import TORCH_DTYPES
@@ -73,9 +75,6 @@ def assert_trainable_boundary(model: nn.Module, lora: bool) -> None:
 
 
 def apply_activation_checkpointing(model: nn.Module, blocks: list[nn.Module]) -> None:
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        apply_activation_checkpointing as _apply_ac, checkpoint_wrapper)
-
     block_ids = {id(b) for b in blocks}
     _apply_ac(model, checkpoint_wrapper_fn=checkpoint_wrapper,
               check_fn=lambda m: id(m) in block_ids)
@@ -93,7 +92,6 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], cfg: Config) -> nn.Mod
                               reduce_dtype=TORCH_DTYPES[cfg.fsdp.reduce_dtype])
     kwargs = {"mp_policy": mp, "reshard_after_forward": reshard_after_forward(cfg)}
     if cfg.fsdp.cpu_offload:
-        from torch.distributed.fsdp import CPUOffloadPolicy
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for block in blocks:
         fully_shard(block, **kwargs)

@@ -24,8 +24,11 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import Shard
 
+from ipc import LazyTensor
 from trainer.actor.model import strip_wrapper_names
 
 _PEFT_PREFIX = "base_model.model."
@@ -35,8 +38,6 @@ def _gather_rows(local: torch.Tensor, shape: tuple[int, ...], group, world: int
                  ) -> torch.Tensor:
     """The full tensor of dim-0 shards laid out as ``torch.chunk`` does (FSDP2, DTensor
     Shard(0)): every rank's rows padded to ceil(n / world), one all-gather, the padding cut."""
-    import torch.distributed as dist
-
     chunk = -(-shape[0] // world)
     if local.shape[0] == chunk and local.is_contiguous():
         send = local
@@ -59,9 +60,6 @@ def _sync_view(p: Any) -> Any:
         # plain tensor; FSDP2's local shard needs no grad, and handing out the same object
         # every step lets the transport reuse its scan (a detach() would be a new object)
         return local if not local.requires_grad else local.detach()
-    from torch.distributed.tensor import Shard
-
-    from ipc import LazyTensor
     if mesh.ndim == 1 and len(p.placements) == 1 and type(p.placements[0]) is Shard \
             and p.placements[0].dim == 0 and p.dim() > 0:
         shape, group, world = tuple(p.shape), mesh.get_group(), mesh.size()
@@ -98,8 +96,6 @@ def named_full_tensors(model: nn.Module, *, only_lora: bool = False
 
 def _merged(weight: Any, lora_a: Any, lora_b: Any, scaling: float):
     """W + scaling * B @ A, computed in fp32 when the transport asks for it."""
-    from ipc import LazyTensor
-
     def produce() -> torch.Tensor:
         w = _full(weight)
         delta = _full(lora_b).float() @ _full(lora_a).float()

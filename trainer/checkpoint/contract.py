@@ -26,6 +26,7 @@ from typing import Any, Iterator
 
 import torch
 
+from ipc.protocol import manifest_hash
 from trainer.actor.model import strip_wrapper_names
 from trainer.dtypes import TORCH_DTYPES
 from trainer.actor.sync import sync_payload
@@ -152,8 +153,6 @@ def weight_sync_manifest(model: torch.nn.Module, cfg, adapter=None) -> dict[str,
     (name, shape, source dtype, wire dtype) entries under the engine's names (the adapter's
     ``weight_name_map``, as the loop builds it), their count, bytes and hash (the same hash
     ``ipc`` checks on every sync)."""
-    from ipc.protocol import manifest_hash
-
     mode = cfg.sync_mode
     wire = TORCH_DTYPES.get(cfg.rollout.engine_dtype)
     name_map = None

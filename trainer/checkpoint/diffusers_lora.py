@@ -21,7 +21,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import diffusers
 import torch
+from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY, LORA_WEIGHT_NAME_SAFE
+from safetensors.torch import save_file
 
 DEFAULT_COMPONENT = "transformer"
 
@@ -35,7 +38,6 @@ def component_name(base: Path | None) -> str:
     for root in (base, base.parent):
         index = root / "model_index.json"
         if index.is_file():
-            import diffusers
             cls = getattr(diffusers, json.loads(index.read_text()).get("_class_name", ""), None)
             return getattr(cls, "transformer_name", None) or DEFAULT_COMPONENT
     return DEFAULT_COMPONENT
@@ -43,7 +45,6 @@ def component_name(base: Path | None) -> str:
 
 def adapter_metadata(lora_config, component: str) -> dict[str, str]:
     """The safetensors header entry diffusers reads the LoraConfig back from."""
-    from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
     config = {}
     for key, value in lora_config.to_dict().items():
         if isinstance(value, set):  # target_modules: JSON has no sets
@@ -67,8 +68,6 @@ def lora_state(pairs: dict[str, dict[str, torch.Tensor]], component: str,
 
 def write_diffusers_lora(dest: Path, pairs: dict[str, dict[str, torch.Tensor]], lora_config,
                          base: Path | None, dtype: torch.dtype | None) -> Path:
-    from diffusers.loaders.lora_base import LORA_WEIGHT_NAME_SAFE
-    from safetensors.torch import save_file
     component = component_name(base)
     path = Path(dest) / LORA_WEIGHT_NAME_SAFE
     save_file(lora_state(pairs, component, dtype), str(path),
@@ -81,7 +80,6 @@ def verify_diffusers_lora(out: Path, base: Path, model_cls: type, contract: dict
                           dtype: torch.dtype | None) -> list[str]:
     """Load OUT the way diffusers users do (``load_lora_adapter`` on the base transformer) and
     compare rank, alpha and every LoRA tensor with the checkpoint's."""
-    from diffusers.loaders.lora_base import LORA_WEIGHT_NAME_SAFE
     model = model_cls.from_pretrained(str(base))
     try:
         model.load_lora_adapter(str(out), weight_name=LORA_WEIGHT_NAME_SAFE,

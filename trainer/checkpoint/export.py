@@ -41,15 +41,23 @@ import os
 import re
 import shutil
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import diffusers
 import torch
+import torch.distributed.checkpoint as dcp
+from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from trainer.checkpoint import layout
 from trainer.checkpoint.contract import base_model_hash, lora_scaling
 from trainer.checkpoint.diffusers_lora import verify_diffusers_lora, write_diffusers_lora
 from trainer.dtypes import TORCH_DTYPES
+from trainer.ema import ema_model_tensors
 
 FORMS = ("merged", "adapter", "full")
 DTYPES = {"keep": None, **TORCH_DTYPES}  # "keep": the dtype the checkpoint holds
@@ -84,7 +92,6 @@ def transformer_dir(path: str | Path) -> Path:
 
 
 def transformer_class(tdir: Path) -> type:
-    import diffusers
     name = json.loads((Path(tdir) / "config.json").read_text())["_class_name"]
     cls = getattr(diffusers, name, None)
     if not isinstance(cls, type) or not issubclass(cls, diffusers.ModelMixin):
@@ -101,9 +108,6 @@ def _weight_files(tdir: Path) -> list[Path]:
 def read_model_tensors(iter_dir: Path) -> dict[str, torch.Tensor]:
     """The model part of a DCP checkpoint as full tensors, in one process, without building
     the model: the template comes from the checkpoint's own metadata."""
-    import warnings
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     fsdp = Path(iter_dir) / layout.FSDP_DIR
     meta = dcp.FileSystemReader(str(fsdp)).read_metadata().state_dict_metadata
     template = {k[len("model."):]: torch.empty(tuple(v.size), dtype=v.properties.dtype)
@@ -218,8 +222,6 @@ def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 
 
 def write_merged(plan: ExportPlan, tensors: dict[str, torch.Tensor], dest: Path) -> None:
-    from safetensors import safe_open
-    from safetensors.torch import save_file
     pairs, problems = lora_pairs(tensors)
     scaling = lora_scaling(plan.contract)
     files = _weight_files(plan.base)
@@ -266,7 +268,6 @@ def _adapter_state(tensors: dict[str, torch.Tensor], dtype) -> dict[str, torch.T
 
 
 def _lora_config(contract: dict, base_name: str | None):
-    from peft import LoraConfig
     return LoraConfig(r=int(contract["rank"]), lora_alpha=contract["alpha"],
                       lora_dropout=float(contract["dropout"]),
                       target_modules=list(contract["target_modules"]),
@@ -274,7 +275,6 @@ def _lora_config(contract: dict, base_name: str | None):
 
 
 def write_adapter(plan: ExportPlan, tensors: dict[str, torch.Tensor], dest: Path) -> None:
-    from safetensors.torch import save_file
     state = _adapter_state(tensors, plan.dtype)
     base_name = str(plan.base) if plan.base is not None else plan.contract.get("base_model_path")
     config = _lora_config(plan.contract, base_name)
@@ -318,7 +318,6 @@ def _compare(name: str, got: torch.Tensor, want: torch.Tensor, problems: list[st
 
 
 def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
     out = {}
     for f in _weight_files(directory):
         out.update(load_file(str(f)))
@@ -346,7 +345,6 @@ def verify_export(plan: ExportPlan, tensors: dict[str, torch.Tensor], out: Path)
     """Every way the export at ``out`` disagrees with the checkpoint (empty: it agrees)."""
     problems: list[str] = []
     if plan.form == "adapter":
-        from peft import PeftModel
         base = transformer_class(plan.base).from_pretrained(str(plan.base))
         model = PeftModel.from_pretrained(base, str(out))
         pcfg = model.peft_config["default"]
@@ -375,7 +373,6 @@ def verify_export(plan: ExportPlan, tensors: dict[str, torch.Tensor], out: Path)
             _compare(k, written[k], want[k], problems, exact=True)
         return problems
 
-    from safetensors import safe_open
     lora_names = sorted(k for k in written if "lora_A" in k or "lora_B" in k)
     if lora_names:
         problems.append(f"merged export holds {len(lora_names)} lora_A/lora_B tensors, e.g. "
@@ -387,7 +384,6 @@ def verify_export(plan: ExportPlan, tensors: dict[str, torch.Tensor], out: Path)
     if set(written) != base_names:
         problems.append(f"merged export names differ from the base's: e.g. "
                         f"{sorted(set(written) ^ base_names)[:3]}")
-    from peft import get_peft_model, set_peft_model_state_dict
     cls = transformer_class(plan.base)
     oracle = get_peft_model(cls.from_pretrained(str(plan.base), torch_dtype=torch.float32),
                             _lora_config(plan.contract, None))
@@ -409,7 +405,6 @@ def export_checkpoint(save_dir: str | Path, output_dir: str | Path, *, ema: bool
     plan = plan_export(save_dir, output_dir, **options)
     tensors = read_model_tensors(plan.iter_dir)
     if ema:
-        from trainer.ema import ema_model_tensors
         try:
             tensors = ema_model_tensors(plan.iter_dir, tensors)
         except (OSError, ValueError) as exc:

@@ -38,6 +38,9 @@ import re
 import shutil
 import time
 from pathlib import Path
+
+import torch.distributed.checkpoint as dcp
+
 from trainer.fsio import fsync_dir  # noqa: F401  (re-exported)
 
 log = logging.getLogger("trainer.checkpoint")
@@ -95,13 +98,13 @@ def read_json(path: Path) -> dict:
 # ---- checksums ----------------------------------------------------------------------------
 def _hasher(algo: str):
     if algo == "xxh3_128":
-        import xxhash
+        import xxhash  # optional: sha256 is the fallback (module docstring)
         return xxhash.xxh3_128()
     return hashlib.new(algo)
 
 
 def default_hash_algo() -> str:
-    try:
+    try:  # optional: sha256 is the fallback (module docstring)
         import xxhash  # noqa: F401
         return "xxh3_128"
     except ImportError:
@@ -197,7 +200,6 @@ def _parse_problems(iter_dir: Path, listed: dict) -> list[str]:
     if f"{FSDP_DIR}/.metadata" not in listed:
         return problems
     try:
-        import torch.distributed.checkpoint as dcp
         dcp.FileSystemReader(str(iter_dir / FSDP_DIR)).read_metadata()
     except Exception as exc:  # any unpickling failure of a damaged .metadata
         problems.append(f"{FSDP_DIR}/.metadata does not load ({type(exc).__name__}: "

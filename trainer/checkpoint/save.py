@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
+from trainer.actor.model import offload_actor, onload_actor
 from trainer.checkpoint import layout
 from trainer.checkpoint.contract import adapter_contract, sampling_fingerprint, \
     weight_sync_manifest
@@ -202,7 +203,6 @@ def save_checkpoint(trainer, step: int, *, final: bool = False) -> Path | None:
     ok, cause = True, ""
     try:
         if offloaded is not None:
-            from trainer.actor.model import onload_actor
             onload_actor(trainer.model, trainer.optimizer, offloaded)
             trainer.offloaded = None
         _write(trainer, step, iter_dir)
@@ -213,7 +213,6 @@ def save_checkpoint(trainer, step: int, *, final: bool = False) -> Path | None:
         ok = False
     finally:
         if offloaded is not None:
-            from trainer.actor.model import offload_actor
             trainer.offloaded = offload_actor(trainer.model, trainer.optimizer)
     if not all_ranks_ok(ok):
         causes = failures_by_rank(None if ok else cause)

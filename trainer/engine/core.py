@@ -29,8 +29,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
+from ipc import WeightReceiver, weights_checksum
 from trainer.dtypes import RUN_DTYPES, TORCH_DTYPES
 from trainer.engine.lora_merge import LoraMerger
 from trainer.engine.request import GenerateSpec, parse_generate_request
@@ -154,8 +156,6 @@ class EngineCore:
         factory = None
         if weight_sync_conn is not None:
             def factory(params, modes, on_commit):
-                from ipc import WeightReceiver
-
                 receiver = WeightReceiver(weight_sync_conn, params, modes=modes,
                                           backend=receiver_backend, on_commit=on_commit)
                 receiver.start()
@@ -345,8 +345,6 @@ class EngineCore:
                 self._merge_pending = True
             if self.receiver is not None:
                 return self.receiver.checksum()
-            from ipc import weights_checksum
-
             return weights_checksum(self.params)
 
     def update_weights_from_disk(self, model_path: str) -> dict[str, Any]:
@@ -354,8 +352,6 @@ class EngineCore:
         into the live parameters, in place, by engine name. Every base tensor must be present
         with its shape; LoRA tensors may be absent (a plain diffusers checkpoint), in which case
         they keep their values. The committed weight version does not change."""
-        from safetensors.torch import load_file
-
         with self._lock:
             self._check_open("update_weights_from_disk")
             root = Path(model_path)

@@ -42,6 +42,9 @@ from typing import Any
 
 import torch
 
+import kernels
+from trainer.models import noise
+
 EXTRA_KEY = "flowgrpo"
 ROLLOUT_API = "sglang.multimodal_gen.runtime.entrypoints.post_training.rollout_api"
 TIMESTEP_STAGE = ("sglang.multimodal_gen.runtime.pipelines_core.stages.timestep_preparation."
@@ -61,6 +64,7 @@ _pending: contextvars.ContextVar[dict | None] = contextvars.ContextVar("flowgrpo
 
 def register() -> None:
     """The entry point SGLang calls while loading plugins (before it applies hooks)."""
+    # sglang: only in SGLang's own environment (this module imports without it)
     from sglang.multimodal_gen.runtime.platforms.plugins import HookRegistry
     from sglang.srt.plugins.hook_registry import HookType
 
@@ -79,11 +83,11 @@ def block_problems(block: Any, num_inference_steps: int | None) -> list[str]:
         return [f"must be a table, got {type(block).__name__}"]
     problems = [f"unknown key {k!r}" for k in block if k not in BLOCK_KEYS]
     problems += [f"missing {k!r}" for k in sorted(REQUIRED_KEYS) if k not in block]
-    noise = sorted(NOISE_KEYS & set(block))
-    if noise and len(noise) < len(NOISE_KEYS):
+    noise_keys = sorted(NOISE_KEYS & set(block))
+    if noise_keys and len(noise_keys) < len(NOISE_KEYS):
         problems += [f"missing {k!r} (the driver's noise keys go together)"
                      for k in sorted(NOISE_KEYS - set(block))]
-    if block.get("sde_type") == "dance" and not noise:
+    if block.get("sde_type") == "dance" and not noise_keys:
         problems.append("sde_type 'dance' is this plugin's sampler, which draws the driver's "
                         "noise: send the noise keys")
     if "sigmas" in block and num_inference_steps is None:
@@ -117,7 +121,8 @@ def take_block(original, request, *args, **kwargs):
         return original(request, *args, **kwargs)
     problems = block_problems(block, request.num_inference_steps)
     if problems:
-        from fastapi import HTTPException  # SGLang's HTTP layer: a 400 naming every problem
+        # SGLang's HTTP layer (only in SGLang's environment): a 400 naming every problem
+        from fastapi import HTTPException
 
         raise HTTPException(status_code=400, detail=f"extra_sampling_params.{EXTRA_KEY}: "
                             + "; ".join(sorted(problems)))
@@ -148,8 +153,6 @@ def _block(batch: Any) -> dict | None:
 
 def initial_latents(block: dict) -> torch.Tensor:
     """x_T [B, *latent_shape] of the block's candidates: the recipe's draw, packed per family."""
-    from trainer.models import noise
-
     if block["noise_recipe"] != noise.RECIPE:
         raise ValueError(f"noise recipe {block['noise_recipe']!r} is not this plugin's "
                          f"{noise.RECIPE!r}: install the trainer's version on the server")
@@ -159,7 +162,7 @@ def initial_latents(block: dict) -> torch.Tensor:
     family = block["model_family"]
     packing = {"qwen_image": "QwenImagePipeline", "flux": "FluxPipeline"}.get(family)
     if packing is not None:  # 2x2 packing, as the family's diffusers pipeline packs
-        import diffusers
+        import diffusers  # multi-second import, only for the packed families
 
         channels, h, w = block["init_noise_latent_shape"]
         return getattr(diffusers, packing)._pack_latents(draws, draws.shape[0], channels, h, w)
@@ -203,9 +206,6 @@ def sde_step_sampling(original, controller, *args, **kwargs):
     block = _block(batch)
     if block is None or "noise_recipe" not in block:  # SGLang's sampler, its own noise
         return original(controller, *args, **kwargs)
-    import kernels
-    from trainer.models import noise
-
     sample, v = kwargs["sample"].float(), kwargs["model_output"].float()
     sigma, sigma_next = float(kwargs["current_sigma"]), float(kwargs["next_sigma"])
     step = int(kwargs["step_index"])

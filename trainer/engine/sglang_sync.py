@@ -33,14 +33,20 @@ import hashlib
 import io
 import time
 from dataclasses import dataclass, field
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Iterable
 
 import torch
+import torch.multiprocessing  # noqa: F401  (registers torch's reductions)
+from safetensors.torch import save_file
+from torch.multiprocessing import reductions
 
 from trainer.engine.client import EngineError
+from trainer.engine.sglang_client import SGLangEngineClient
 from trainer.engine.sglang_lora import LoraBases, lora_layer, lora_pairs, pair_buckets
+from trainer.engine.sglang_rollout import CONDITION_MAP, stock_problems
 
 TARGET_MODULE = "transformer"
 _PEFT_PREFIX = "base_model.model."
@@ -81,8 +87,6 @@ def gpu_uuid(device: torch.device) -> str | None:
 def _reduce_tensor_by_uuid(t: torch.Tensor):
     """torch's reduction, with a CUDA tensor's device index replaced by its GPU UUID: SGLang's
     receiver maps the UUID back to its own device index (process-local indices differ)."""
-    from torch.multiprocessing import reductions
-
     # a process that also hosts SGLang's receiver (in-process tests) has torch's reducer
     # replaced by SGLang's patch, which assumes CUDA tensors: reduce with the original
     reduce = getattr(reductions, "_reduce_tensor_original", reductions.reduce_tensor)
@@ -94,9 +98,6 @@ def _reduce_tensor_by_uuid(t: torch.Tensor):
 
 def serialize_payload(obj: Any) -> str:
     """base64(ForkingPickler pickle) of ``obj``, as SGLang's MultiprocessingSerializer reads it."""
-    import torch.multiprocessing  # noqa: F401  (registers torch's reductions)
-    from multiprocessing.reduction import ForkingPickler
-
     buf = io.BytesIO()
     pickler = ForkingPickler(buf)
     pickler.dispatch_table = copyreg.dispatch_table.copy()
@@ -299,8 +300,6 @@ class SGLangWeightSync:
         del flat
 
     def _write_and_reload(self, tensors: dict[str, torch.Tensor]) -> None:
-        from safetensors.torch import save_file
-
         module_dir = self.disk_dir / self.target_module
         module_dir.mkdir(parents=True, exist_ok=True)
         tmp = module_dir / "model.safetensors.tmp"
@@ -333,8 +332,6 @@ class SGLangWeightSync:
 # ---- the trainer's hooks ---------------------------------------------------------------------
 def sglang_config_problems(cfg: Any) -> list[str]:
     """Preflight: why ``cfg`` cannot train on its SGLang servers ([] when it can)."""
-    from trainer.engine.sglang_rollout import stock_problems
-
     r = cfg.rollout
     problems = [f"rollout.sampling: {p}" for p in
                 stock_problems(r.sampling or {}, extension=bool(r.sglang_extension))]
@@ -359,10 +356,6 @@ def connect_sglang(cfg: Any, rank: int, run_dir: str | Path, adapter: Any
     """(client, sender) for this rank's SGLang server: an SGLang run always has a sender, so
     the server can never keep serving the base weights while the actor trains. The loop's
     first sync (at construction) fails, and with it the run, if the server cannot take one."""
-    from trainer.engine.sglang_client import SGLangEngineClient
-
-    from trainer.engine.sglang_rollout import CONDITION_MAP
-
     r = cfg.rollout
     problems = sglang_config_problems(cfg)
     family = getattr(adapter, "family", None)

@@ -20,7 +20,9 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch._dynamo.config as dynamo_config
 from torch import nn
+from torch._dynamo.utils import counters
 
 log = logging.getLogger("trainer")
 
@@ -49,14 +51,10 @@ def compile_blocks(blocks: list[nn.Module]) -> int:
 
 def compile_events() -> int:
     """Frames compiled so far in this process (each compile or recompile counts once)."""
-    from torch._dynamo.utils import counters
-
     return int(counters["frames"]["ok"])
 
 
 def _raise_recompile_limit() -> None:
-    import torch._dynamo.config as dynamo_config
-
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(dynamo_config, name):
             setattr(dynamo_config, name, max(getattr(dynamo_config, name), _RECOMPILE_LIMIT))

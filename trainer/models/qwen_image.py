@@ -22,6 +22,9 @@ from torch import nn
 
 from trainer.models.diffusers_base import PackedLatentsAdapter, images_to_uint8
 
+# diffusers and transformers are imported inside the methods that need them, so importing
+# the adapter class (as the config checks do) imports neither: trainer/models/diffusers_base.py.
+
 
 def _pipeline_cls():
     from diffusers import QwenImagePipeline

@@ -20,6 +20,9 @@ from torch import nn
 
 from trainer.models.diffusers_base import DiffusersAdapter, images_to_uint8
 
+# diffusers and transformers are imported inside the methods that need them, so importing
+# the adapter class (as the config checks do) imports neither: trainer/models/diffusers_base.py.
+
 
 class SD3Adapter(DiffusersAdapter):
     """Adapter of the SD3 family (dotpath ``trainer.models.sd3.SD3Adapter``).

@@ -32,6 +32,7 @@ The training path never reads these files back (trajectories reach the actor in 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
@@ -39,7 +40,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from PIL import Image
 from safetensors.torch import load_file, save
 from safetensors import safe_open
 
@@ -139,10 +142,6 @@ def write_group_sidecar(directory: Path, group_index: int, rows: RolloutBatch, *
 
 def write_group_images(directory: Path, group_index: int, images: torch.Tensor) -> list[Path]:
     """One PNG per candidate from ``images`` [G, H, W, 3] uint8."""
-    import io
-
-    from PIL import Image
-
     directory.mkdir(parents=True, exist_ok=True)
     paths = []
     for slot, img in enumerate(_cpu(images).numpy()):
@@ -173,9 +172,6 @@ def load_group_sidecar(path: str | os.PathLike, *, with_images: bool = True) -> 
     if with_images:
         pngs = [image_path(path.parent, group_index, s) for s in range(n)]
         if all(p.exists() for p in pngs):
-            import numpy as np
-            from PIL import Image
-
             images = torch.from_numpy(np.stack([np.asarray(Image.open(p).convert("RGB")) for p in pngs]))
     return RolloutBatch(
         prompts=[json.loads(meta["prompt"])] * n,

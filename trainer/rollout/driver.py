@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from trainer.models.base import GenerativeModelAdapter, RolloutBatch
 from trainer.profiling import add_times, nvtx_range
@@ -165,8 +166,6 @@ class RolloutDriver:
         metadata = self._metadata(records, ids, n, policy_version, directory, checksums)
         bar = None
         if progress:
-            from tqdm.auto import tqdm
-
             bar = tqdm(total=len(records), desc="rollout" if rollout_id is not None else "eval",
                        unit="group", leave=False)
         packed: list[RolloutBatch] = [None] * len(requests)  # type: ignore[list-item]

@@ -21,8 +21,13 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from trainer.data.prompt_files import cut
 from trainer.models.diffusers_base import DiffusersAdapter, freeze
 from trainer.models.sd3 import SD3Adapter
+from trainer.toy import weights_dir
+
+# transformers is imported inside load_frozen, as the other adapters import diffusers and
+# transformers: importing the adapter class imports neither (trainer/models/diffusers_base.py).
 
 
 class ToyAdapter(DiffusersAdapter):
@@ -49,7 +54,6 @@ class ToyAdapter(DiffusersAdapter):
 
     def __init__(self, model_path: str | Path | None = None, **options: Any) -> None:
         if model_path is None or str(model_path) == "toy":
-            from trainer.toy import weights_dir
             model_path = weights_dir()
         root = Path(model_path)
         missing = [p for p in ("transformer", "text_encoder", "tokenizer", "scheduler",
@@ -103,7 +107,7 @@ class ToyAdapter(DiffusersAdapter):
         length = self.max_sequence_length
         ids = tokenizer(list(prompts), padding="max_length", max_length=length,
                         truncation=False)["input_ids"]
-        from trainer.data.prompt_files import cut  # a 40k-token prompt stays one short line
+        # cut(): a 40k-token prompt stays one short line
         long = [f"{i}: {cut(p)} ({len(t)} tokens)" for i, (p, t) in enumerate(zip(prompts, ids))
                 if len(t) > length]
         if long:
