@@ -338,11 +338,12 @@ def test_offload_policy_skips_the_offloads_only_when_both_sides_fit():
 
 
 def test_world_one_fsdp_keeps_gathered_blocks_and_trains_the_same(adapter, batch, tmp_path):
-    """reshard_after_forward=None: no re-gather at world 1 (FSDP2 semantics unchanged: the
-    gradient equals the resharding actor's bit for bit); explicit values are kept."""
+    """reshard_after_forward=None: no re-gather at world 1, and an update (anchor forward for
+    the second update, two optimizer steps) is the resharding actor's bit for bit: grad norm
+    (clipping sees the real gradients), stats and the weights after it; explicit values kept."""
     import torch.distributed as dist
 
-    from trainer.actor.model import build_actor, reshard_after_forward
+    from trainer.actor.model import reshard_after_forward
 
     if dist.is_initialized():
         pytest.skip("a process group is already up in this process")
@@ -352,17 +353,17 @@ def test_world_one_fsdp_keeps_gathered_blocks_and_trains_the_same(adapter, batch
     try:
         assert reshard_after_forward(_cfg()) is False
         assert reshard_after_forward(_cfg("fsdp.reshard_after_forward=true")) is True
-        grads = {}
+        out, weights = {}, {}
+        adv = torch.linspace(-1.0, 1.0, len(batch))
         for keep in ("null", "true"):
-            cfg = _cfg(f"fsdp.reshard_after_forward={keep}")
+            cfg = _cfg(f"fsdp.reshard_after_forward={keep}", "train.micro_batch_size=2")
             model = build_actor(adapter, cfg, torch.device("cpu"), distributed=True)
-            with torch.no_grad():  # a no-grad forward first, as the anchor of update 1 runs
-                replay_log_probs(adapter, model, batch.select(torch.arange(1)))
-            replay_log_probs(adapter, model, batch).sum().backward()
-            grads[keep] = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()
-                           if p.grad is not None}
-        assert grads["null"].keys() == grads["true"].keys() and grads["null"]
-        for name, g in grads["null"].items():
-            assert torch.equal(g, grads["true"][name]), name
+            out[keep] = update.train_on(_trainer(adapter, cfg, model), batch, adv, rollout_id=3)
+            weights[keep] = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+        assert out["null"]["train/grad_norm"] > 0
+        assert out["null"] == out["true"]
+        assert weights["null"].keys() == weights["true"].keys()
+        for name, w in weights["null"].items():
+            assert torch.equal(w, weights["true"][name]), name
     finally:
         dist.destroy_process_group()

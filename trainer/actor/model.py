@@ -226,9 +226,11 @@ def actor_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[to
     return tensors
 
 
-def _reshard(model: nn.Module) -> None:
-    """Free FSDP2's gathered parameters: without resharding after forward (world 1), a no-grad
-    forward leaves them gathered, and the offload must leave nothing on the device."""
+def reshard_gathered(model: nn.Module) -> None:
+    """Free FSDP2's gathered parameters. Without resharding after forward (world 1), a no-grad
+    forward leaves them gathered: the module then holds the gathered tensors in place of its
+    sharded parameters, so nothing may read ``model.parameters()`` (or offload) until this
+    runs."""
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
@@ -241,7 +243,7 @@ def offload_actor(model: nn.Module, optimizer: torch.optim.Optimizer) -> Offload
     Resizing the local shard's storage to 0 is what actually frees it under fully_shard
     (reassigning param.data would free nothing: the shard keeps its storage).
     """
-    _reshard(model)
+    reshard_gathered(model)
     state = OffloadState(_offload_tensors(actor_tensors(model, optimizer)))
     # hand the freed blocks back to the device, not just to this process's caching allocator:
     # the colocated engine is another process

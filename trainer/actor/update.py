@@ -13,7 +13,7 @@ import torch
 
 from trainer.actor.micro_batch import resolve_micro_batch
 from trainer.actor.micro_step import forward_backward
-from trainer.actor.model import lr_at_step
+from trainer.actor.model import lr_at_step, reshard_gathered
 from trainer.actor.replay import plan_updates, replay_log_probs
 from trainer.profiling import nvtx_range
 from trainer.rewards.advantages import micro_batch_scale
@@ -31,6 +31,7 @@ def anchors(trainer, batch, plan) -> torch.Tensor:
                 lp = replay_log_probs(trainer.adapter, trainer.model, batch.select(rows),
                                       meter=trainer.meter)
                 out[rows.to(out.device)] = lp.float().to(out.device)
+    reshard_gathered(trainer.model)  # no backward follows a no-grad forward to reshard it
     return out
 
 
@@ -75,7 +76,8 @@ def train_on(trainer, batch, advantages: torch.Tensor, rollout_id: int) -> dict[
     pi_old = anchors(trainer, batch, plan)
     sums: dict[str, list[torch.Tensor]] = {}
     grad_norms, skips, lr = [], 0, lr_at_step(trainer.lr_steps, cfg)
-    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    # the tensors the optimizer steps (FSDP2's sharded parameters), whatever the module holds
+    params = [p for group in trainer.optimizer.param_groups for p in group["params"]]
     for u, micro_batches in enumerate(plan.updates):
         own_anchor = u == 0 and cfg.train.anchor == "replay"
         for rows in micro_batches:
