@@ -129,6 +129,18 @@ def test_nothing_verifies_is_one_error_naming_each_iteration(model_dir, tmp_path
     assert "iter_0000002: no COMMITTED" in str(e.value)
 
 
+def _fill_the_disk_unless(mounted: bool, monkeypatch) -> None:
+    """From now on saves hit ENOSPC: the real tmpfs fills by itself; where mounting was refused,
+    the DCP write raises it instead (the same path from there on)."""
+    if mounted:
+        return
+    import trainer.checkpoint.save as save_mod
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "simulated")
+    monkeypatch.setattr(save_mod, "write_shards", full)
+
+
 @contextlib.contextmanager
 def _small_disk(path, size: str):
     """A tmpfs of ``size`` at ``path`` (root only); yields False when mounting is refused."""
@@ -156,12 +168,7 @@ def test_disk_full_save_is_counted_cleaned_and_training_continues(tmp_path, capl
         h.train_step(trainer)
         first = h.trainable_weights(trainer)
         assert save_checkpoint(trainer, 1) is not None
-        if not mounted:
-            import trainer.checkpoint.save as save_mod
-
-            def full(*a, **k):
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "simulated")
-            monkeypatch.setattr(save_mod, "write_shards", full)
+        _fill_the_disk_unless(mounted, monkeypatch)
         h.train_step(trainer)
         with caplog.at_level(logging.WARNING, "trainer.checkpoint"):
             assert save_checkpoint(trainer, 2) is None      # no exception: training goes on
@@ -188,12 +195,7 @@ def test_failed_final_save_raises_naming_the_os_error(tmp_path, caplog, monkeypa
         trainer.metrics = Recorder()
         h.train_step(trainer)
         assert save_checkpoint(trainer, 1, final=False) is not None
-        if not mounted:
-            import trainer.checkpoint.save as save_mod
-
-            def full(*a, **k):
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "simulated")
-            monkeypatch.setattr(save_mod, "write_shards", full)
+        _fill_the_disk_unless(mounted, monkeypatch)
         h.train_step(trainer)
         with caplog.at_level(logging.WARNING, "trainer.checkpoint"):
             with pytest.raises(layout.CheckpointError) as e:

@@ -185,9 +185,11 @@ def test_pretrain_continues_from_a_model_directory_with_caption_noise(tmp_path):
     pretrain(tmp_path / "base", seed=1, **kw)
     base = load_file(tmp_path / "base" / "transformer" / "diffusion_pytorch_model.safetensors")
     out = {}
+    fresh_only = ("transformer_config", "text_encoder_config")
+    cont = {k: v for k, v in kw.items() if k not in fresh_only}
     for name, rate in (("clean", 0.0), ("noisy", 0.5)):
         pretrain(tmp_path / name, seed=3, init=tmp_path / "base", caption_noise=rate,
-                 **{**kw, "steps": 1})
+                 **{**cont, "steps": 1})
         out[name] = load_file(tmp_path / name / "transformer" /
                               "diffusion_pytorch_model.safetensors")
     key = "transformer_blocks.0.attn.to_q.weight"
@@ -198,6 +200,11 @@ def test_pretrain_continues_from_a_model_directory_with_caption_noise(tmp_path):
     assert not torch.equal(out["clean"][key], out["noisy"][key])  # other images, other step
     info = json.loads((tmp_path / "noisy" / "toy_config.json").read_text())["info"]
     assert info["caption_noise"] == 0.5 and info["init"] == str(tmp_path / "base")
+    # options that shape a fresh model are refused with init, all named in one error
+    with pytest.raises(ValueError, match="transformer_config.*pos_embed_scale.*caption_noise|"
+                                         "caption_noise.*transformer_config.*pos_embed_scale"):
+        pretrain(tmp_path / "bad", init=tmp_path / "base", pos_embed_scale=2.0,
+                 caption_noise=1.5, **kw)
 
 
 def test_pretrain_cli_rejects_bad_arguments_at_once(capsys):

@@ -50,6 +50,39 @@ def _batch(rng: np.random.Generator, specs: list[dict[str, Any]], singles: list[
     return prompts, x0
 
 
+def _starting_model(seed: int, *, init: str | Path | None, resolution: int, sigma_sampling: str,
+                    pos_embed_scale: float, caption_noise: float,
+                    transformer_config: dict[str, Any] | None,
+                    text_encoder_config: dict[str, Any] | None):
+    """(transformer, text_encoder, tokenizer) to train: a seeded fresh model, or ``init``'s.
+    One ValueError names every bad option; options that shape a fresh model are refused with
+    ``init`` (they would be ignored, or, for the position table, applied a second time)."""
+    problems = []
+    if sigma_sampling not in SIGMA_SAMPLING:
+        problems.append(f"sigma_sampling must be one of {SIGMA_SAMPLING}, got {sigma_sampling!r}")
+    if not 0.0 <= caption_noise < 1.0:
+        problems.append(f"caption_noise={caption_noise} must be in [0, 1)")
+    if init is not None:
+        problems += [f"{name} shapes a fresh model and cannot be combined with init={str(init)!r}"
+                     for name, given in (("transformer_config", transformer_config),
+                                         ("text_encoder_config", text_encoder_config),
+                                         ("pos_embed_scale", pos_embed_scale != 1.0)) if given]
+    if problems:
+        raise ValueError("pretrain: " + "; ".join(problems))
+    if init is not None:
+        return modeling.load_parts(init)
+    transformer, text_encoder, tokenizer = modeling.build_untrained(
+        seed, transformer=dict(transformer_config or {}, sample_size=resolution),
+        text_encoder=text_encoder_config)
+    if pos_embed_scale != 1.0:
+        # The fixed sin-cos position table is a persistent buffer: scaled here, it ships with
+        # the weights. A larger table lets position outweigh content at high noise, where the
+        # layout is decided (the 1.0 model is nearly translation-equivariant at sigma 0.9).
+        with torch.no_grad():
+            transformer.pos_embed.pos_embed.mul_(pos_embed_scale)
+    return transformer, text_encoder, tokenizer
+
+
 def pretrain(out: str | Path, *, seed: int = 0, steps: int = 1500, minutes: float = 20.0,
              batch: int = 32, lr: float = 1e-3, warmup: int = 200, ema: float = 0.999,
              resolution: int = 32, threads: int | None = None, log_every: int = 100,
@@ -69,20 +102,10 @@ def pretrain(out: str | Path, *, seed: int = 0, steps: int = 1500, minutes: floa
     """
     if threads:
         torch.set_num_threads(threads)
-    if init is not None:
-        transformer, text_encoder, tokenizer = modeling.load_parts(init)
-    else:
-        transformer, text_encoder, tokenizer = modeling.build_untrained(
-            seed, transformer=dict(transformer_config or {}, sample_size=resolution),
-            text_encoder=text_encoder_config)
-    if sigma_sampling not in SIGMA_SAMPLING:
-        raise ValueError(f"sigma_sampling must be one of {SIGMA_SAMPLING}, got {sigma_sampling!r}")
-    if pos_embed_scale != 1.0:
-        # The fixed sin-cos position table is a persistent buffer: scaled here, it ships with
-        # the weights. A larger table lets position outweigh content at high noise, where the
-        # layout is decided (the 1.0 model is nearly translation-equivariant at sigma 0.9).
-        with torch.no_grad():
-            transformer.pos_embed.pos_embed.mul_(pos_embed_scale)
+    transformer, text_encoder, tokenizer = _starting_model(
+        seed, init=init, resolution=resolution, sigma_sampling=sigma_sampling,
+        pos_embed_scale=pos_embed_scale, caption_noise=caption_noise,
+        transformer_config=transformer_config, text_encoder_config=text_encoder_config)
     modules = torch.nn.ModuleDict({"transformer": transformer, "text_encoder": text_encoder})
     ema_modules = copy.deepcopy(modules).requires_grad_(False)
     opt = torch.optim.AdamW(modules.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
