@@ -367,3 +367,49 @@ def test_world_one_fsdp_keeps_gathered_blocks_and_trains_the_same(adapter, batch
             assert torch.equal(w, weights["true"][name]), name
     finally:
         dist.destroy_process_group()
+
+
+def _grads(seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=gen) for shape in ((64, 4), (4, 64), (7,), (33, 5))]
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e9])
+def test_clip_on_local_shards_equals_torch_clip(max_norm, tmp_path):
+    """update.clip_grad_norm (local shards, one all-reduce) gives torch's clip_grad_norm_
+    norm and clipped gradients, on plain tensors and on FSDP-style Shard(0) DTensors."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    def params_with(grads):
+        params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        return params
+
+    want_params = params_with(_grads(0))
+    want = torch.nn.utils.clip_grad_norm_(want_params, max_norm)
+    plain = params_with(_grads(0))
+    got = update.clip_grad_norm(plain, max_norm)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    for p, q in zip(plain, want_params):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0)
+    if max_norm > 1e6:  # no clipping: the gradients are untouched, bit for bit
+        assert all(torch.equal(p.grad, g) for p, g in zip(plain, _grads(0)))
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already up in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
+                            world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        sharded = [torch.nn.Parameter(distribute_tensor(torch.zeros_like(g), mesh, [Shard(0)]))
+                   for g in _grads(0)]
+        for p, g in zip(sharded, _grads(0)):
+            p.grad = distribute_tensor(g, mesh, [Shard(0)])
+        got = update.clip_grad_norm(sharded, max_norm)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+        for p, q in zip(sharded, want_params):
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-6, atol=0)
+    finally:
+        dist.destroy_process_group()

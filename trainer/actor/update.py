@@ -10,10 +10,12 @@ pi_old (the anchor of the ratio) is frozen before the first optimizer step:
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from trainer.actor.micro_batch import resolve_micro_batch
 from trainer.actor.micro_step import forward_backward
-from trainer.actor.model import lr_at_step, reshard_gathered
+from trainer.actor.model import lr_at_step
 from trainer.actor.replay import plan_updates, replay_log_probs
 from trainer.profiling import nvtx_range
 from trainer.rewards.advantages import micro_batch_scale
@@ -31,8 +33,30 @@ def anchors(trainer, batch, plan) -> torch.Tensor:
                 lp = replay_log_probs(trainer.adapter, trainer.model, batch.select(rows),
                                       meter=trainer.meter)
                 out[rows.to(out.device)] = lp.float().to(out.device)
-    reshard_gathered(trainer.model)  # no backward follows a no-grad forward to reshard it
+    # The gathered parameters stay for the first update's training forward (same parameters,
+    # so FSDP2 skips its gather); that update's backward reshards them before any optimizer step.
     return out
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_`` on the local shards: one fused norm over plain tensors and one
+    all-reduce per sharded mesh dimension. Dispatching every small LoRA gradient through
+    DTensor costs more host time than the GPU work it launches. Returns the total norm."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    norms = torch._foreach_norm(local, 2.0)
+    total_sq = torch.stack([n.float() for n in norms]).square().sum()
+    if isinstance(grads[0], DTensor):
+        mesh, placements = grads[0].device_mesh, grads[0].placements
+        for dim, placement in enumerate(placements):
+            if placement.is_shard() and mesh.size(dim) > 1:  # replicas hold equal values
+                dist.all_reduce(total_sq, group=mesh.get_group(dim))
+    total = total_sq.sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    torch._foreach_mul_(local, coef.to(local[0].device))
+    return total
 
 
 def optimizer_step(trainer, params: list[torch.Tensor]) -> tuple[torch.Tensor, float | None]:
@@ -40,8 +64,7 @@ def optimizer_step(trainer, params: list[torch.Tensor]) -> tuple[torch.Tensor, f
     None when skipped)."""
     cfg = trainer.cfg
     with nvtx_range("train/optimizer"), trainer.outside.region("optimizer", trainer.device):
-        gn = torch.nn.utils.clip_grad_norm_(params, cfg.train.clip_grad)
-        gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
+        gn = clip_grad_norm(params, cfg.train.clip_grad)
         # NOTE: host sync per update: a non-finite norm must skip the step on all ranks alike
         # (the norm is already all-reduced by FSDP, so they agree).
         lr = None
