@@ -34,6 +34,9 @@ class Headline:
     keys: tuple[tuple[str, str, str], ...]  # (bench, case, metric), shown as "a / b"
     note: str = ""
     device: str = H200
+    # a ratio read across the figures (peer / trainer, engine / diffusers) only means something
+    # when one run measured them all: such a headline shows the latest run that did
+    same_run: bool = False
 
 
 HEADLINES = (
@@ -43,14 +46,15 @@ HEADLINES = (
     Headline("the plain eager loop / this trainer, LoRA, micro-batch 4, 2 updates, no offload",
              (("bench_step", "qwen8l-peer-mb4", "step_s"),
               ("bench_step", "qwen8l-mb4-no-offload-lora", "step_s")),
-             "bench/peer_step.py"),
+             "bench/peer_step.py", same_run=True),
     Headline("train stage per trained transition over the compiled fwd+bwd floor of the same "
              "run, LoRA / full",
              (("bench_step", "qwen8l-lora", "floor_ratio"),
               ("bench_step", "qwen8l-full", "floor_ratio")), "target ≤ 1.3x"),
     Headline("engine generate, same model, 8 x 384², 12 steps / diffusers' eager pipeline",
              (("bench_step", "qwen8l-lora", "engine_images_per_s"),
-              ("bench_step", "qwen8l-diffusers-eager-pipeline", "images_per_s"))),
+              ("bench_step", "qwen8l-diffusers-eager-pipeline", "images_per_s")),
+             same_run=True),
     Headline("share of the step outside model compute, measured in place, LoRA / full, "
              "recipe defaults",
              (("bench_step", "qwen8l-lora", "outside_compute_share"),
@@ -114,15 +118,45 @@ def _joined(values: list[str]) -> str:
     return " / ".join(unique)
 
 
-def headline_table(rows: list[dict[str, str]]) -> str:
-    latest = current(rows)
-    missing = [f"{h.device}: {'/'.join(key)}" for h in HEADLINES for key in h.keys
-               if (*key, h.device) not in latest]
+def run_of(row: dict[str, str]) -> tuple[str, ...]:
+    """What tells one bench run from another in the results file."""
+    return tuple(row[k] for k in ("bench", "device", "commit", "date", "command"))
+
+
+def latest_complete_run(rows: list[dict[str, str]], h: Headline) -> list[dict[str, str]] | None:
+    """The figures of ``h`` from the latest run that measured every one of them."""
+    by_run: dict[tuple[str, ...], dict[tuple[str, str, str], dict[str, str]]] = {}
+    for row in rows:
+        if row["device"] == h.device:
+            by_run.setdefault(run_of(row), {})[(row["bench"], row["case"], row["metric"])] = row
+    for figures in reversed(list(by_run.values())):  # dicts keep first-seen (file) order
+        if all(key in figures for key in h.keys):
+            return [figures[key] for key in h.keys]
+    return None
+
+
+def headline_figures(rows: list[dict[str, str]]) -> list[list[dict[str, str]]]:
+    latest, found, missing = current(rows), [], []
+    for h in HEADLINES:
+        if h.same_run:
+            figures = latest_complete_run(rows, h)
+            if figures is None:
+                missing.append(f"{h.device}: {' + '.join('/'.join(k) for k in h.keys)} "
+                               f"(from one run)")
+            found.append(figures)
+            continue
+        gaps = [f"{h.device}: {'/'.join(key)}" for key in h.keys
+                if (*key, h.device) not in latest]
+        missing += gaps
+        found.append(None if gaps else [latest[(*key, h.device)] for key in h.keys])
     if missing:
         raise KeyError("headline figures missing from bench/results.csv: " + "; ".join(missing))
+    return found
+
+
+def headline_table(rows: list[dict[str, str]]) -> str:
     lines = ["| what | figure | note | measured |", "|---|---|---|---|"]
-    for h in HEADLINES:
-        found = [latest[(*key, h.device)] for key in h.keys]
+    for h, found in zip(HEADLINES, headline_figures(rows)):
         units = [r["unit"] for r in found]
         if len(set(units)) == 1:
             figure = " / ".join(fmt(r["value"]) for r in found) + f" {units[0]}"

@@ -128,6 +128,24 @@ def test_tables_follow_the_latest_row(tmp_path):
     assert "1,264 images/s" not in readme
 
 
+def test_a_same_run_headline_shows_the_latest_run_that_measured_all_its_figures(tmp_path):
+    copy = tmp_path / "results.csv"
+    shutil.copy(results.DEFAULT_PATH, copy)
+    engine_only = results.Recorder("bench_step", device="NVIDIA H200", torch="2.12.0",
+                                   commit="abc", date="2027-01-02", command="bench_step a")
+    engine_only.add("qwen8l-lora", "engine_images_per_s", 98.7, "images/s")
+    engine_only.write(copy)
+    readme = make_table.rendered(results=copy)[make_table.MAIN_README]
+    assert "98.7" not in readme  # no diffusers figure from that run: the older pair stays
+    both = results.Recorder("bench_step", device="NVIDIA H200", torch="2.12.0",
+                            commit="def", date="2027-01-03", command="bench_step b")
+    both.add("qwen8l-lora", "engine_images_per_s", 65.4, "images/s")
+    both.add("qwen8l-diffusers-eager-pipeline", "images_per_s", 43.2, "images/s")
+    both.write(copy)
+    readme = make_table.rendered(results=copy)[make_table.MAIN_README]
+    assert "| 65.4 / 43.2 images/s |" in readme and "2027-01-03" in readme
+
+
 def test_a_headline_missing_from_the_results_is_named(tmp_path):
     copy = tmp_path / "results.csv"
     rows = [r for r in results.read_rows(results.DEFAULT_PATH) if r["bench"] != "bench_ipc"]
