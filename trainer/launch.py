@@ -199,7 +199,7 @@ def rank_main(argv: list[str]) -> int:
 def _claim_on_rank0(cfg: Config, rank: int):
     """Rank 0 locks the run dir and applies --resume/--overwrite; every rank gets its
     verdict (the lock, or None, and the resulting config)."""
-    from trainer.checkpoint.shards import broadcast_from_rank0
+    from trainer.collectives import broadcast_from_rank0
     lock, load, error = None, None, None
     if rank == 0:
         try:

@@ -35,7 +35,8 @@ from trainer.checkpoint import layout
 from trainer.checkpoint.contract import (ContractMismatchError, adapter_contract,
                                          contract_mismatches, sampling_fingerprint)
 from trainer.checkpoint.rng import read_rng
-from trainer.checkpoint.shards import broadcast_from_rank0, read_shards
+from trainer.checkpoint.shards import read_shards
+from trainer.collectives import broadcast_from_rank0
 
 log = logging.getLogger("trainer.checkpoint")
 

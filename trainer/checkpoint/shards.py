@@ -1,7 +1,7 @@
-"""DCP shards of the actor (model + optimizer) and the few collectives a save needs.
+"""DCP shards of the actor (model + optimizer).
 
 Everything works with and without an initialised process group: without one, DCP runs in
-``no_dist`` mode and the collectives are identities.
+``no_dist`` mode.
 """
 from __future__ import annotations
 
@@ -18,44 +18,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
 
 from trainer.actor.model import strip_wrapper_names
 from trainer.checkpoint.layout import CheckpointError
-
-
-def distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _coll_device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def all_ranks_ok(ok: bool) -> bool:
-    """MIN all-reduce of a per-rank success flag."""
-    if not distributed():
-        return ok
-    t = torch.tensor([1 if ok else 0], dtype=torch.int32, device=_coll_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return bool(int(t.item()))  # NOTE: host sync (once per save)
-
-
-def failures_by_rank(cause: str | None) -> dict[int, str]:
-    """{rank: cause} of every rank whose ``cause`` is not None, on every rank (an all-gather
-    of small strings; every rank calls this together, on a failure path only)."""
-    if not distributed():
-        return {} if cause is None else {0: cause}
-    causes: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(causes, cause)
-    return {rank: text for rank, text in enumerate(causes) if text is not None}
-
-
-def broadcast_from_rank0(obj: Any) -> Any:
-    """Rank 0's ``obj`` on every rank (pickled; small objects only)."""
-    if not distributed():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+from trainer.collectives import distributed
 
 
 @contextlib.contextmanager

@@ -10,8 +10,8 @@ is caught, and so is (world 1 only, see below) a ``WeightSyncError`` while the e
 process is dead or stopped (the transfer timed out because the engine did); then every rank
 takes part in the same steps:
 
-1. Agreement: each rank contributes a failure flag (an all-reduce MAX of one number over the
-   trainer's process group); when any is set, the failures' messages are all-gathered, so
+1. Agreement: each rank contributes a success flag (``trainer.collectives``: an all-reduce MIN
+   of one number); when any rank failed, the failures' messages are all-gathered, so
    every rank knows which ranks failed and why.
 2. Budget: restarting the failed engines must stay within ``rollout.engine_max_restarts``
    (engines restarted in the whole run, all ranks counted); otherwise every rank raises the
@@ -45,10 +45,10 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-import torch
 import torch.distributed as dist
 
 from ipc import WeightSyncError
+from trainer.collectives import all_ranks_ok, failures_by_rank
 from trainer.engine.client import EngineError, EngineUnavailableError
 
 log = logging.getLogger("trainer")
@@ -65,14 +65,9 @@ def agree_on_failures(trainer, failure: BaseException | None) -> dict[int, str]:
     message = None if failure is None else str(failure)
     if not _multi_rank(trainer):
         return {} if message is None else {int(getattr(trainer, "rank", 0)): message}
-    device = trainer.device if dist.get_backend() == "nccl" else torch.device("cpu")
-    flag = torch.tensor([0.0 if message is None else 1.0], dtype=torch.float32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if flag.item() == 0:
+    if all_ranks_ok(message is None):
         return {}
-    messages: list[str | None] = [None] * int(trainer.world)
-    dist.all_gather_object(messages, message)
-    return {rank: text for rank, text in enumerate(messages) if text is not None}
+    return failures_by_rank(message)
 
 
 def engine_down_behind(trainer, exc: WeightSyncError) -> EngineUnavailableError | None:

@@ -24,7 +24,7 @@ import copy
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -50,25 +50,33 @@ def _batch(rng: np.random.Generator, specs: list[dict[str, Any]], singles: list[
     return prompts, x0
 
 
-def _starting_model(seed: int, *, init: str | Path | None, resolution: int, sigma_sampling: str,
-                    pos_embed_scale: float, caption_noise: float,
-                    transformer_config: dict[str, Any] | None,
-                    text_encoder_config: dict[str, Any] | None):
-    """(transformer, text_encoder, tokenizer) to train: a seeded fresh model, or ``init``'s.
-    One ValueError names every bad option; options that shape a fresh model are refused with
-    ``init`` (they would be ignored, or, for the position table, applied a second time)."""
+def option_problems(*, sigma_sampling: str = "logit_normal", caption_noise: float = 0.0,
+                    init: str | Path | None = None, pos_embed_scale: float = 1.0,
+                    transformer_config: dict[str, Any] | None = None,
+                    text_encoder_config: dict[str, Any] | None = None,
+                    named: Callable[[str], str] = str) -> list[str]:
+    """Every bad pretraining option (empty: none), each called ``named(parameter)`` (the CLI
+    names its flags). Options that shape a fresh model are refused with ``init`` (they would
+    be ignored, or, for the position table, applied a second time)."""
     problems = []
     if sigma_sampling not in SIGMA_SAMPLING:
-        problems.append(f"sigma_sampling must be one of {SIGMA_SAMPLING}, got {sigma_sampling!r}")
+        problems.append(f"{named('sigma_sampling')} must be one of {SIGMA_SAMPLING}, "
+                        f"got {sigma_sampling!r}")
     if not 0.0 <= caption_noise < 1.0:
-        problems.append(f"caption_noise={caption_noise} must be in [0, 1)")
+        problems.append(f"{named('caption_noise')}={caption_noise} must be in [0, 1)")
     if init is not None:
-        problems += [f"{name} shapes a fresh model and cannot be combined with init={str(init)!r}"
-                     for name, given in (("transformer_config", transformer_config),
-                                         ("text_encoder_config", text_encoder_config),
-                                         ("pos_embed_scale", pos_embed_scale != 1.0)) if given]
-    if problems:
-        raise ValueError("pretrain: " + "; ".join(problems))
+        fresh_only = (("transformer_config", transformer_config),
+                      ("text_encoder_config", text_encoder_config),
+                      ("pos_embed_scale", pos_embed_scale != 1.0))
+        problems += [f"{named(name)} shapes a fresh model and cannot be combined with "
+                     f"{named('init')}={str(init)!r}" for name, given in fresh_only if given]
+    return problems
+
+
+def _starting_model(seed: int, *, init: str | Path | None, resolution: int,
+                    pos_embed_scale: float, transformer_config: dict[str, Any] | None,
+                    text_encoder_config: dict[str, Any] | None):
+    """(transformer, text_encoder, tokenizer) to train: a seeded fresh model, or ``init``'s."""
     if init is not None:
         return modeling.load_parts(init)
     transformer, text_encoder, tokenizer = modeling.build_untrained(
@@ -102,9 +110,14 @@ def pretrain(out: str | Path, *, seed: int = 0, steps: int = 1500, minutes: floa
     """
     if threads:
         torch.set_num_threads(threads)
+    problems = option_problems(sigma_sampling=sigma_sampling, caption_noise=caption_noise,
+                               init=init, pos_embed_scale=pos_embed_scale,
+                               transformer_config=transformer_config,
+                               text_encoder_config=text_encoder_config)
+    if problems:
+        raise ValueError("pretrain: " + "; ".join(problems))
     transformer, text_encoder, tokenizer = _starting_model(
-        seed, init=init, resolution=resolution, sigma_sampling=sigma_sampling,
-        pos_embed_scale=pos_embed_scale, caption_noise=caption_noise,
+        seed, init=init, resolution=resolution, pos_embed_scale=pos_embed_scale,
         transformer_config=transformer_config, text_encoder_config=text_encoder_config)
     modules = torch.nn.ModuleDict({"transformer": transformer, "text_encoder": text_encoder})
     ema_modules = copy.deepcopy(modules).requires_grad_(False)
@@ -204,8 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     problems = [f"--{k}={getattr(args, k)} must be > 0" for k in ("minutes", "steps", "batch", "lr")
                 if getattr(args, k) <= 0]
-    if not 0.0 <= args.caption_noise < 1.0:
-        problems.append(f"--caption-noise={args.caption_noise} must be in [0, 1)")
+    problems += option_problems(sigma_sampling=args.sigma_sampling,
+                                caption_noise=args.caption_noise, init=args.init,
+                                pos_embed_scale=args.pos_embed_scale,
+                                named=lambda name: "--" + name.replace("_", "-"))
     if problems:
         p.error("; ".join(problems))
     info = pretrain(args.out, seed=args.seed, steps=args.steps, minutes=args.minutes,
