@@ -116,14 +116,23 @@ def test_generated_tables_are_up_to_date_with_results_csv():
     assert stale == [], "run python bench/make_table.py"
 
 
+def _readme_after_run(copy: Path, bench: str, commit: str, date: str,
+                      figures: list[tuple[str, str, float, str]]) -> str:
+    """The README's headline table once an H200 run of ``bench`` appended ``figures``
+    (case, metric, value, unit) to ``copy``."""
+    run = results.Recorder(bench, device="NVIDIA H200", torch="2.12.0", commit=commit,
+                           date=date, command=f"python bench/{bench}.py {commit}")
+    for case, metric, value, unit in figures:
+        run.add(case, metric, value, unit)
+    run.write(copy)
+    return make_table.rendered(results=copy)[make_table.MAIN_README]
+
+
 def test_tables_follow_the_latest_row(tmp_path):
     copy = tmp_path / "results.csv"
     shutil.copy(results.DEFAULT_PATH, copy)
-    newer = results.Recorder("bench_rewards", device="NVIDIA H200", torch="2.12.0",
-                             commit="abc", date="2027-01-02", command="python bench/bench_rewards.py")
-    newer.add("pickscore-arch-bfloat16-256x384-32prompts", "images_per_s", 4321.0, "images/s")
-    newer.write(copy)
-    readme = make_table.rendered(results=copy)[make_table.MAIN_README]
+    readme = _readme_after_run(copy, "bench_rewards", "abc", "2027-01-02", [
+        ("pickscore-arch-bfloat16-256x384-32prompts", "images_per_s", 4321.0, "images/s")])
     assert "| 4,321 images/s |" in readme and "2027-01-02" in readme
     assert "1,264 images/s" not in readme
 
@@ -131,18 +140,12 @@ def test_tables_follow_the_latest_row(tmp_path):
 def test_a_same_run_headline_shows_the_latest_run_that_measured_all_its_figures(tmp_path):
     copy = tmp_path / "results.csv"
     shutil.copy(results.DEFAULT_PATH, copy)
-    engine_only = results.Recorder("bench_step", device="NVIDIA H200", torch="2.12.0",
-                                   commit="abc", date="2027-01-02", command="bench_step a")
-    engine_only.add("qwen8l-lora", "engine_images_per_s", 98.7, "images/s")
-    engine_only.write(copy)
-    readme = make_table.rendered(results=copy)[make_table.MAIN_README]
+    readme = _readme_after_run(copy, "bench_step", "abc", "2027-01-02", [
+        ("qwen8l-lora", "engine_images_per_s", 98.7, "images/s")])
     assert "98.7" not in readme  # no diffusers figure from that run: the older pair stays
-    both = results.Recorder("bench_step", device="NVIDIA H200", torch="2.12.0",
-                            commit="def", date="2027-01-03", command="bench_step b")
-    both.add("qwen8l-lora", "engine_images_per_s", 65.4, "images/s")
-    both.add("qwen8l-diffusers-eager-pipeline", "images_per_s", 43.2, "images/s")
-    both.write(copy)
-    readme = make_table.rendered(results=copy)[make_table.MAIN_README]
+    readme = _readme_after_run(copy, "bench_step", "def", "2027-01-03", [
+        ("qwen8l-lora", "engine_images_per_s", 65.4, "images/s"),
+        ("qwen8l-diffusers-eager-pipeline", "images_per_s", 43.2, "images/s")])
     assert "| 65.4 / 43.2 images/s |" in readme and "2027-01-03" in readme
 
 

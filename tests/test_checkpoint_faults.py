@@ -154,12 +154,11 @@ def _small_disk(path, size: str):
             subprocess.run(["umount", "-l", str(path)], check=False)
 
 
-def test_disk_full_save_is_counted_cleaned_and_training_continues(tmp_path, caplog,
-                                                                  monkeypatch):
-    """A 2 MiB tmpfs holds one checkpoint (~1.2 MB) but not two: the second save hits ENOSPC
-    inside DCP (a CheckpointException, a BaseException): logged with the OS error, counted,
-    its partial directory removed, and the first checkpoint still loads. Without permission
-    to mount, ENOSPC is raised from the DCP write instead (same path from there on)."""
+@contextlib.contextmanager
+def _saved_once_then_disk_full(tmp_path, monkeypatch):
+    """A trainer that committed iteration 1 on a 2 MiB tmpfs (one checkpoint, ~1.2 MB, fits;
+    two do not) and trained one more step: its next save hits ENOSPC. Yields (trainer, save
+    root, model dir, the trainable weights of iteration 1)."""
     model_dir = h.save_tinynet(tmp_path / "model", dim=128)
     with _small_disk(tmp_path / "disk", "2m") as mounted:
         root = tmp_path / "disk" / "ckpt"
@@ -170,6 +169,16 @@ def test_disk_full_save_is_counted_cleaned_and_training_continues(tmp_path, capl
         assert save_checkpoint(trainer, 1) is not None
         _fill_the_disk_unless(mounted, monkeypatch)
         h.train_step(trainer)
+        yield trainer, root, model_dir, first
+
+
+def test_disk_full_save_is_counted_cleaned_and_training_continues(tmp_path, caplog,
+                                                                  monkeypatch):
+    """A 2 MiB tmpfs holds one checkpoint (~1.2 MB) but not two: the second save hits ENOSPC
+    inside DCP (a CheckpointException, a BaseException): logged with the OS error, counted,
+    its partial directory removed, and the first checkpoint still loads. Without permission
+    to mount, ENOSPC is raised from the DCP write instead (same path from there on)."""
+    with _saved_once_then_disk_full(tmp_path, monkeypatch) as (trainer, root, model_dir, first):
         with caplog.at_level(logging.WARNING, "trainer.checkpoint"):
             assert save_checkpoint(trainer, 2) is None      # no exception: training goes on
         assert "ENOSPC" in caplog.text and "No space left on device" in caplog.text
@@ -188,15 +197,7 @@ def test_failed_final_save_raises_naming_the_os_error(tmp_path, caplog, monkeypa
     """The run's final save hits ENOSPC on a 2 MiB tmpfs: no later save can retry it, so it
     raises CheckpointError naming the OS error and the newest committed checkpoint (after
     the same logging, counting and clean-up as any failed save)."""
-    model_dir = h.save_tinynet(tmp_path / "model", dim=128)
-    with _small_disk(tmp_path / "disk", "2m") as mounted:
-        root = tmp_path / "disk" / "ckpt"
-        trainer = h.make_trainer(model_dir, root, lora=False)
-        trainer.metrics = Recorder()
-        h.train_step(trainer)
-        assert save_checkpoint(trainer, 1, final=False) is not None
-        _fill_the_disk_unless(mounted, monkeypatch)
-        h.train_step(trainer)
+    with _saved_once_then_disk_full(tmp_path, monkeypatch) as (trainer, root, _, _):
         with caplog.at_level(logging.WARNING, "trainer.checkpoint"):
             with pytest.raises(layout.CheckpointError) as e:
                 save_checkpoint(trainer, 2, final=True)
