@@ -6,8 +6,8 @@
 Two tables, each between marker comments that nothing else writes inside:
 - bench/README.md: every current figure (the last row of each bench, case, metric and
   device), one table per bench;
-- README.md: the headline figures named in ``HEADLINES`` below, each with the device and
-  date it was measured on.
+- README.md: the headline figures named in ``HEADLINES`` below, each line from the latest run
+  that measured all of its figures, with the device and date.
 A headline whose figure is missing from results.csv is an error naming it, so a renamed case
 cannot silently drop a figure from the README.
 """
@@ -34,9 +34,6 @@ class Headline:
     keys: tuple[tuple[str, str, str], ...]  # (bench, case, metric), shown as "a / b"
     note: str = ""
     device: str = H200
-    # a ratio read across the figures (peer / trainer, engine / diffusers) only means something
-    # when one run measured them all: such a headline shows the latest run that did
-    same_run: bool = False
 
 
 HEADLINES = (
@@ -46,15 +43,14 @@ HEADLINES = (
     Headline("the plain eager loop / this trainer, LoRA, micro-batch 4, 2 updates, no offload",
              (("bench_step", "qwen8l-peer-mb4", "step_s"),
               ("bench_step", "qwen8l-mb4-no-offload-lora", "step_s")),
-             "bench/peer_step.py", same_run=True),
+             "bench/peer_step.py"),
     Headline("train stage per trained transition over the compiled fwd+bwd floor of the same "
              "run, LoRA / full",
              (("bench_step", "qwen8l-lora", "floor_ratio"),
               ("bench_step", "qwen8l-full", "floor_ratio")), "target ≤ 1.3x"),
     Headline("engine generate, same model, 8 x 384², 12 steps / diffusers' eager pipeline",
              (("bench_step", "qwen8l-lora", "engine_images_per_s"),
-              ("bench_step", "qwen8l-diffusers-eager-pipeline", "images_per_s")),
-             same_run=True),
+              ("bench_step", "qwen8l-diffusers-eager-pipeline", "images_per_s"))),
     Headline("share of the step outside model compute, measured in place, LoRA / full, "
              "recipe defaults",
              (("bench_step", "qwen8l-lora", "outside_compute_share"),
@@ -136,21 +132,14 @@ def latest_complete_run(rows: list[dict[str, str]], h: Headline) -> list[dict[st
 
 
 def headline_figures(rows: list[dict[str, str]]) -> list[list[dict[str, str]]]:
-    latest, found, missing = current(rows), [], []
-    for h in HEADLINES:
-        if h.same_run:
-            figures = latest_complete_run(rows, h)
-            if figures is None:
-                missing.append(f"{h.device}: {' + '.join('/'.join(k) for k in h.keys)} "
-                               f"(from one run)")
-            found.append(figures)
-            continue
-        gaps = [f"{h.device}: {'/'.join(key)}" for key in h.keys
-                if (*key, h.device) not in latest]
-        missing += gaps
-        found.append(None if gaps else [latest[(*key, h.device)] for key in h.keys])
+    """Each headline's figures from the latest run that measured all of them: figures read
+    side by side (peer / trainer, engine / diffusers, LoRA / full) only compare within a run."""
+    found = [latest_complete_run(rows, h) for h in HEADLINES]
+    missing = [f"{h.device}: {' + '.join('/'.join(k) for k in h.keys)}"
+               for h, figures in zip(HEADLINES, found) if figures is None]
     if missing:
-        raise KeyError("headline figures missing from bench/results.csv: " + "; ".join(missing))
+        raise KeyError("headline figures missing from bench/results.csv (from one run): "
+                       + "; ".join(missing))
     return found
 
 
