@@ -91,6 +91,41 @@ def _starting_model(seed: int, *, init: str | Path | None, resolution: int,
     return transformer, text_encoder, tokenizer
 
 
+def warmup_cosine(step: int, lr: float, warmup: int, steps: int) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine down to 10 % at ``steps``."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    frac = (step - warmup) / max(1, steps - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def flow_matching_loss(transformer, text_encoder, tokenizer, prompts: list[str],
+                       x0: torch.Tensor, gen: torch.Generator, sigma_sampling: str
+                       ) -> torch.Tensor:
+    """One batch's rectified-flow loss: the velocity at x_sigma = (1 - sigma) x0 + sigma noise
+    against noise - x0 (SD3's convention; the noise, then sigma, drawn from ``gen``)."""
+    ids = tokenizer(prompts, padding="max_length", max_length=modeling.MAX_PROMPT_TOKENS,
+                    return_tensors="pt").input_ids
+    noise = torch.randn(x0.shape, generator=gen)
+    if sigma_sampling == "uniform":  # as much weight on high noise (layout) as on detail
+        sigma = torch.rand(x0.shape[0], generator=gen)
+    else:
+        sigma = torch.sigmoid(torch.randn(x0.shape[0], generator=gen))
+    s = sigma.view(-1, 1, 1, 1)
+    text = text_encoder(input_ids=ids)
+    v = transformer(hidden_states=(1 - s) * x0 + s * noise,
+                    encoder_hidden_states=text.last_hidden_state,
+                    pooled_projections=text.pooler_output, timestep=sigma * 1000,
+                    return_dict=False)[0]
+    return torch.nn.functional.mse_loss(v, noise - x0)
+
+
+@torch.no_grad()
+def _ema_update(ema_modules: torch.nn.Module, modules: torch.nn.Module, decay: float) -> None:
+    for p_ema, p in zip(ema_modules.parameters(), modules.parameters()):
+        p_ema.lerp_(p, 1 - decay)
+
+
 def pretrain(out: str | Path, *, seed: int = 0, steps: int = 1500, minutes: float = 20.0,
              batch: int = 32, lr: float = 1e-3, warmup: int = 200, ema: float = 0.999,
              resolution: int = 32, threads: int | None = None, log_every: int = 100,
@@ -123,16 +158,12 @@ def pretrain(out: str | Path, *, seed: int = 0, steps: int = 1500, minutes: floa
     ema_modules = copy.deepcopy(modules).requires_grad_(False)
     opt = torch.optim.AdamW(modules.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
 
-    def lr_at(step: int) -> float:  # linear warmup, cosine to 10 %
-        if step < warmup:
-            return lr * (step + 1) / warmup
-        frac = (step - warmup) / max(1, steps - warmup)
-        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+    def lr_at(step: int) -> float:
+        return warmup_cosine(step, lr, warmup, steps)
 
     singles, pairs = world.split_specs("train")
     rng = np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(seed)
-    length = modeling.MAX_PROMPT_TOKENS
     start, step, recent = time.perf_counter(), 0, []
 
     def info(wall: float) -> dict[str, Any]:
@@ -145,30 +176,16 @@ def pretrain(out: str | Path, *, seed: int = 0, steps: int = 1500, minutes: floa
 
     while step < steps and time.perf_counter() - start < minutes * 60:
         prompts, x0 = _batch(rng, pairs, singles, batch, resolution, caption_noise, noisy_facts)
-        ids = tokenizer(prompts, padding="max_length", max_length=length,
-                        return_tensors="pt").input_ids
-        noise = torch.randn(x0.shape, generator=gen)
-        if sigma_sampling == "uniform":  # as much weight on high noise (layout) as on detail
-            sigma = torch.rand(batch, generator=gen)
-        else:
-            sigma = torch.sigmoid(torch.randn(batch, generator=gen))
-        s = sigma.view(-1, 1, 1, 1)
-        text = text_encoder(input_ids=ids)
-        v = transformer(hidden_states=(1 - s) * x0 + s * noise,
-                        encoder_hidden_states=text.last_hidden_state,
-                        pooled_projections=text.pooler_output, timestep=sigma * 1000,
-                        return_dict=False)[0]
-        loss = torch.nn.functional.mse_loss(v, noise - x0)
+        loss = flow_matching_loss(transformer, text_encoder, tokenizer, prompts, x0, gen,
+                                  sigma_sampling)
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(modules.parameters(), 1.0)
         opt.step()
-        decay = min(ema, (1 + step) / (10 + step))  # short warm-up of the average
-        with torch.no_grad():
-            for p_ema, p in zip(ema_modules.parameters(), modules.parameters()):
-                p_ema.lerp_(p, 1 - decay)
+        # the average's decay warms up over the first steps
+        _ema_update(ema_modules, modules, min(ema, (1 + step) / (10 + step)))
         recent.append(loss.item())  # host sync (CPU: free)
         step += 1
         if step % log_every == 0 or step == steps:
