@@ -19,7 +19,7 @@ from trainer.models.base import GenerativeModelAdapter
 from trainer.toy import modeling, weights_dir, world
 from trainer.toy.adapter import ToyAdapter
 from trainer.toy.evaluate import sample_images
-from trainer.toy.pretrain import main as pretrain_main, pretrain
+from trainer.toy.pretrain import main as pretrain_main, pretrain, training_batches
 from trainer.toy.reward import ToyCompositionScorer
 
 # one intra-op thread: tiny models gain nothing from more (see tests/conftest.py)
@@ -275,3 +275,32 @@ def test_shipped_model_samples_the_same_on_cuda():
     means = {d: torch.stack(list(scorer.score(img, prompts, metadata).values())).mean()
              for d, img in out.items()}
     assert abs(means["cpu"] - means["cuda"]) < 0.05
+
+
+def test_render_workers_give_the_same_batches_for_any_worker_count():
+    """Batches rendered in worker processes depend on the seed only, not on how many workers
+    render them; a different seed gives different batches; x0 stays in [-1, 1]."""
+    def first_batches(seed, workers, n=2):
+        gen = training_batches(seed, 6, 16, caption_noise=0.3, render_workers=workers)
+        try:
+            return [next(gen) for _ in range(n)]
+        finally:
+            gen.close()
+
+    one, two, other = first_batches(5, 1), first_batches(5, 2), first_batches(6, 2)
+    for (p1, x1), (p2, x2) in zip(one, two):
+        assert p1 == p2 and torch.equal(x1, x2)
+    assert x1.shape == (6, 3, 16, 16) and x1.min() >= -1 and x1.max() <= 1
+    assert x1.abs().sum() > 0                                     # objects were drawn
+    assert not torch.equal(one[0][1], other[0][1])
+
+
+def test_pretrain_with_render_workers_is_deterministic(tmp_path):
+    kw = dict(steps=2, minutes=5, batch=4, warmup=1, threads=1, log_every=1000,
+              transformer_config=TINY_TRANSFORMER, text_encoder_config=TINY_TEXT)
+    for name, workers in (("w1", 1), ("w2", 2)):
+        info = pretrain(tmp_path / name, seed=1, render_workers=workers, **kw)
+        assert info["render_workers"] == workers and info["device"] == "cpu"
+    w = {n: load_file(tmp_path / n / "transformer" / "diffusion_pytorch_model.safetensors")
+         for n in ("w1", "w2")}
+    assert all(torch.equal(w["w1"][k], w["w2"][k]) for k in w["w1"])

@@ -16,13 +16,21 @@ and toy_config.json records ``"stopped_early": true`` with the steps reached.
 
 What is saved is an exponential moving average of the weights (``--ema``), the usual choice
 for diffusion models: the raw weights of a short, high-learning-rate run sample worse.
+
+On a GPU (``--device cuda``) the renderer, not the model, is the bottleneck: ``--render-workers
+N`` renders each batch in N processes. The main process still draws every prompt, caption
+corruption and a per-image render seed from the one numpy stream, so the batches are the same
+for any N >= 1 (but not the same as N = 0's, which renders from that stream itself: the shipped
+weights were made so). Noise and sigma come from a CPU torch generator on every device.
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import math
+import multiprocessing
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any, Callable
 
@@ -46,8 +54,54 @@ def _batch(rng: np.random.Generator, specs: list[dict[str, Any]], singles: list[
         if caption_noise > 0:  # the image departs from its caption (world.corrupt_spec)
             spec = world.corrupt_spec(spec, caption_noise, rng, noisy_facts)
         images[i] = world.render(spec, size, rng)
-    x0 = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1.0
-    return prompts, x0
+    return prompts, _to_x0(images)
+
+
+def _to_x0(images: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+
+
+def _render_seeded(job: tuple[dict[str, Any], int, int]) -> np.ndarray:
+    spec, size, seed = job
+    return world.render(spec, size, np.random.default_rng(seed))
+
+
+def _batch_jobs(rng: np.random.Generator, specs: list[dict[str, Any]],
+                singles: list[dict[str, Any]], batch: int, size: int, caption_noise: float,
+                noisy_facts: tuple[str, ...]) -> tuple[list[str], list[tuple]]:
+    """One batch's prompts and render jobs (spec as drawn, size, seed), all from ``rng``."""
+    prompts, jobs = [], []
+    for _ in range(batch):
+        pool = singles if rng.random() < world.SINGLE_FRACTION else specs
+        spec = pool[int(rng.integers(len(pool)))]
+        prompts.append(world.spec_to_prompt(spec))
+        if caption_noise > 0:
+            spec = world.corrupt_spec(spec, caption_noise, rng, noisy_facts)
+        jobs.append((spec, size, int(rng.integers(2 ** 63))))
+    return prompts, jobs
+
+
+def training_batches(seed: int, batch: int, size: int, *, caption_noise: float = 0.0,
+                     noisy_facts: tuple[str, ...] = world.CAPTION_FACTS,
+                     render_workers: int = 0, prefetch: int = 4):
+    """Endless (prompts, x0 on the CPU) batches of the train split; see the module docstring
+    for what ``render_workers`` changes. Close the generator to stop the worker processes."""
+    singles, pairs = world.split_specs("train")
+    rng = np.random.default_rng(seed)
+    if render_workers == 0:
+        while True:
+            yield _batch(rng, pairs, singles, batch, size, caption_noise, noisy_facts)
+    # spawn: the parent may hold a CUDA context, which a forked child must not inherit
+    with multiprocessing.get_context("spawn").Pool(render_workers) as workers:
+        pending: deque = deque()
+        chunk = max(1, batch // render_workers)
+        while True:
+            while len(pending) < prefetch:
+                prompts, jobs = _batch_jobs(rng, pairs, singles, batch, size, caption_noise,
+                                            noisy_facts)
+                pending.append((prompts, workers.map_async(_render_seeded, jobs, chunk)))
+            prompts, result = pending.popleft()
+            yield prompts, _to_x0(np.stack(result.get()))
 
 
 def option_problems(*, sigma_sampling: str = "logit_normal", caption_noise: float = 0.0,
@@ -104,13 +158,15 @@ def flow_matching_loss(transformer, text_encoder, tokenizer, prompts: list[str],
                        ) -> torch.Tensor:
     """One batch's rectified-flow loss: the velocity at x_sigma = (1 - sigma) x0 + sigma noise
     against noise - x0 (SD3's convention; the noise, then sigma, drawn from ``gen``)."""
+    device = x0.device
     ids = tokenizer(prompts, padding="max_length", max_length=modeling.MAX_PROMPT_TOKENS,
-                    return_tensors="pt").input_ids
-    noise = torch.randn(x0.shape, generator=gen)
+                    return_tensors="pt").input_ids.to(device)
+    noise = torch.randn(x0.shape, generator=gen).to(device)
     if sigma_sampling == "uniform":  # as much weight on high noise (layout) as on detail
         sigma = torch.rand(x0.shape[0], generator=gen)
     else:
         sigma = torch.sigmoid(torch.randn(x0.shape[0], generator=gen))
+    sigma = sigma.to(device)
     s = sigma.view(-1, 1, 1, 1)
     text = text_encoder(input_ids=ids)
     v = transformer(hidden_states=(1 - s) * x0 + s * noise,
@@ -134,14 +190,16 @@ def pretrain(out: str | Path, *, seed: int = 0, steps: int = 1500, minutes: floa
              noisy_facts: tuple[str, ...] = world.CAPTION_FACTS,
              init: str | Path | None = None,
              transformer_config: dict[str, Any] | None = None,
-             text_encoder_config: dict[str, Any] | None = None) -> dict[str, Any]:
+             text_encoder_config: dict[str, Any] | None = None,
+             device: str = "cpu", render_workers: int = 0) -> dict[str, Any]:
     """Train and write the model directory to ``out``; returns the run's info dict.
 
     ``snapshot_every`` > 0 also writes the EMA model every that many steps to
     ``out/snapshots/step-N`` (how the shipped step count was chosen: see README.md).
     ``caption_noise``: the share of each caption fact (count, colour, relation) the rendered
     image gets wrong (``world.corrupt_spec``). ``init``: a toy model directory to continue
-    from instead of a random init (its architecture is kept).
+    from instead of a random init (its architecture is kept). ``device``: where the model
+    trains; ``render_workers``: processes that render the batches (module docstring).
     """
     if threads:
         torch.set_num_threads(threads)
@@ -155,14 +213,15 @@ def pretrain(out: str | Path, *, seed: int = 0, steps: int = 1500, minutes: floa
         seed, init=init, resolution=resolution, pos_embed_scale=pos_embed_scale,
         transformer_config=transformer_config, text_encoder_config=text_encoder_config)
     modules = torch.nn.ModuleDict({"transformer": transformer, "text_encoder": text_encoder})
+    modules.to(device)
     ema_modules = copy.deepcopy(modules).requires_grad_(False)
     opt = torch.optim.AdamW(modules.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
 
     def lr_at(step: int) -> float:
         return warmup_cosine(step, lr, warmup, steps)
 
-    singles, pairs = world.split_specs("train")
-    rng = np.random.default_rng(seed)
+    batches = training_batches(seed, batch, resolution, caption_noise=caption_noise,
+                               noisy_facts=noisy_facts, render_workers=render_workers)
     gen = torch.Generator().manual_seed(seed)
     start, step, recent = time.perf_counter(), 0, []
 
@@ -172,35 +231,40 @@ def pretrain(out: str | Path, *, seed: int = 0, steps: int = 1500, minutes: floa
                 "stopped_early": step < steps, "torch": torch.__version__,
                 "sigma_sampling": sigma_sampling, "pos_embed_scale": pos_embed_scale,
                 "caption_noise": caption_noise, "noisy_facts": list(noisy_facts),
-                "init": None if init is None else str(init)}
+                "init": None if init is None else str(init), "device": str(device),
+                "render_workers": render_workers}
 
-    while step < steps and time.perf_counter() - start < minutes * 60:
-        prompts, x0 = _batch(rng, pairs, singles, batch, resolution, caption_noise, noisy_facts)
-        loss = flow_matching_loss(transformer, text_encoder, tokenizer, prompts, x0, gen,
-                                  sigma_sampling)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(modules.parameters(), 1.0)
-        opt.step()
-        # the average's decay warms up over the first steps
-        _ema_update(ema_modules, modules, min(ema, (1 + step) / (10 + step)))
-        recent.append(loss.item())  # host sync (CPU: free)
-        step += 1
-        if step % log_every == 0 or step == steps:
-            print(f"step {step}/{steps} loss {np.mean(recent):.4f} lr {lr_at(step - 1):.2e} "
-                  f"{time.perf_counter() - start:.0f}s", flush=True)
-            recent = []
-        if snapshot_every and step % snapshot_every == 0 and step < steps:
-            modeling.save_model_dir(
-                Path(out) / "snapshots" / f"step-{step}", transformer=ema_modules["transformer"],
-                text_encoder=ema_modules["text_encoder"], tokenizer=tokenizer,
-                resolution=resolution, info=info(time.perf_counter() - start))
+    def save(to: Path, wall: float) -> None:
+        parts = ema_modules if str(device) == "cpu" else copy.deepcopy(ema_modules).cpu()
+        modeling.save_model_dir(to, transformer=parts["transformer"],
+                                text_encoder=parts["text_encoder"], tokenizer=tokenizer,
+                                resolution=resolution, info=info(wall))
+
+    try:
+        while step < steps and time.perf_counter() - start < minutes * 60:
+            prompts, x0 = next(batches)
+            loss = flow_matching_loss(transformer, text_encoder, tokenizer, prompts,
+                                      x0.to(device), gen, sigma_sampling)
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(modules.parameters(), 1.0)
+            opt.step()
+            # the average's decay warms up over the first steps
+            _ema_update(ema_modules, modules, min(ema, (1 + step) / (10 + step)))
+            recent.append(loss.detach())
+            step += 1
+            if step % log_every == 0 or step == steps:
+                print(f"step {step}/{steps} loss {torch.stack(recent).mean().item():.4f} "
+                      f"lr {lr_at(step - 1):.2e} {time.perf_counter() - start:.0f}s", flush=True)
+                recent = []
+            if snapshot_every and step % snapshot_every == 0 and step < steps:
+                save(Path(out) / "snapshots" / f"step-{step}", time.perf_counter() - start)
+    finally:
+        batches.close()
     final = info(time.perf_counter() - start)
-    modeling.save_model_dir(out, transformer=ema_modules["transformer"],
-                            text_encoder=ema_modules["text_encoder"], tokenizer=tokenizer,
-                            resolution=resolution, info=final)
+    save(Path(out), time.perf_counter() - start)
     return final
 
 
@@ -231,9 +295,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=200, help="linear warm-up steps of the lr")
     p.add_argument("--snapshot-every", type=int, default=0,
                    help="also write the EMA model every N steps under OUT/snapshots/")
+    p.add_argument("--device", default="cpu", help="where the model trains (cpu, cuda, ...)")
+    p.add_argument("--render-workers", type=int, default=0,
+                   help="processes that render the training images (0: in this process, as "
+                        "the shipped weights were made; a GPU run needs several)")
     args = p.parse_args(argv)
     problems = [f"--{k}={getattr(args, k)} must be > 0" for k in ("minutes", "steps", "batch", "lr")
                 if getattr(args, k) <= 0]
+    if args.render_workers < 0:
+        problems.append(f"--render-workers={args.render_workers} must be >= 0")
     problems += option_problems(sigma_sampling=args.sigma_sampling,
                                 caption_noise=args.caption_noise, init=args.init,
                                 pos_embed_scale=args.pos_embed_scale,
@@ -244,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
                     batch=args.batch, lr=args.lr, threads=args.threads, ema=args.ema,
                     snapshot_every=args.snapshot_every, sigma_sampling=args.sigma_sampling,
                     pos_embed_scale=args.pos_embed_scale, caption_noise=args.caption_noise,
-                    noisy_facts=tuple(args.noisy_facts), init=args.init, warmup=args.warmup)
+                    noisy_facts=tuple(args.noisy_facts), init=args.init, warmup=args.warmup,
+                    device=args.device, render_workers=args.render_workers)
     print(info)
     return 0
 
