@@ -47,9 +47,10 @@ def write_rows(path, rows):
 def test_reward_curve_from_metrics_jsonl(tmp_path):
     rows = [{"step": 0, "eval/reward_mean": 0.2, "eval/color_mean": 0.1},
             {"step": 1, "reward/mean": 0.3, "reward/color_mean": 0.25, "reward/color_std": 0.1,
-             "reward/advantage_mean": 0.0, "train/loss": 1.0},
+             "reward/color_min": 0.0, "reward/advantage_mean": 0.0,
+             "reward/advantage_std": 1.0, "train/loss": 1.0},
             {"step": 2, "reward/mean": 0.5, "reward/color_mean": 0.45, "reward/color_std": 0.1,
-             "reward/group_std_mean": 0.3,
+             "reward/color_min": 0.0, "reward/group_std_mean": 0.3,
              "eval/reward_mean": 0.6, "eval/color_mean": 0.55},
             {"step": 2, "reward/mean": 0.55, "reward/color_mean": float("nan")}]  # resumed
     write_rows(tmp_path / "metrics.jsonl", rows)

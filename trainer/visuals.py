@@ -86,8 +86,9 @@ def reward_series(rows: Sequence[dict]) -> tuple[dict[str, list], dict[str, list
                 total.setdefault("train", {})[step] = value
             elif key == "eval/reward_mean":
                 total.setdefault("eval", {})[step] = value
-            elif key.startswith("reward/") and key.endswith("_mean") and \
-                    f"{key[:-len('_mean')]}_std" in row:  # a component: mean, std, min, max
+            elif key.startswith("reward/") and key.endswith("_mean") and all(
+                    f"{key[:-len('_mean')]}_{s}" in row for s in ("std", "min")):
+                # a component: mean, std, min, max (the advantages have a mean and std only)
                 parts.setdefault(f"train {key[len('reward/'):-len('_mean')]}", {})[step] = value
             elif key.startswith("eval/") and key.endswith("_mean") and \
                     key != "eval/reward_mean":
