@@ -271,6 +271,9 @@ def test_all_violations_reported_together():
 WARNING_RULES = [
     ("lora_master_not_fp32", ["fsdp.trainable_mode=lora", "lora.rank=4", "fsdp.master_dtype=bf16"],
      ["fsdp.master_dtype (--fsdp-master-dtype)='fp32'", "policy stops moving"]),
+    ("lora_bf16_params_no_master", ["fsdp.trainable_mode=lora", "lora.rank=4",
+                                    "fsdp.param_dtype=bf16", "fsdp.master_dtype=none"],
+     ["fsdp.master_dtype (--fsdp-master-dtype)='fp32'", "policy stops moving"]),
     ("decay_iters_with_constant", ["train.lr_decay_iters=100"],
      ["train.lr_decay_iters (--lr-decay-iters)=100", "ignored", "'constant'"]),
     ("one_update_per_batch", ["train.num_updates_per_batch=1"],
@@ -289,6 +292,12 @@ def test_each_warning_is_returned_and_logged(overrides, expected, caplog):
         warnings = preflight(tiny(*overrides), world_size=1)
     assert len(warnings) == 1 and all(s in warnings[0] for s in expected), warnings
     assert [r.getMessage() for r in caplog.records if r.name == "trainer.preflight"] == warnings
+
+
+def test_lora_with_fp32_params_and_no_master_is_not_warned():
+    """Without a master dtype the LoRA tensors stay in the param dtype: fp32 needs no master."""
+    assert preflight(tiny("fsdp.trainable_mode=lora", "lora.rank=4", "fsdp.param_dtype=fp32",
+                          "fsdp.master_dtype=none"), world_size=1) == []
 
 
 def test_warnings_are_logged_even_when_errors_raise(caplog):

@@ -129,7 +129,8 @@ def _check_trainable(c: Checker) -> None:
                 or not all(isinstance(t, str) and t for t in lora.target_modules)):
             c.error(f"{flagged('lora.target_modules')}={lora.target_modules!r} must be a "
                     f"non-empty list of module-name suffixes (or unset: the adapter's default)")
-        if f.master_dtype != "fp32":
+        # the LoRA tensors are kept in the master dtype, or without one in the param dtype
+        if (f.master_dtype or f.param_dtype) != "fp32":
             c.warn(f"LoRA without {flagged('fsdp.master_dtype')}='fp32': a bf16 master copy rounds "
                    f"away ~1e-4 relative RL updates and the policy stops moving")
     elif lora.adapter_mode:
