@@ -404,11 +404,15 @@ class Trainer(TrainerState):
     def eval_over_seeds(self, seeds) -> list[float]:
         """The eval reward at the current weights under each generation seed: the spread is
         the eval's own noise (what a change of the policy must beat). Restores the seed."""
+        return [m["eval/reward_mean"] for m in self.eval_metrics_over_seeds(seeds)]
+
+    def eval_metrics_over_seeds(self, seeds) -> list[dict[str, float]]:
+        """Every eval metric (reward and each component) under each generation seed."""
         base, out = self.eval_driver.seed, []
         try:
             for seed in seeds:
                 self.eval_driver.seed = int(seed)
-                out.append(self.evaluate(0, tag="noise")["eval/reward_mean"])
+                out.append(self.evaluate(0, tag="noise"))
         finally:
             self.eval_driver.seed = base
         return out
