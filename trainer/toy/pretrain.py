@@ -44,16 +44,25 @@ from trainer.toy import modeling, world
 SIGMA_SAMPLING = ("logit_normal", "uniform")
 
 
+def _pair(rng: np.random.Generator, specs: list[dict[str, Any]],
+          singles: list[dict[str, Any]], caption_noise: float,
+          noisy_facts: tuple[str, ...]) -> tuple[str, dict[str, Any]]:
+    """One training pair drawn from ``rng``: the caption, and the spec its image is drawn from."""
+    pool = singles if rng.random() < world.SINGLE_FRACTION else specs
+    spec = pool[int(rng.integers(len(pool)))]
+    prompt = world.spec_to_prompt(spec)
+    if caption_noise > 0:  # the image departs from its caption (world.corrupt_spec)
+        spec = world.corrupt_spec(spec, caption_noise, rng, noisy_facts)
+    return prompt, spec
+
+
 def _batch(rng: np.random.Generator, specs: list[dict[str, Any]], singles: list[dict[str, Any]],
            batch: int, size: int, caption_noise: float = 0.0,
            noisy_facts: tuple[str, ...] = world.CAPTION_FACTS) -> tuple[list[str], torch.Tensor]:
     prompts, images = [], np.empty((batch, size, size, 3), dtype=np.uint8)
     for i in range(batch):
-        pool = singles if rng.random() < world.SINGLE_FRACTION else specs
-        spec = pool[int(rng.integers(len(pool)))]
-        prompts.append(world.spec_to_prompt(spec))
-        if caption_noise > 0:  # the image departs from its caption (world.corrupt_spec)
-            spec = world.corrupt_spec(spec, caption_noise, rng, noisy_facts)
+        prompt, spec = _pair(rng, specs, singles, caption_noise, noisy_facts)
+        prompts.append(prompt)
         images[i] = world.render(spec, size, rng)
     return prompts, _to_x0(images)
 
@@ -70,14 +79,11 @@ def _render_seeded(job: tuple[dict[str, Any], int, int]) -> np.ndarray:
 def _batch_jobs(rng: np.random.Generator, specs: list[dict[str, Any]],
                 singles: list[dict[str, Any]], batch: int, size: int, caption_noise: float,
                 noisy_facts: tuple[str, ...]) -> tuple[list[str], list[tuple]]:
-    """One batch's prompts and render jobs (spec as drawn, size, seed), all from ``rng``."""
+    """One batch's prompts and render jobs (spec, size, seed), all drawn from ``rng``."""
     prompts, jobs = [], []
     for _ in range(batch):
-        pool = singles if rng.random() < world.SINGLE_FRACTION else specs
-        spec = pool[int(rng.integers(len(pool)))]
-        prompts.append(world.spec_to_prompt(spec))
-        if caption_noise > 0:
-            spec = world.corrupt_spec(spec, caption_noise, rng, noisy_facts)
+        prompt, spec = _pair(rng, specs, singles, caption_noise, noisy_facts)
+        prompts.append(prompt)
         jobs.append((spec, size, int(rng.integers(2 ** 63))))
     return prompts, jobs
 
