@@ -338,33 +338,46 @@ def test_offload_policy_skips_the_offloads_only_when_both_sides_fit():
 
 
 def test_world_one_fsdp_keeps_gathered_blocks_and_trains_the_same(adapter, batch, tmp_path):
-    """reshard_after_forward=None: no re-gather at world 1, and an update (anchor forward for
-    the second update, two optimizer steps) is the resharding actor's bit for bit: grad norm
-    (clipping sees the real gradients), stats and the weights after it; explicit values kept."""
+    """World 1 defaults: no re-gather (reshard_after_forward=None) and the frozen base left
+    out of FSDP2 (shard_frozen=None: plain tensors; only the LoRA is sharded). An update (anchor
+    forward for the second update, two optimizer steps) equals the resharding actor's and the
+    sharded-base actor's bit for bit: grad norm (clipping sees the real gradients), stats and
+    the weights after it; explicit values kept."""
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
 
-    from trainer.actor.model import reshard_after_forward
+    from trainer.actor.model import reshard_after_forward, shard_frozen
 
     if dist.is_initialized():
         pytest.skip("a process group is already up in this process")
     assert reshard_after_forward(_cfg()) is True  # no process group: nothing to keep
+    assert shard_frozen(_cfg()) is True
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
                             world_size=1)
     try:
         assert reshard_after_forward(_cfg()) is False
         assert reshard_after_forward(_cfg("fsdp.reshard_after_forward=true")) is True
+        assert shard_frozen(_cfg()) is False
+        assert shard_frozen(_cfg("fsdp.shard_frozen=true")) is True
         out, weights = {}, {}
         adv = torch.linspace(-1.0, 1.0, len(batch))
-        for keep in ("null", "true"):
-            cfg = _cfg(f"fsdp.reshard_after_forward={keep}", "train.micro_batch_size=2")
+        variants = {"default": [], "reshard": ["fsdp.reshard_after_forward=true"],
+                    "sharded_base": ["fsdp.shard_frozen=true"]}
+        for key, sets in variants.items():
+            cfg = _cfg(*sets, "train.micro_batch_size=2")
             model = build_actor(adapter, cfg, torch.device("cpu"), distributed=True)
-            out[keep] = update.train_on(_trainer(adapter, cfg, model), batch, adv, rollout_id=3)
-            weights[keep] = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
-        assert out["null"]["train/grad_norm"] > 0
-        assert out["null"] == out["true"]
-        assert weights["null"].keys() == weights["true"].keys()
-        for name, w in weights["null"].items():
-            assert torch.equal(w, weights["true"][name]), name
+            kinds = {n: isinstance(p, DTensor) for n, p in model.named_parameters()}
+            assert all(kinds[n] for n in kinds if "lora_" in n), key
+            assert all(kinds[n] == (key == "sharded_base") for n in kinds if "lora_" not in n)
+            out[key] = update.train_on(_trainer(adapter, cfg, model), batch, adv, rollout_id=3)
+            weights[key] = {n: (p.full_tensor() if isinstance(p, DTensor) else p).clone()
+                            for n, p in model.named_parameters()}
+        assert out["default"]["train/grad_norm"] > 0
+        for key in ("reshard", "sharded_base"):
+            assert out["default"] == out[key], key
+            assert weights["default"].keys() == weights[key].keys()
+            for name, w in weights["default"].items():
+                assert torch.equal(w, weights[key][name]), (key, name)
     finally:
         dist.destroy_process_group()
 

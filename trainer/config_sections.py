@@ -189,6 +189,12 @@ class FSDPConfig:
         "backward (False trades memory for speed). None (default): False at world size 1, where "
         "the gathered copy is the only copy worth keeping and re-gathering is pure cost; True "
         "otherwise.")
+    shard_frozen: bool | None = _f(
+        None, "--fsdp-shard-frozen",
+        "Shard the frozen parameters (a LoRA actor's base) with FSDP2. None (default): only at "
+        "world size > 1. At world size 1 sharding saves no memory, and FSDP2 would copy the "
+        "whole base into its gather buffer before forwards; unsharded, the base stays a plain "
+        "tensor in the compute dtype and only the adapter goes through FSDP2.")
     activation_checkpointing: bool = _f(False, "--fsdp-activation-checkpointing",
                                         "Recompute each transformer block in backward.")
     cpu_offload: bool = _f(False, "--fsdp-cpu-offload", "FSDP2 CPU param offload (not LoRA).")

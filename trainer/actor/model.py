@@ -87,10 +87,23 @@ def reshard_after_forward(cfg: Config) -> bool:
     return not (dist.is_initialized() and dist.get_world_size() == 1)
 
 
+def shard_frozen(cfg: Config) -> bool:
+    """fsdp.shard_frozen, with None resolved: shard the frozen parameters only at world > 1."""
+    if cfg.fsdp.shard_frozen is not None:
+        return bool(cfg.fsdp.shard_frozen)
+    return not (dist.is_initialized() and dist.get_world_size() == 1)
+
+
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], cfg: Config) -> nn.Module:
     mp = MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[cfg.fsdp.param_dtype],
                               reduce_dtype=TORCH_DTYPES[cfg.fsdp.reduce_dtype])
     kwargs = {"mp_policy": mp, "reshard_after_forward": reshard_after_forward(cfg)}
+    if not shard_frozen(cfg):
+        # left to the module as plain tensors: no gather copy, no mixed-precision cast (a LoRA
+        # base is loaded in the compute dtype already), no DTensor dispatch
+        frozen = {p for p in model.parameters() if not p.requires_grad}
+        if frozen:
+            kwargs["ignored_params"] = frozen
     if cfg.fsdp.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for block in blocks:
