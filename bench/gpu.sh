@@ -8,6 +8,8 @@
 #                                        default  recipe rows + floors + diffusers, then the peer
 #                                        offload  both modes with the colocate offloads forced
 #                                        nsys     two-step Nsight captures (REVS="after before")
+#                                        profile  torch.profiler of one train stage + its floor
+#                                                 (bench/profile_train.py: GPU busy, idle gaps)
 #   bash bench/gpu.sh multigpu         every GPU of the host: weak scaling 1 -> N, two-node dry run
 #   bash bench/gpu.sh gpu-tests        every GPU test (pytest -m gpu), the checkpoint self-check and
 #                                      each bench script's smoke case; ONLY=tests or ONLY=smoke runs
@@ -55,7 +57,12 @@ purpose_step() {
       --label "offload-always-" --set fsdp.offload_policy=always ${STEP_ARGS:-}
     ;;
   nsys) step_nsys ;;
-  *) echo "unknown step variant '$1' (default, offload, nsys)" >&2; FAILED+=("step:$1") ;;
+  profile)
+    TAIL=8 step profile_train "${SECS:-300}" python3 bench/profile_train.py --model-dir "$MODEL" \
+      --out "$LOGS/profile" ${STEP_ARGS:-}
+    ;;
+  *) echo "unknown step variant '$1' (default, offload, nsys, profile)" >&2
+     FAILED+=("step:$1") ;;
   esac
 }
 
@@ -127,7 +134,7 @@ list_purposes() {
   for p in $PURPOSES; do
     echo "$p:"
     if [ "$p" = step ]; then
-      for v in default offload nsys; do echo " step $v:"; purpose_step "$v"; done
+      for v in default offload nsys profile; do echo " step $v:"; purpose_step "$v"; done
     else
       "purpose_$p"
     fi
