@@ -26,16 +26,9 @@ class SoftCountScorer(ToyCompositionScorer):
 
     def score(self, images: torch.Tensor, prompts: Sequence[str],
               metadata: Sequence[dict[str, Any]] | None = None) -> dict[str, torch.Tensor]:
+        out = super().score(images, prompts, metadata)
         specs = self._specs(images, prompts, metadata)
-        hard = torch.tensor([self._score_one(s, b) for s, b in zip(specs, self.blobs(images))],
-                            dtype=torch.float32).view(len(specs), 3)
-        out = {name: hard[:, j].to(images.device)
-               for j, name in enumerate(("color", "count", "position"))}
-        floor, self.min_blob_fraction = self.min_blob_fraction, 0.0
-        try:
-            every_blob = self.blobs(images)
-        finally:
-            self.min_blob_fraction = floor
+        every_blob = self.blobs(images, min_blob_fraction=0.0)
         out["count_soft"] = torch.tensor([soft_count(s, b) for s, b in zip(specs, every_blob)],
                                          dtype=torch.float32).to(images.device)
         return out

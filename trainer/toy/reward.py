@@ -122,8 +122,10 @@ class ToyCompositionScorer(RewardScorer):
         return specs
 
     # ---- blobs ------------------------------------------------------------------------
-    def blobs(self, images: torch.Tensor) -> list[list[tuple[str, float, float, float]]]:
-        """Per image, the kept blobs as (colour, area px, centroid x, centroid y)."""
+    def blobs(self, images: torch.Tensor, min_blob_fraction: float | None = None
+              ) -> list[list[tuple[str, float, float, float]]]:
+        """Per image, the kept blobs as (colour, area px, centroid x, centroid y): those of at
+        least ``min_blob_fraction`` of the image (default: the scorer's)."""
         device = self.device or images.device
         x = images.to(device=device, dtype=torch.float32)
         b, h, w, _ = x.shape
@@ -147,7 +149,8 @@ class ToyCompositionScorer(RewardScorer):
         area_f = area.float()
         table = torch.stack([(uniq // (h * w + 1)).float(), area_f,
                              cx / area_f + 0.5, cy / area_f + 0.5], dim=1).cpu()  # host sync
-        min_area = self.min_blob_fraction * h * w
+        floor = self.min_blob_fraction if min_blob_fraction is None else min_blob_fraction
+        min_area = floor * h * w
         out: list[list[tuple[str, float, float, float]]] = [[] for _ in range(b)]
         for p, a, bx, by in table.tolist():
             if a >= min_area:
@@ -203,6 +206,8 @@ class ToyCompositionScorer(RewardScorer):
         specs = self._specs(images, prompts, metadata)
         per_image = [self._score_one(s, bl) for s, bl in zip(specs, self.blobs(images))]
         scores = torch.tensor(per_image, dtype=torch.float32).view(len(specs), 3)
-        return {name: scores[:, j].to(images.device) for j, name in enumerate(self.components)}
+        # this class's three, also when a subclass scores more components
+        return {name: scores[:, j].to(images.device)
+                for j, name in enumerate(ToyCompositionScorer.components)}
 
     __call__ = score
