@@ -24,35 +24,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kernels import sde_step  # noqa: E402
 from trainer.toy import world  # noqa: E402
 from trainer.toy.adapter import ToyAdapter  # noqa: E402
+from trainer.toy.evaluate import sample_images  # noqa: E402
 from trainer.toy.reward import ToyCompositionScorer  # noqa: E402
-
-
-@torch.no_grad()
-def sample_groups(adapter: ToyAdapter, prompts: list[str], ids: list[str], init_ids: list[str],
-                  *, eta: float, sde_steps: int, steps: int = 10) -> torch.Tensor:
-    model = adapter.load_train_model(device="cpu").eval()
-    frozen = adapter.load_frozen(device="cpu", dtype=torch.float32)
-    size = adapter.resolution
-    sigmas = adapter.scheduler_sigmas(steps, size, size).tolist()
-    out = []
-    for lo in range(0, len(prompts), 128):
-        ps, rows = prompts[lo:lo + 128], slice(lo, lo + 128)
-        cond = adapter.encode_prompts(frozen, ps)
-        x = adapter.initial_latents(init_ids[rows], size, size, seed=0, dtype=torch.float32,
-                                    device="cpu")
-        for i, (s, s_next) in enumerate(zip(sigmas[:-1], sigmas[1:])):
-            v = adapter.velocity(model, x, torch.full((len(ps),), s), cond, size, size)
-            if i < sde_steps and eta > 0:
-                noise = adapter.step_noise(ids[rows], i, x.shape[1:], seed=0, device="cpu")
-                x = sde_step(x, v, s, s_next, eta=eta, sde_type="sde", noise=noise,
-                             sigma_one="clamp_to_next").prev_sample
-            else:
-                x = x + v * (s_next - s)
-        out.append(adapter.decode(frozen, x, size, size))
-    return torch.cat(out)
 
 
 def spread(scores: dict[str, torch.Tensor], prompts: int, group: int) -> dict:
@@ -89,8 +64,11 @@ def main(argv=None) -> int:
     ids = [f"{r['metadata']['sample_id']}_{j}" for r in records for j in range(g)]
     init_ids = [f"{r['metadata']['sample_id']}_0" for r in records for _ in range(g)] \
         if args.shared_init else ids
-    images = sample_groups(ToyAdapter(args.model), prompts, ids, init_ids, eta=args.eta,
-                           sde_steps=args.sde_steps)
+    adapter = ToyAdapter(args.model)
+    images = sample_images(adapter, adapter.load_train_model(device="cpu").eval(),
+                           adapter.load_frozen(device="cpu", dtype=torch.float32), prompts, ids,
+                           num_steps=10, seed=0, eta=args.eta, batch_size=128,
+                           init_ids=init_ids, sde_steps=args.sde_steps, sigma_one="clamp_to_next")
     result = {"args": vars(args),
               **spread(ToyCompositionScorer().score(images, prompts, metadata), args.prompts, g)}
     print(json.dumps(result, indent=1))
