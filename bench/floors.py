@@ -67,10 +67,10 @@ def lora_transformer(model_dir: str, rank: int, compiled: bool):
     return adapter, model
 
 
-def fwd_bwd_ms(model_dir: str, rows: int, *, rank: int = 64, compiled: bool = True,
-               height: int = 384, width: int = 384, forward_only: bool = False,
-               tokens: int = 32) -> float:
-    adapter, model = lora_transformer(model_dir, rank, compiled)
+def floor_step(adapter, model, rows: int, *, tokens: int = 32, height: int = 384,
+               width: int = 384, forward_only: bool = False):
+    """One floor iteration on random inputs of the step's geometry and text length: the
+    forward + backward (gradients dropped after), or with ``forward_only`` the no-grad forward."""
     joint = adapter.transformer_config["joint_attention_dim"]
     x = torch.randn((rows, *adapter.latent_shape(height, width)), device="cuda",
                     dtype=torch.bfloat16)
@@ -89,10 +89,19 @@ def fwd_bwd_ms(model_dir: str, rows: int, *, rank: int = 64, compiled: bool = Tr
         for p in model.parameters():
             p.grad = None
 
+    return step
+
+
+def fwd_bwd_ms(model_dir: str, rows: int, *, rank: int = 64, compiled: bool = True,
+               height: int = 384, width: int = 384, forward_only: bool = False,
+               tokens: int = 32) -> float:
+    adapter, model = lora_transformer(model_dir, rank, compiled)
+    step = floor_step(adapter, model, rows, tokens=tokens, height=height, width=width,
+                      forward_only=forward_only)
     try:
         return _median_ms(step, warmup=3, iters=10)
     finally:
-        del model
+        del model, step
         gc.collect()
         torch.cuda.empty_cache()
 

@@ -138,24 +138,8 @@ def profile_floor(args, out: Path, rows: int, tokens: int) -> None:
     """The compiled fwd+bwd and no-grad forward of ``rows`` rows (bench/floors.py's model)."""
     rank = 64 if args.mode == "lora" else 0
     adapter, model = floors.lora_transformer(str(args.model_dir), rank, compiled=True)
-    joint = adapter.transformer_config["joint_attention_dim"]
-    x = torch.randn((rows, *adapter.latent_shape(384, 384)), device="cuda", dtype=torch.bfloat16)
-    sigma = torch.rand(rows, device="cuda")
-    cond = {"prompt_embeds": torch.randn(rows, tokens, joint, device="cuda",
-                                         dtype=torch.bfloat16),
-            "prompt_embeds_mask": torch.ones(rows, tokens, dtype=torch.long, device="cuda")}
-
-    def forward_backward():
-        v = adapter.velocity(model, x, sigma, cond, 384, 384)
-        v.float().square().mean().backward()
-        for p in model.parameters():
-            p.grad = None
-
-    def forward():
-        with torch.no_grad():
-            adapter.velocity(model, x, sigma, cond, 384, 384)
-
-    for name, fn in (("floor_fwd_bwd", forward_backward), ("floor_fwd", forward)):
+    for name, forward_only in (("floor_fwd_bwd", False), ("floor_fwd", True)):
+        fn = floors.floor_step(adapter, model, rows, tokens=tokens, forward_only=forward_only)
         for _ in range(3):
             fn()
         torch.cuda.synchronize()
