@@ -167,6 +167,12 @@ class TrainConfig:
                                  "when the parameters are on a GPU (faster, less peak memory), "
                                  "foreach on the CPU.")
     clip_grad: float = _f(1.0, "--clip-grad", "Grad-norm clip before each optimizer step.")
+    skip_on_device: bool = _f(
+        True, "--skip-on-device",
+        "Skip an optimizer step whose gradient norm is not finite on the device (fused "
+        "AdamW's found_inf, the learning rate read from a device table), so the host never "
+        "waits for the norm and keeps queueing work ahead of the GPU. Applies with fused AdamW "
+        "and no EMA; otherwise the host reads the norm before every step.")
     seed: int = _f(0, "--seed", "Seed of model init (LoRA) and everything not sampling.")
     max_rollouts_without_step: int = _f(10, "--max-rollouts-without-step",
                                         "Stop with an error after this many consecutive "
@@ -195,6 +201,13 @@ class FSDPConfig:
         "world size > 1. At world size 1 sharding saves no memory, and FSDP2 would copy the "
         "whole base into its gather buffer before forwards; unsharded, the base stays a plain "
         "tensor in the compute dtype and only the adapter goes through FSDP2.")
+    block_units: bool | None = _f(
+        None, "--fsdp-block-units",
+        "One FSDP2 unit per transformer block (True) or one unit for the whole model (False). "
+        "None (default): per block, except at world size 1 with the frozen parameters left "
+        "unsharded (a LoRA actor): there the units hold only the adapter, nothing is "
+        "overlapped, and each block's gather and gradient-reduce hooks cost host time that "
+        "leaves the GPU idle.")
     activation_checkpointing: bool = _f(False, "--fsdp-activation-checkpointing",
                                         "Recompute each transformer block in backward.")
     cpu_offload: bool = _f(False, "--fsdp-cpu-offload", "FSDP2 CPU param offload (not LoRA).")

@@ -94,6 +94,15 @@ def shard_frozen(cfg: Config) -> bool:
     return not (dist.is_initialized() and dist.get_world_size() == 1)
 
 
+def block_units(cfg: Config) -> bool:
+    """fsdp.block_units, with None resolved: one unit per block unless the frozen parameters
+    stay out of FSDP2 at world 1 (then the only unit is the root's, holding the adapter)."""
+    if cfg.fsdp.block_units is not None:
+        return bool(cfg.fsdp.block_units)
+    world_one = dist.is_initialized() and dist.get_world_size() == 1
+    return not (world_one and not shard_frozen(cfg) and cfg.lora.rank > 0)
+
+
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], cfg: Config) -> nn.Module:
     mp = MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[cfg.fsdp.param_dtype],
                               reduce_dtype=TORCH_DTYPES[cfg.fsdp.reduce_dtype])
@@ -106,7 +115,7 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], cfg: Config) -> nn.Mod
             kwargs["ignored_params"] = frozen
     if cfg.fsdp.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    for block in blocks:
+    for block in blocks if block_units(cfg) else []:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model

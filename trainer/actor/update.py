@@ -60,8 +60,8 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
 
 
 def optimizer_step(trainer, params: list[torch.Tensor]) -> tuple[torch.Tensor, float | None]:
-    """Clip, then step unless the norm is not finite. Returns (grad norm, the step's lr or
-    None when skipped)."""
+    """Clip, then step unless the norm is not finite; the host reads the norm first. Returns
+    (grad norm, the step's lr or None when skipped)."""
     cfg = trainer.cfg
     with nvtx_range("train/optimizer"), trainer.outside.region("optimizer", trainer.device):
         gn = clip_grad_norm(params, cfg.train.clip_grad)
@@ -78,6 +78,61 @@ def optimizer_step(trainer, params: list[torch.Tensor]) -> tuple[torch.Tensor, f
                 trainer.ema.step(trainer.lr_steps - 1)
         trainer.optimizer.zero_grad(set_to_none=True)
     return gn, lr
+
+
+def skips_on_device(trainer) -> bool:
+    """train.skip_on_device where it applies: fused AdamW takes the skip as a device flag
+    (found_inf); the EMA steps on the host's knowledge of each step, so it keeps the host check."""
+    return (trainer.cfg.train.skip_on_device and trainer.ema is None
+            and bool(trainer.optimizer.defaults.get("fused")))
+
+
+class DeviceSkips:
+    """Optimizer steps of one rollout batch that skip a non-finite norm without a host sync.
+
+    Every step runs fused AdamW with ``found_inf`` = "the norm is not finite" (the kernel then
+    leaves parameters and state untouched and undoes its step count) and a learning rate
+    taken from a device table of the schedule's next values, indexed by the steps taken so
+    far, so a skip shifts the schedule exactly as the host path does. The table is float32
+    (the fused CUDA kernel reads a float32 lr; the host path passes a double): an lr not
+    representable in float32 moves by its rounding, 6e-8 relative. ``finish`` advances
+    ``trainer.lr_steps`` by the steps taken, read after the batch."""
+
+    def __init__(self, trainer, updates: int, device: torch.device) -> None:
+        self.trainer = trainer
+        first = trainer.lr_steps
+        self.table = torch.tensor([lr_at_step(first + k, trainer.cfg) for k in range(updates)],
+                                  dtype=torch.float32, device=device)
+        self.first = first
+        self.taken = torch.zeros((), dtype=torch.long, device=device)
+
+    def step(self, params: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Clip and step; returns (grad norm, 1.0 if the step was skipped else 0.0)."""
+        trainer = self.trainer
+        optimizer = trainer.optimizer
+        with nvtx_range("train/optimizer"), trainer.outside.region("optimizer", trainer.device):
+            gn = clip_grad_norm(params, trainer.cfg.train.clip_grad)
+            finite = torch.isfinite(gn).to(self.taken.device)
+            lr = self.table.index_select(0, self.taken.view(1)).view(())  # no host read
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            optimizer.found_inf = (~finite).float()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            self.taken += finite.long()
+        return gn, (~finite).float()
+
+    def finish(self, skipped: int) -> float:
+        """Advance the schedule by the steps taken; returns the last taken step's lr (the
+        host path's ``train/lr``)."""
+        trainer, cfg = self.trainer, self.trainer.cfg
+        optimizer = trainer.optimizer
+        optimizer.__dict__.pop("found_inf", None)  # no stale flag for a later step
+        taken = len(self.table) - skipped
+        trainer.lr_steps = self.first + taken
+        for group in optimizer.param_groups:  # a float again, as checkpoints store it
+            group["lr"] = lr_at_step(trainer.lr_steps, cfg)
+        return lr_at_step(self.first + taken - 1 if taken else self.first, cfg)
 
 
 def train_on(trainer, batch, advantages: torch.Tensor, rollout_id: int) -> dict[str, float]:
@@ -101,6 +156,9 @@ def train_on(trainer, batch, advantages: torch.Tensor, rollout_id: int) -> dict[
     grad_norms, skips, lr = [], 0, lr_at_step(trainer.lr_steps, cfg)
     # the tensors the optimizer steps (FSDP2's sharded parameters), whatever the module holds
     params = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+    device_skips = (DeviceSkips(trainer, len(plan.updates), params[0].device)
+                    if skips_on_device(trainer) else None)
+    skip_flags = []
     for u, micro_batches in enumerate(plan.updates):
         own_anchor = u == 0 and cfg.train.anchor == "replay"
         for rows in micro_batches:
@@ -112,17 +170,26 @@ def train_on(trainer, batch, advantages: torch.Tensor, rollout_id: int) -> dict[
                 sums.setdefault("first_update_ratio_mean", []).append(stats["ratio_mean"])
             for k, v in stats.items():
                 sums.setdefault(k, []).append(v.detach().float())
-        gn, stepped_lr = optimizer_step(trainer, params)
+        if device_skips is not None:
+            gn, skipped = device_skips.step(params)
+            skip_flags.append(skipped)
+        else:
+            gn, stepped_lr = optimizer_step(trainer, params)
+            skips += stepped_lr is None
+            lr = lr if stepped_lr is None else stepped_lr
         grad_norms.append(gn)
-        skips += stepped_lr is None
-        lr = lr if stepped_lr is None else stepped_lr
     out = {f"train/{k}": torch.stack(v).mean() for k, v in sums.items()}
+    if device_skips is not None:
+        out["train/optimizer_skips"] = torch.stack(skip_flags).sum()
     out["train/ratio_max"] = torch.stack(sums["ratio_max"]).max()
     out["train/ratio_min"] = torch.stack(sums["ratio_min"]).min()
     if "logp_parity" in sums:
         out["train/logp_parity"] = torch.stack(sums["logp_parity"]).max()
     out["train/grad_norm"] = torch.stack(grad_norms).mean()
     out = {k: float(v) for k, v in out.items()}  # NOTE: one host sync for all of them
+    if device_skips is not None:
+        skips = int(out.pop("train/optimizer_skips"))
+        lr = device_skips.finish(skips)
     out.update({**base, "train/lr": lr,
                 "train/optimizer_steps": float(len(plan.updates) - skips),
                 "train/optimizer_skips": float(skips)})
