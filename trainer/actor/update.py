@@ -80,6 +80,24 @@ def optimizer_step(trainer, params: list[torch.Tensor]) -> tuple[torch.Tensor, f
     return gn, lr
 
 
+class HostSkips:
+    """Optimizer steps of one rollout batch through ``optimizer_step`` (the host reads each
+    norm); the same interface as ``DeviceSkips``."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+        self.lr = lr_at_step(trainer.lr_steps, trainer.cfg)
+
+    def step(self, params: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        gn, stepped_lr = optimizer_step(self.trainer, params)
+        self.lr = self.lr if stepped_lr is None else stepped_lr
+        return gn, torch.tensor(float(stepped_lr is None))
+
+    def finish(self, skipped: int) -> float:
+        """The last taken step's lr (the schedule already moved step by step)."""
+        return self.lr
+
+
 def skips_on_device(trainer) -> bool:
     """train.skip_on_device where it applies: fused AdamW takes the skip as a device flag
     (found_inf); the EMA steps on the host's knowledge of each step, so it keeps the host check."""
@@ -153,12 +171,11 @@ def train_on(trainer, batch, advantages: torch.Tensor, rollout_id: int) -> dict[
     trainer.model.train()
     pi_old = anchors(trainer, batch, plan)
     sums: dict[str, list[torch.Tensor]] = {}
-    grad_norms, skips, lr = [], 0, lr_at_step(trainer.lr_steps, cfg)
     # the tensors the optimizer steps (FSDP2's sharded parameters), whatever the module holds
     params = [p for group in trainer.optimizer.param_groups for p in group["params"]]
-    device_skips = (DeviceSkips(trainer, len(plan.updates), params[0].device)
-                    if skips_on_device(trainer) else None)
-    skip_flags = []
+    steps = (DeviceSkips(trainer, len(plan.updates), params[0].device)
+             if skips_on_device(trainer) else HostSkips(trainer))
+    grad_norms, skip_flags = [], []
     for u, micro_batches in enumerate(plan.updates):
         own_anchor = u == 0 and cfg.train.anchor == "replay"
         for rows in micro_batches:
@@ -170,27 +187,19 @@ def train_on(trainer, batch, advantages: torch.Tensor, rollout_id: int) -> dict[
                 sums.setdefault("first_update_ratio_mean", []).append(stats["ratio_mean"])
             for k, v in stats.items():
                 sums.setdefault(k, []).append(v.detach().float())
-        if device_skips is not None:
-            gn, skipped = device_skips.step(params)
-            skip_flags.append(skipped)
-        else:
-            gn, stepped_lr = optimizer_step(trainer, params)
-            skips += stepped_lr is None
-            lr = lr if stepped_lr is None else stepped_lr
+        gn, skipped = steps.step(params)
         grad_norms.append(gn)
+        skip_flags.append(skipped.to(gn.device))
     out = {f"train/{k}": torch.stack(v).mean() for k, v in sums.items()}
-    if device_skips is not None:
-        out["train/optimizer_skips"] = torch.stack(skip_flags).sum()
+    out["train/optimizer_skips"] = torch.stack(skip_flags).sum()
     out["train/ratio_max"] = torch.stack(sums["ratio_max"]).max()
     out["train/ratio_min"] = torch.stack(sums["ratio_min"]).min()
     if "logp_parity" in sums:
         out["train/logp_parity"] = torch.stack(sums["logp_parity"]).max()
     out["train/grad_norm"] = torch.stack(grad_norms).mean()
     out = {k: float(v) for k, v in out.items()}  # NOTE: one host sync for all of them
-    if device_skips is not None:
-        skips = int(out.pop("train/optimizer_skips"))
-        lr = device_skips.finish(skips)
-    out.update({**base, "train/lr": lr,
+    skips = int(out.pop("train/optimizer_skips"))
+    out.update({**base, "train/lr": steps.finish(skips),
                 "train/optimizer_steps": float(len(plan.updates) - skips),
                 "train/optimizer_skips": float(skips)})
     return out
