@@ -1,7 +1,8 @@
 """Building the actor: load, LoRA, FSDP2, activation checkpointing, optimizer, LR schedule.
 
 FSDP2 is applied in one place (``apply_fsdp``): ``fully_shard`` per transformer block, then the
-root, as torchtitan does; each block is compiled first (``model.compile``). Mixed precision
+root, as torchtitan does (a world-1 LoRA actor: the root only, ``block_units``); each block is
+compiled first (``model.compile``). Mixed precision
 comes from --fsdp-param-dtype / --fsdp-reduce-dtype; trainable parameters are cast to
 --fsdp-master-dtype (fp32 for LoRA) before sharding so the optimizer keeps fp32 master copies
 while the forward gathers bf16. A LoRA actor's frozen base is loaded in the compute dtype.
