@@ -81,18 +81,23 @@ def apply_activation_checkpointing(model: nn.Module, blocks: list[nn.Module]) ->
               check_fn=lambda m: id(m) in block_ids)
 
 
+def _world_one() -> bool:
+    """A process group of one rank: FSDP2 there has nothing to shard across."""
+    return dist.is_initialized() and dist.get_world_size() == 1
+
+
 def reshard_after_forward(cfg: Config) -> bool:
     """fsdp.reshard_after_forward, with None resolved: keep the gathered blocks at world 1."""
     if cfg.fsdp.reshard_after_forward is not None:
         return bool(cfg.fsdp.reshard_after_forward)
-    return not (dist.is_initialized() and dist.get_world_size() == 1)
+    return not _world_one()
 
 
 def shard_frozen(cfg: Config) -> bool:
     """fsdp.shard_frozen, with None resolved: shard the frozen parameters only at world > 1."""
     if cfg.fsdp.shard_frozen is not None:
         return bool(cfg.fsdp.shard_frozen)
-    return not (dist.is_initialized() and dist.get_world_size() == 1)
+    return not _world_one()
 
 
 def block_units(cfg: Config) -> bool:
@@ -100,8 +105,7 @@ def block_units(cfg: Config) -> bool:
     stay out of FSDP2 at world 1 (then the only unit is the root's, holding the adapter)."""
     if cfg.fsdp.block_units is not None:
         return bool(cfg.fsdp.block_units)
-    world_one = dist.is_initialized() and dist.get_world_size() == 1
-    return not (world_one and not shard_frozen(cfg) and cfg.lora.rank > 0)
+    return not (_world_one() and not shard_frozen(cfg) and cfg.lora.rank > 0)
 
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], cfg: Config) -> nn.Module:
