@@ -11,21 +11,12 @@ short groups means objects are missing; about 1 or more would mean they merged.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 from collections import Counter
-from pathlib import Path
 
-import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from trainer.toy import world  # noqa: E402
-from trainer.toy.adapter import ToyAdapter  # noqa: E402
-from trainer.toy.evaluate import sample_images  # noqa: E402
-from trainer.toy.reward import ToyCompositionScorer  # noqa: E402
+from toy_diagnostics import print_and_save, sample_on_cpu
+from trainer.toy import world
+from trainer.toy.reward import ToyCompositionScorer
 
 
 def count_errors(specs: list[dict], blobs: list[list[tuple[str, float, float, float]]]) -> dict:
@@ -61,17 +52,11 @@ def main(argv=None) -> int:
     records = world.make_prompt_records(args.prompts, seed=11, split="eval")
     prompts = [r["prompt"] for r in records]
     metadata = [r["metadata"] for r in records]
-    adapter = ToyAdapter(args.model)
-    images = sample_images(adapter, adapter.load_train_model(device="cpu").eval(),
-                           adapter.load_frozen(device="cpu", dtype=torch.float32), prompts,
-                           [m["sample_id"] for m in metadata], num_steps=10, seed=0,
-                           batch_size=128)
+    images = sample_on_cpu(args.model, prompts, [m["sample_id"] for m in metadata])
     scorer = ToyCompositionScorer()
     result = {"args": vars(args), **count_errors(scorer._specs(images, prompts, metadata),
                                                  scorer.blobs(images))}
-    print(json.dumps(result, indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+    print_and_save(result, args.out)
     return 0
 
 

@@ -13,20 +13,15 @@ between the components' full-batch gradients.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import tempfile
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from trainer.actor.micro_step import forward_backward  # noqa: E402
-from trainer.config import load_config  # noqa: E402
-from trainer.loop import Trainer  # noqa: E402
-from trainer.rewards import compute_advantages  # noqa: E402
+from toy_diagnostics import print_and_save
+from trainer.actor.micro_step import forward_backward
+from trainer.config import load_config
+from trainer.loop import Trainer
+from trainer.rewards import compute_advantages
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -87,9 +82,7 @@ def main(argv=None) -> int:
         result = {"args": vars(args), **agreement(trainer, args.groups)}
     finally:
         trainer.close()
-    print(json.dumps(result, indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+    print_and_save(result, args.out)
     return 0
 
 

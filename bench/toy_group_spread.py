@@ -14,20 +14,13 @@ gradient can credit, makes the spread.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from trainer.toy import world  # noqa: E402
-from trainer.toy.adapter import ToyAdapter  # noqa: E402
-from trainer.toy.evaluate import sample_images  # noqa: E402
-from trainer.toy.reward import ToyCompositionScorer  # noqa: E402
+from toy_diagnostics import print_and_save, sample_on_cpu
+from trainer.toy import world
+from trainer.toy.reward import ToyCompositionScorer
 
 
 def spread(scores: dict[str, torch.Tensor], prompts: int, group: int) -> dict:
@@ -64,16 +57,11 @@ def main(argv=None) -> int:
     ids = [f"{r['metadata']['sample_id']}_{j}" for r in records for j in range(g)]
     init_ids = [f"{r['metadata']['sample_id']}_0" for r in records for _ in range(g)] \
         if args.shared_init else ids
-    adapter = ToyAdapter(args.model)
-    images = sample_images(adapter, adapter.load_train_model(device="cpu").eval(),
-                           adapter.load_frozen(device="cpu", dtype=torch.float32), prompts, ids,
-                           num_steps=10, seed=0, eta=args.eta, batch_size=128,
-                           init_ids=init_ids, sde_steps=args.sde_steps, sigma_one="clamp_to_next")
+    images = sample_on_cpu(args.model, prompts, ids, eta=args.eta, init_ids=init_ids,
+                           sde_steps=args.sde_steps, sigma_one="clamp_to_next")
     result = {"args": vars(args),
               **spread(ToyCompositionScorer().score(images, prompts, metadata), args.prompts, g)}
-    print(json.dumps(result, indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+    print_and_save(result, args.out)
     return 0
 
 
