@@ -1,0 +1,178 @@
+"""The update at world size 1 and its optimizer step: FSDP2's defaults there (gathered blocks
+kept, the frozen base left out, one unit for the adapter) train as the other settings do, the
+clip on local shards equals torch's, and the non-finite skip decided on the device equals the
+host check."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compute_fixtures import adapter, batch, lora_cfg, model_dir, stand_in_trainer  # noqa: F401
+from trainer.actor import update
+from trainer.actor.model import build_actor
+
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
+
+def test_world_one_fsdp_keeps_gathered_blocks_and_trains_the_same(adapter, batch, tmp_path):
+    """World 1 defaults: no re-gather (reshard_after_forward=None), the frozen base left out
+    of FSDP2 (shard_frozen=None: plain tensors; only the LoRA is sharded) and one FSDP2 unit
+    for the whole model (block_units=None). An update (anchor forward for the second update,
+    two optimizer steps) equals the resharding, sharded-base and per-block actors' bit for
+    bit: grad norm (clipping sees the real gradients), stats and the weights after it;
+    explicit values kept."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from trainer.actor.model import block_units, reshard_after_forward, shard_frozen
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already up in this process")
+    assert reshard_after_forward(lora_cfg()) is True  # no process group: nothing to keep
+    assert shard_frozen(lora_cfg()) is True
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
+                            world_size=1)
+    try:
+        assert reshard_after_forward(lora_cfg()) is False
+        assert reshard_after_forward(lora_cfg("fsdp.reshard_after_forward=true")) is True
+        assert shard_frozen(lora_cfg()) is False
+        assert shard_frozen(lora_cfg("fsdp.shard_frozen=true")) is True
+        assert block_units(lora_cfg()) is False
+        assert block_units(lora_cfg("fsdp.shard_frozen=true")) is True
+        assert block_units(lora_cfg("lora.rank=0", "fsdp.trainable_mode=full")) is True
+        out, weights = {}, {}
+        adv = torch.linspace(-1.0, 1.0, len(batch))
+        variants = {"default": [], "reshard": ["fsdp.reshard_after_forward=true"],
+                    "sharded_base": ["fsdp.shard_frozen=true"],
+                    "per_block": ["fsdp.block_units=true"]}
+        for key, sets in variants.items():
+            cfg = lora_cfg(*sets, "train.micro_batch_size=2")
+            model = build_actor(adapter, cfg, torch.device("cpu"), distributed=True)
+            units = sum(isinstance(m, FSDPModule) for m in model.modules())
+            blocks = len(adapter.transformer_blocks(model.base_model.model))
+            assert units == (1 + blocks if key in ("sharded_base", "per_block") else 1), key
+            kinds = {n: isinstance(p, DTensor) for n, p in model.named_parameters()}
+            assert all(kinds[n] for n in kinds if "lora_" in n), key
+            assert all(kinds[n] == (key == "sharded_base") for n in kinds if "lora_" not in n)
+            out[key] = update.train_on(stand_in_trainer(adapter, cfg, model), batch, adv, rollout_id=3)
+            weights[key] = {n: (p.full_tensor() if isinstance(p, DTensor) else p).clone()
+                            for n, p in model.named_parameters()}
+        assert out["default"]["train/grad_norm"] > 0
+        for key in ("reshard", "sharded_base", "per_block"):
+            assert out["default"] == out[key], key
+            assert weights["default"].keys() == weights[key].keys()
+            for name, w in weights["default"].items():
+                assert torch.equal(w, weights[key][name]), (key, name)
+    finally:
+        dist.destroy_process_group()
+
+
+def _grads(seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=gen) for shape in ((64, 4), (4, 64), (7,), (33, 5))]
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e9])
+def test_clip_on_local_shards_equals_torch_clip(max_norm, tmp_path):
+    """update.clip_grad_norm (local shards, one all-reduce) gives torch's clip_grad_norm_
+    norm and clipped gradients, on plain tensors and on FSDP-style Shard(0) DTensors."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    def params_with(grads):
+        params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        return params
+
+    want_params = params_with(_grads(0))
+    want = torch.nn.utils.clip_grad_norm_(want_params, max_norm)
+    plain = params_with(_grads(0))
+    got = update.clip_grad_norm(plain, max_norm)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    for p, q in zip(plain, want_params):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0)
+    if max_norm > 1e6:  # no clipping: the gradients are untouched, bit for bit
+        assert all(torch.equal(p.grad, g) for p, g in zip(plain, _grads(0)))
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already up in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
+                            world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        sharded = [torch.nn.Parameter(distribute_tensor(torch.zeros_like(g), mesh, [Shard(0)]))
+                   for g in _grads(0)]
+        for p, g in zip(sharded, _grads(0)):
+            p.grad = distribute_tensor(g, mesh, [Shard(0)])
+        got = update.clip_grad_norm(sharded, max_norm)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+        for p, q in zip(sharded, want_params):
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-6, atol=0)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_skip_on_device_steps_like_the_host_check(device, adapter, batch, tmp_path, monkeypatch):
+    """train.skip_on_device (fused AdamW, no EMA): the skip of a non-finite norm and the lr
+    schedule's position are decided on the device, with no host read per step. Two rollout
+    batches of two updates under a warmup (the lr moves every step), the first update's norm
+    forced non-finite: the metrics, the weights, the optimizer state and the schedule position
+    equal the host check's bit for bit, and the device path never calls the host one."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already up in this process")
+    real_clip = update.clip_grad_norm
+
+    def clip_first_non_finite(params, max_norm):
+        calls.append(1)
+        norm = real_clip(params, max_norm)
+        return torch.full_like(norm, float("inf")) if len(calls) == 1 else norm
+
+    def full(t):
+        return (t.full_tensor() if isinstance(t, DTensor) else t).clone()
+
+    monkeypatch.setattr(update, "clip_grad_norm", clip_first_non_finite)
+    host_steps = []
+    real_host_step = update.optimizer_step
+    monkeypatch.setattr(update, "optimizer_step",
+                        lambda *a: host_steps.append(1) or real_host_step(*a))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo",
+                            init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        results = {}
+        adv = torch.linspace(-1.0, 1.0, len(batch))
+        for key in ("host", "device"):
+            calls, host_steps[:] = [], []
+            # warmup lrs exact in float32, the dtype of the device table (the fused kernel
+            # reads a float32 lr; the host passes a double)
+            cfg = lora_cfg(f"train.skip_on_device={key == 'device'}", "train.adam_fused=true",
+                       "train.lr=0.0625", "train.lr_warmup_iters=4",
+                       "train.micro_batch_size=2")
+            model = build_actor(adapter, cfg, torch.device(device), distributed=True)
+            trainer = stand_in_trainer(adapter, cfg, model)
+            trainer.device = torch.device(device)
+            assert update.skips_on_device(trainer) is (key == "device")
+            outs = [update.train_on(trainer, batch, adv, rollout_id=r) for r in (3, 4)]
+            state = [{k: full(v) for k, v in s.items()} for s in trainer.optimizer.state.values()]
+            weights = {n: full(p) for n, p in model.named_parameters()}
+            results[key] = (outs, weights, state, trainer.lr_steps, len(host_steps))
+            assert not hasattr(trainer.optimizer, "found_inf")
+            assert all(isinstance(g["lr"], float) for g in trainer.optimizer.param_groups)
+        (h_outs, h_w, h_state, h_steps, h_calls), (d_outs, d_w, d_state, d_steps, d_calls) = \
+            results["host"], results["device"]
+        assert h_outs[0]["train/optimizer_skips"] == 1.0 and h_outs[1]["train/optimizer_skips"] == 0
+        assert h_outs[0]["train/lr"] == 0.0625 / 4  # the one step taken: step 0
+        assert h_steps == 3 and h_calls == 4 and d_calls == 0
+        assert d_outs == h_outs and d_steps == h_steps
+        assert all(torch.equal(w, d_w[n]) for n, w in h_w.items())
+        assert len(d_state) == len(h_state)
+        for hs, ds in zip(h_state, d_state):
+            assert hs.keys() == ds.keys() and all(torch.equal(hs[k], ds[k]) for k in hs)
+    finally:
+        dist.destroy_process_group()
