@@ -3,6 +3,7 @@ and the shipped weights loading through ToyAdapter and sampling better than nois
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -288,6 +289,7 @@ def test_render_workers_give_the_same_batches_for_any_worker_count():
             gen.close()
 
     one, two, other = first_batches(5, 1), first_batches(5, 2), first_batches(6, 2)
+    assert not multiprocessing.active_children()                  # closing stopped the workers
     for (p1, x1), (p2, x2) in zip(one, two):
         assert p1 == p2 and torch.equal(x1, x2)
     assert x1.shape == (6, 3, 16, 16) and x1.min() >= -1 and x1.max() <= 1

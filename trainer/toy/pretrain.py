@@ -32,6 +32,7 @@ import math
 import multiprocessing
 import time
 from collections import deque
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -42,6 +43,9 @@ from trainer.toy import modeling, world
 
 
 SIGMA_SAMPLING = ("logit_normal", "uniform")
+# a batch of a few hundred small images renders in well under a second; a worker that takes
+# this long is stuck, and the run stops with an error instead of waiting
+RENDER_TIMEOUT_S = 300.0
 
 
 def _pair(rng: np.random.Generator, specs: list[dict[str, Any]],
@@ -71,9 +75,10 @@ def _to_x0(images: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1.0
 
 
-def _render_seeded(job: tuple[dict[str, Any], int, int]) -> np.ndarray:
-    spec, size, seed = job
-    return world.render(spec, size, np.random.default_rng(seed))
+def _render_seeded(jobs: list[tuple[dict[str, Any], int, int]]) -> np.ndarray:
+    """Images for (spec, size, seed) jobs, each from its own seed (so any split gives the same)."""
+    return np.stack([world.render(spec, size, np.random.default_rng(seed))
+                     for spec, size, seed in jobs])
 
 
 def _batch_jobs(rng: np.random.Generator, specs: list[dict[str, Any]],
@@ -98,17 +103,24 @@ def training_batches(seed: int, batch: int, size: int, *, caption_noise: float =
     if render_workers == 0:
         while True:
             yield _batch(rng, pairs, singles, batch, size, caption_noise, noisy_facts)
-    # spawn: the parent may hold a CUDA context, which a forked child must not inherit
-    with multiprocessing.get_context("spawn").Pool(render_workers) as workers:
+    # spawn: the parent may hold a CUDA context, which a forked child must not inherit.
+    # concurrent.futures rather than multiprocessing.Pool: a worker that dies breaks the pool
+    # (BrokenProcessPool) where a Pool would wait for its lost task forever.
+    workers = ProcessPoolExecutor(render_workers, mp_context=multiprocessing.get_context("spawn"))
+    try:
         pending: deque = deque()
-        chunk = max(1, batch // render_workers)
+        chunk = -(-batch // render_workers)
         while True:
             while len(pending) < prefetch:
                 prompts, jobs = _batch_jobs(rng, pairs, singles, batch, size, caption_noise,
                                             noisy_facts)
-                pending.append((prompts, workers.map_async(_render_seeded, jobs, chunk)))
-            prompts, result = pending.popleft()
-            yield prompts, _to_x0(np.stack(result.get()))
+                pending.append((prompts, [workers.submit(_render_seeded, jobs[i:i + chunk])
+                                          for i in range(0, batch, chunk)]))
+            prompts, parts = pending.popleft()
+            yield prompts, _to_x0(np.concatenate([part.result(timeout=RENDER_TIMEOUT_S)
+                                                  for part in parts]))
+    finally:
+        workers.shutdown(wait=True, cancel_futures=True)
 
 
 def option_problems(*, sigma_sampling: str = "logit_normal", caption_noise: float = 0.0,
