@@ -173,6 +173,12 @@ class TrainConfig:
         "AdamW's found_inf, the learning rate read from a device table), so the host never "
         "waits for the norm and keeps queueing work ahead of the GPU. Applies with fused AdamW "
         "and no EMA; otherwise the host reads the norm before every step.")
+    adam_on_local_shards: bool = _f(
+        True, "--adam-on-local-shards",
+        "Run AdamW's step on the FSDP2 parameters' local shards as plain tensors (the same "
+        "elementwise arithmetic, equal bit for bit) instead of through DTensor's per-op "
+        "dispatch, whose host time exceeds a LoRA step's GPU time. Optimizer step hooks do "
+        "not run on this path (the trainer registers none).")
     seed: int = _f(0, "--seed", "Seed of model init (LoRA) and everything not sampling.")
     max_rollouts_without_step: int = _f(10, "--max-rollouts-without-step",
                                         "Stop with an error after this many consecutive "

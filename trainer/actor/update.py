@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from trainer.actor.local_adam import step_adam_on_local_shards
 from trainer.actor.micro_batch import resolve_micro_batch
 from trainer.actor.micro_step import forward_backward
 from trainer.actor.model import lr_at_step
@@ -72,12 +73,20 @@ def optimizer_step(trainer, params: list[torch.Tensor]) -> tuple[torch.Tensor, f
             lr = lr_at_step(trainer.lr_steps, cfg)
             for group in trainer.optimizer.param_groups:
                 group["lr"] = lr
-            trainer.optimizer.step()
+            step_optimizer(trainer)
             trainer.lr_steps += 1
             if trainer.ema is not None:
                 trainer.ema.step(trainer.lr_steps - 1)
         trainer.optimizer.zero_grad(set_to_none=True)
     return gn, lr
+
+
+def step_optimizer(trainer) -> None:
+    """One optimizer step, on the local shards unless ``train.adam_on_local_shards`` is off."""
+    if trainer.cfg.train.adam_on_local_shards:
+        step_adam_on_local_shards(trainer.optimizer)
+    else:
+        trainer.optimizer.step()
 
 
 class HostSkips:
@@ -135,7 +144,7 @@ class DeviceSkips:
             for group in optimizer.param_groups:
                 group["lr"] = lr
             optimizer.found_inf = (~finite).float()
-            optimizer.step()
+            step_optimizer(trainer)
             optimizer.zero_grad(set_to_none=True)
             self.taken += finite.long()
         return gn, (~finite).float()

@@ -1,0 +1,60 @@
+"""Adam / AdamW steps over FSDP2's DTensor parameters, run on their local shards.
+
+``optimizer.step()`` over DTensors sends every foreach / fused call through DTensor's
+dispatch (sharding propagation over hundreds of tensor arguments), which costs the host more
+than the GPU work it launches for a LoRA. Adam's update is elementwise, so stepping each
+rank's local shard with its local gradient and state is the same arithmetic on the same
+numbers as the DTensor step, for Shard and Replicate placements alike (a Partial placement
+would not be: those steps keep the DTensor path). The optimizer object, its param groups and
+its state (DTensors, as checkpoints read them) are untouched: only the call is different.
+"""
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.optim.adam import adam
+from torch.optim.optimizer import _default_to_fused_or_foreach
+
+
+def _local(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    # the attribute, not to_local(): that is an autograd Function call per tensor
+    return [t._local_tensor if isinstance(t, DTensor) else t for t in tensors]
+
+
+def _elementwise_safe(tensors: list[torch.Tensor]) -> bool:
+    """Every DTensor among ``tensors`` has no Partial placement (a pending sum)."""
+    return all(not any(p.is_partial() for p in t.placements)
+               for t in tensors if isinstance(t, DTensor))
+
+
+def step_adam_on_local_shards(optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer.step()`` of a torch Adam / AdamW on the local shards (module docstring);
+    the optimizer's ``found_inf`` / ``grad_scale`` and a tensor lr apply as in its own step.
+    Any other optimizer, or a Partial placement anywhere, steps through ``optimizer.step()``."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        optimizer.step()
+        return
+    groups = []
+    for group in optimizer.param_groups:
+        lists = ([], [], [], [], [], [])  # params, grads, exp_avgs, exp_avg_sqs, max, steps
+        has_complex = optimizer._init_group(group, *lists)  # creates missing state, as step()
+        if not all(_elementwise_safe(ts) for ts in lists):
+            optimizer.step()
+            return
+        groups.append((group, lists, has_complex))
+    with torch.no_grad():
+        for group, lists, has_complex in groups:
+            if not lists[0]:
+                continue
+            beta1, beta2 = group["betas"]
+            foreach = group["foreach"]
+            if foreach is None and not group["fused"]:  # the choice step() makes on DTensors
+                _, foreach = _default_to_fused_or_foreach(lists[0], group["differentiable"])
+            adam(*(_local(ts) for ts in lists), amsgrad=group["amsgrad"],
+                 has_complex=has_complex, beta1=beta1, beta2=beta2, lr=group["lr"],
+                 weight_decay=group["weight_decay"], eps=group["eps"],
+                 maximize=group["maximize"], foreach=foreach,
+                 capturable=group["capturable"], differentiable=group["differentiable"],
+                 fused=group["fused"], grad_scale=getattr(optimizer, "grad_scale", None),
+                 found_inf=getattr(optimizer, "found_inf", None),
+                 decoupled_weight_decay=group["decoupled_weight_decay"])
