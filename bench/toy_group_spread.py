@@ -1,7 +1,8 @@
 """How much each toy reward component varies inside a group: the signal GRPO can learn from.
 
     python bench/toy_group_spread.py [--model DIR] [--prompts 96] [--group 8] [--eta 0.7]
-                                     [--sde-steps 4] [--shared-init] [--out FILE.json]
+                                     [--sde-steps 4 | --noisy-steps 0,2] [--shared-init]
+                                     [--out FILE.json]
 
 Samples ``--group`` images per train prompt the way the toy recipe's rollouts do (10 Euler
 steps; the SDE with ``--eta`` at the first ``--sde-steps`` steps, sigma 1 clamped to the next
@@ -9,7 +10,8 @@ sigma; the rest ODE) and prints per component its mean, the mean within-group st
 deviation (what the group-normalised advantage sees), the share of groups with any spread and
 the within-group correlation of count with colour + position. ``--shared-init`` gives every
 sample of a group the same initial noise, so only the SDE steps' noise, which the policy
-gradient can credit, makes the spread.
+gradient can credit, makes the spread. ``--noisy-steps`` puts the SDE at the listed steps only
+(which step's noise makes the spread).
 """
 from __future__ import annotations
 
@@ -44,6 +46,8 @@ def main(argv=None) -> int:
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--eta", type=float, default=0.7)
     p.add_argument("--sde-steps", type=int, default=4)
+    p.add_argument("--noisy-steps", default=None,
+                   help="comma-separated steps that get the SDE (instead of --sde-steps)")
     p.add_argument("--shared-init", action="store_true")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default=None)
@@ -57,8 +61,10 @@ def main(argv=None) -> int:
     ids = [f"{r['metadata']['sample_id']}_{j}" for r in records for j in range(g)]
     init_ids = [f"{r['metadata']['sample_id']}_0" for r in records for _ in range(g)] \
         if args.shared_init else ids
+    steps = args.sde_steps if args.noisy_steps is None else \
+        [int(k) for k in args.noisy_steps.split(",")]
     images = sample_on_cpu(args.model, prompts, ids, eta=args.eta, init_ids=init_ids,
-                           sde_steps=args.sde_steps, sigma_one="clamp_to_next")
+                           sde_steps=steps, sigma_one="clamp_to_next")
     result = {"args": vars(args),
               **spread(ToyCompositionScorer().score(images, prompts, metadata), args.prompts, g)}
     print_and_save(result, args.out)

@@ -256,6 +256,24 @@ def test_evaluate_runs_ode_and_sde_and_writes_a_grid(tiny_dir, tmp_path):
     assert (tmp_path / "g.png").stat().st_size > 0
 
 
+def test_sde_steps_as_a_count_or_a_list_of_steps(tiny_dir):
+    """``sde_steps=N`` is the list of the first N steps; an empty list is the ODE; noise at
+    step 1 alone gives images unlike both."""
+    adapter = ToyAdapter(tiny_dir)
+    model, frozen = adapter.load_train_model().eval(), adapter.load_frozen()
+    prompts, ids = ["two red circles", "a blue square"], ["a", "b"]
+
+    def sample(**kw):
+        return sample_images(adapter, model, frozen, prompts, ids, num_steps=4, seed=3,
+                             sigma_one="clamp_to_next", **kw)
+
+    first_two = sample(eta=0.7, sde_steps=2)
+    assert torch.equal(first_two, sample(eta=0.7, sde_steps=[0, 1]))
+    assert torch.equal(sample(), sample(eta=0.7, sde_steps=[]))
+    only_one = sample(eta=0.7, sde_steps=[1])
+    assert not torch.equal(only_one, first_two) and not torch.equal(only_one, sample())
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_shipped_model_samples_the_same_on_cuda():

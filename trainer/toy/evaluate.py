@@ -29,13 +29,14 @@ def sample_images(adapter: ToyAdapter, transformer: torch.nn.Module, frozen: dic
                   prompts: Sequence[str], sample_ids: Sequence[str], *, num_steps: int,
                   seed: int, eta: float = 0.0, height: int | None = None,
                   width: int | None = None, batch_size: int = 64,
-                  init_ids: Sequence[str] | None = None, sde_steps: int | None = None,
+                  init_ids: Sequence[str] | None = None,
+                  sde_steps: int | Sequence[int] | None = None,
                   sigma_one: str | None = None) -> torch.Tensor:
     """uint8 [B, H, W, 3] images; each row a pure function of (weights, prompt, seed, id).
 
     ``init_ids``: the ids whose initial noise each row starts from (default ``sample_ids``;
     a group sharing one starts from one x_T). With ``eta > 0``: the SDE at the first
-    ``sde_steps`` steps (default all), Euler after them; ``sigma_one`` goes to
+    ``sde_steps`` steps (default all), Euler after them, or at the listed steps only; ``sigma_one`` goes to
     ``kernels.sde_step`` when given (e.g. ``"clamp_to_next"``, as the toy recipe samples)."""
     height = height or adapter.resolution
     width = width or adapter.resolution
@@ -47,6 +48,7 @@ def sample_images(adapter: ToyAdapter, transformer: torch.nn.Module, frozen: dic
     sigmas = adapter.scheduler_sigmas(num_steps, height, width).tolist()
     init_ids = list(sample_ids if init_ids is None else init_ids)
     sde_steps = num_steps if sde_steps is None else sde_steps
+    noisy = set(range(sde_steps)) if isinstance(sde_steps, int) else set(sde_steps)
     options = {} if sigma_one is None else {"sigma_one": sigma_one}
     out = []
     for lo in range(0, len(prompts), batch_size):
@@ -57,7 +59,7 @@ def sample_images(adapter: ToyAdapter, transformer: torch.nn.Module, frozen: dic
         for i, (s, s_next) in enumerate(zip(sigmas[:-1], sigmas[1:])):
             sig = torch.full((len(ps),), s, device=device)
             v = adapter.velocity(transformer, x, sig, cond, height, width)
-            if sde_step is None or i >= sde_steps:
+            if sde_step is None or i not in noisy:
                 x = x + v * (s_next - s)
             else:
                 noise = adapter.step_noise(ids, i, x.shape[1:], seed=seed, device=device)
