@@ -1,6 +1,6 @@
 """Adam / AdamW stepped on FSDP2's local shards equals ``optimizer.step()`` over the DTensor
 parameters bit for bit (parameters and every state tensor), at world size 1 and 2 (gloo),
-uneven shards included; Partial placements and other optimizers keep the optimizer's own step."""
+uneven shards included, with the optimizer's step hooks run once per step; Partial placements and other optimizers keep the optimizer's own step."""
 from __future__ import annotations
 
 import os
@@ -45,6 +45,9 @@ def _run(variant: str, local: bool) -> tuple[list[torch.Tensor], list[torch.Tens
     cls, kwargs, skip_second, tensor_lr = VARIANTS[variant]
     model = fully_shard(_model(0))
     optimizer = cls(model.parameters(), **kwargs)
+    hooks = []
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: hooks.append("pre"))
+    optimizer.register_step_post_hook(lambda opt, args, kwargs: hooks.append("post"))
     if local:  # the local path must not fall back to the DTensor step
         optimizer.step = lambda *a, **k: pytest.fail("DTensor step taken")
     gen = torch.Generator().manual_seed(dist.get_rank() + 5)
@@ -61,6 +64,7 @@ def _run(variant: str, local: bool) -> tuple[list[torch.Tensor], list[torch.Tens
         else:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    assert hooks == ["pre", "post"] * 3  # the step hooks run once per step on either path
     weights = [p.full_tensor() for p in model.parameters()]
     return weights, _state_values(optimizer)
 

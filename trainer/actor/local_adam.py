@@ -6,7 +6,9 @@ than the GPU work it launches for a LoRA. Adam's update is elementwise, so stepp
 rank's local shard with its local gradient and state is the same arithmetic on the same
 numbers as the DTensor step, for Shard and Replicate placements alike (a Partial placement
 would not be: those steps keep the DTensor path). The optimizer object, its param groups and
-its state (DTensors, as checkpoints read them) are untouched: only the call is different.
+its state (DTensors, as checkpoints read them) are untouched, and its step hooks run as in
+``optimizer.step()`` (the training progress bar counts updates with one): only the call is
+different.
 """
 from __future__ import annotations
 
@@ -30,31 +32,34 @@ def _elementwise_safe(tensors: list[torch.Tensor]) -> bool:
 def step_adam_on_local_shards(optimizer: torch.optim.Optimizer) -> None:
     """``optimizer.step()`` of a torch Adam / AdamW on the local shards (module docstring);
     the optimizer's ``found_inf`` / ``grad_scale`` and a tensor lr apply as in its own step.
-    Any other optimizer, or a Partial placement anywhere, steps through ``optimizer.step()``."""
-    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+    Any other optimizer, or a Partial placement on a parameter or gradient, steps through
+    ``optimizer.step()`` (the state is created like its parameter, so it follows)."""
+    tensors = [t for group in optimizer.param_groups for p in group["params"]
+               for t in (p, p.grad) if t is not None]
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) \
+            or not _elementwise_safe(tensors):
         optimizer.step()
         return
-    groups = []
+    _hooked_local_step(optimizer)
+
+
+@torch.optim.Optimizer.profile_hook_step  # the step hooks and profiler range of step()
+@torch.no_grad()
+def _hooked_local_step(optimizer: torch.optim.Optimizer) -> None:
     for group in optimizer.param_groups:
         lists = ([], [], [], [], [], [])  # params, grads, exp_avgs, exp_avg_sqs, max, steps
         has_complex = optimizer._init_group(group, *lists)  # creates missing state, as step()
-        if not all(_elementwise_safe(ts) for ts in lists):
-            optimizer.step()
-            return
-        groups.append((group, lists, has_complex))
-    with torch.no_grad():
-        for group, lists, has_complex in groups:
-            if not lists[0]:
-                continue
-            beta1, beta2 = group["betas"]
-            foreach = group["foreach"]
-            if foreach is None and not group["fused"]:  # the choice step() makes on DTensors
-                _, foreach = _default_to_fused_or_foreach(lists[0], group["differentiable"])
-            adam(*(_local(ts) for ts in lists), amsgrad=group["amsgrad"],
-                 has_complex=has_complex, beta1=beta1, beta2=beta2, lr=group["lr"],
-                 weight_decay=group["weight_decay"], eps=group["eps"],
-                 maximize=group["maximize"], foreach=foreach,
-                 capturable=group["capturable"], differentiable=group["differentiable"],
-                 fused=group["fused"], grad_scale=getattr(optimizer, "grad_scale", None),
-                 found_inf=getattr(optimizer, "found_inf", None),
-                 decoupled_weight_decay=group["decoupled_weight_decay"])
+        if not lists[0]:
+            continue
+        beta1, beta2 = group["betas"]
+        foreach = group["foreach"]
+        if foreach is None and not group["fused"]:  # the choice step() makes on DTensors
+            _, foreach = _default_to_fused_or_foreach(lists[0], group["differentiable"])
+        adam(*(_local(ts) for ts in lists), amsgrad=group["amsgrad"],
+             has_complex=has_complex, beta1=beta1, beta2=beta2, lr=group["lr"],
+             weight_decay=group["weight_decay"], eps=group["eps"],
+             maximize=group["maximize"], foreach=foreach,
+             capturable=group["capturable"], differentiable=group["differentiable"],
+             fused=group["fused"], grad_scale=getattr(optimizer, "grad_scale", None),
+             found_inf=getattr(optimizer, "found_inf", None),
+             decoupled_weight_decay=group["decoupled_weight_decay"])
