@@ -63,8 +63,9 @@ def record_peer(peer: dict) -> None:
 
 def record_toy(results: list[dict], args) -> None:
     """bench_toy_learning.py: per variant that finished, the eval reward at its first and last
-    point, their difference and the seconds per rollout; the eval's spread over the noise
-    seeds at the start when measured (the yardstick a gain is read against)."""
+    point, their difference and the seconds per rollout; each component's eval mean at the
+    first and last point (``eval_count_start``, ``eval_count_at_N``); the eval's spread over
+    the noise seeds at the start when measured (the yardstick a gain is read against)."""
     rec = Recorder("bench_toy_learning", device=device_name(args.device))
     for r in results:
         evals = r.get("evals") or []
@@ -76,6 +77,11 @@ def record_toy(results: list[dict], args) -> None:
         rec.add(case, f"eval_reward_at_{last['rollout']}", last["reward_mean"], "reward")
         rec.add(case, f"eval_gain_at_{last['rollout']}",
                 last["reward_mean"] - first["reward_mean"], "reward")
+        components = [k[:-len("_mean")] for k in first
+                      if k.endswith("_mean") and k != "reward_mean" and k in last]
+        for name in components:
+            rec.add(case, f"eval_{name}_start", first[f"{name}_mean"], "reward")
+            rec.add(case, f"eval_{name}_at_{last['rollout']}", last[f"{name}_mean"], "reward")
         if r.get("seconds_per_rollout"):
             rec.add(case, "s_per_rollout", r["seconds_per_rollout"], "s")
         noise = [first["reward_mean"], *(r.get("noise") or [])]
