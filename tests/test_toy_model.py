@@ -315,6 +315,18 @@ def test_render_workers_give_the_same_batches_for_any_worker_count():
     assert not torch.equal(one[0][1], other[0][1])
 
 
+def test_a_stuck_render_worker_stops_the_batches_with_an_error(monkeypatch):
+    """A worker that returns nothing within RENDER_TIMEOUT_S raises (here: the timeout is
+    shorter than a spawned worker's start) and closing the batches stops the workers."""
+    import trainer.toy.pretrain as pretrain_mod
+    monkeypatch.setattr(pretrain_mod, "RENDER_TIMEOUT_S", 0.001)
+    gen = training_batches(5, 4, 16, render_workers=1, prefetch=1)
+    with pytest.raises(RuntimeError, match="render worker returned no images"):
+        next(gen)
+    gen.close()
+    assert not multiprocessing.active_children()
+
+
 def test_pretrain_with_render_workers_is_deterministic(tmp_path):
     kw = dict(steps=2, minutes=5, batch=4, warmup=1, threads=1, log_every=1000,
               transformer_config=TINY_TRANSFORMER, text_encoder_config=TINY_TEXT)

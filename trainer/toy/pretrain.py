@@ -105,7 +105,8 @@ def training_batches(seed: int, batch: int, size: int, *, caption_noise: float =
             yield _batch(rng, pairs, singles, batch, size, caption_noise, noisy_facts)
     # spawn: the parent may hold a CUDA context, which a forked child must not inherit.
     # concurrent.futures rather than multiprocessing.Pool: a worker that dies breaks the pool
-    # (BrokenProcessPool) where a Pool would wait for its lost task forever.
+    # (BrokenProcessPool) where a Pool waits for its lost task forever, and closing does not go
+    # through Pool.terminate(), which can block on the task queue's lock an idle worker holds.
     workers = ProcessPoolExecutor(render_workers, mp_context=multiprocessing.get_context("spawn"))
     try:
         pending: deque = deque()
@@ -117,10 +118,17 @@ def training_batches(seed: int, batch: int, size: int, *, caption_noise: float =
                 pending.append((prompts, [workers.submit(_render_seeded, jobs[i:i + chunk])
                                           for i in range(0, batch, chunk)]))
             prompts, parts = pending.popleft()
-            yield prompts, _to_x0(np.concatenate([part.result(timeout=RENDER_TIMEOUT_S)
-                                                  for part in parts]))
+            yield prompts, _to_x0(np.concatenate([_rendered(part) for part in parts]))
     finally:
         workers.shutdown(wait=True, cancel_futures=True)
+
+
+def _rendered(part) -> np.ndarray:
+    try:
+        return part.result(timeout=RENDER_TIMEOUT_S)
+    except TimeoutError:
+        raise RuntimeError(f"a render worker returned no images within {RENDER_TIMEOUT_S:.0f} s "
+                           "(stuck); stopping instead of waiting") from None
 
 
 def option_problems(*, sigma_sampling: str = "logit_normal", caption_noise: float = 0.0,
