@@ -177,8 +177,8 @@ class TrainConfig:
         True, "--adam-on-local-shards",
         "Run AdamW's step on the FSDP2 parameters' local shards as plain tensors (the same "
         "elementwise arithmetic, equal bit for bit) instead of through DTensor's per-op "
-        "dispatch, whose host time exceeds a LoRA step's GPU time. Optimizer step hooks do "
-        "not run on this path (the trainer registers none).")
+        "dispatch, whose host time exceeds a LoRA step's GPU time. The optimizer's step "
+        "hooks run as in optimizer.step(); a Partial placement falls back to it.")
     seed: int = _f(0, "--seed", "Seed of model init (LoRA) and everything not sampling.")
     max_rollouts_without_step: int = _f(10, "--max-rollouts-without-step",
                                         "Stop with an error after this many consecutive "
