@@ -1,6 +1,7 @@
 """Adam / AdamW stepped on FSDP2's local shards equals ``optimizer.step()`` over the DTensor
 parameters bit for bit (parameters and every state tensor), at world size 1 and 2 (gloo),
-uneven shards included, with the optimizer's step hooks run once per step; Partial placements and other optimizers keep the optimizer's own step."""
+uneven shards included, with the optimizer's step hooks run once per step; Partial placements
+and other optimizers keep the optimizer's own step."""
 from __future__ import annotations
 
 import os
@@ -12,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from dist_fixtures import one_rank_group
 from trainer.actor.local_adam import _elementwise_safe, step_adam_on_local_shards
 
 VARIANTS = {  # name: (optimizer class, kwargs, found_inf at step 2, tensor lr)
@@ -94,14 +96,8 @@ def _free_port() -> int:
 
 
 def test_local_shard_step_equals_the_dtensor_step_world_one(tmp_path):
-    if dist.is_initialized():
-        pytest.skip("a process group is already up in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
-                            world_size=1)
-    try:
+    with one_rank_group(tmp_path):
         _compare_all_variants()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.multiproc
@@ -113,11 +109,7 @@ def test_partial_placements_and_other_optimizers_take_their_own_step(tmp_path, m
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Shard
 
-    if dist.is_initialized():
-        pytest.skip("a process group is already up in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
-                            world_size=1)
-    try:
+    with one_rank_group(tmp_path):
         mesh = init_device_mesh("cpu", (1,))
         assert _elementwise_safe([DTensor.from_local(torch.ones(2), mesh, [Shard(0)])])
         assert not _elementwise_safe([DTensor.from_local(torch.ones(2), mesh, [Partial()])])
@@ -133,5 +125,3 @@ def test_partial_placements_and_other_optimizers_take_their_own_step(tmp_path, m
         monkeypatch.setattr(adam, "step", lambda: own_steps.append("adam"))
         step_adam_on_local_shards(adam)
         assert own_steps == ["sgd", "adam"]
-    finally:
-        dist.destroy_process_group()

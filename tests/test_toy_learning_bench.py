@@ -9,7 +9,6 @@ import sys
 
 import pytest
 
-
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench",
                       "bench_toy_learning.py")
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from compute_fixtures import adapter, batch, lora_cfg, model_dir, stand_in_trainer  # noqa: F401
+from dist_fixtures import one_rank_group
 from trainer.actor import update
 from trainer.actor.model import build_actor
 
@@ -31,9 +32,7 @@ def test_world_one_fsdp_keeps_gathered_blocks_and_trains_the_same(adapter, batch
         pytest.skip("a process group is already up in this process")
     assert reshard_after_forward(lora_cfg()) is True  # no process group: nothing to keep
     assert shard_frozen(lora_cfg()) is True
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
-                            world_size=1)
-    try:
+    with one_rank_group(tmp_path):
         assert reshard_after_forward(lora_cfg()) is False
         assert reshard_after_forward(lora_cfg("fsdp.reshard_after_forward=true")) is True
         assert shard_frozen(lora_cfg()) is False
@@ -64,8 +63,6 @@ def test_world_one_fsdp_keeps_gathered_blocks_and_trains_the_same(adapter, batch
             assert weights["default"].keys() == weights[key].keys()
             for name, w in weights["default"].items():
                 assert torch.equal(w, weights[key][name]), (key, name)
-    finally:
-        dist.destroy_process_group()
 
 
 def _grads(seed: int) -> list[torch.Tensor]:
@@ -77,7 +74,6 @@ def _grads(seed: int) -> list[torch.Tensor]:
 def test_clip_on_local_shards_equals_torch_clip(max_norm, tmp_path):
     """update.clip_grad_norm (local shards, one all-reduce) gives torch's clip_grad_norm_
     norm and clipped gradients, on plain tensors and on FSDP-style Shard(0) DTensors."""
-    import torch.distributed as dist
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
     def params_with(grads):
@@ -96,11 +92,7 @@ def test_clip_on_local_shards_equals_torch_clip(max_norm, tmp_path):
     if max_norm > 1e6:  # no clipping: the gradients are untouched, bit for bit
         assert all(torch.equal(p.grad, g) for p, g in zip(plain, _grads(0)))
 
-    if dist.is_initialized():
-        pytest.skip("a process group is already up in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
-                            world_size=1)
-    try:
+    with one_rank_group(tmp_path):
         mesh = init_device_mesh("cpu", (1,))
         sharded = [torch.nn.Parameter(distribute_tensor(torch.zeros_like(g), mesh, [Shard(0)]))
                    for g in _grads(0)]
@@ -110,8 +102,6 @@ def test_clip_on_local_shards_equals_torch_clip(max_norm, tmp_path):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
         for p, q in zip(sharded, want_params):
             torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-6, atol=0)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
@@ -122,11 +112,8 @@ def test_skip_on_device_steps_like_the_host_check(device, adapter, batch, tmp_pa
     batches of two updates under a warmup (the lr moves every step), the first update's norm
     forced non-finite: the metrics, the weights, the optimizer state and the schedule position
     equal the host check's bit for bit, and the device path never calls the host one."""
-    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    if dist.is_initialized():
-        pytest.skip("a process group is already up in this process")
     real_clip = update.clip_grad_norm
 
     def clip_first_non_finite(params, max_norm):
@@ -142,9 +129,7 @@ def test_skip_on_device_steps_like_the_host_check(device, adapter, batch, tmp_pa
     real_host_step = update.optimizer_step
     monkeypatch.setattr(update, "optimizer_step",
                         lambda *a: host_steps.append(1) or real_host_step(*a))
-    dist.init_process_group("nccl" if device == "cuda" else "gloo",
-                            init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
+    with one_rank_group(tmp_path, "nccl" if device == "cuda" else "gloo"):
         results = {}
         adv = torch.linspace(-1.0, 1.0, len(batch))
         for key in ("host", "device"):
@@ -174,5 +159,3 @@ def test_skip_on_device_steps_like_the_host_check(device, adapter, batch, tmp_pa
         assert len(d_state) == len(h_state)
         for hs, ds in zip(h_state, d_state):
             assert hs.keys() == ds.keys() and all(torch.equal(hs[k], ds[k]) for k in hs)
-    finally:
-        dist.destroy_process_group()

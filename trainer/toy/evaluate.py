@@ -36,8 +36,9 @@ def sample_images(adapter: ToyAdapter, transformer: torch.nn.Module, frozen: dic
 
     ``init_ids``: the ids whose initial noise each row starts from (default ``sample_ids``;
     a group sharing one starts from one x_T). With ``eta > 0``: the SDE at the first
-    ``sde_steps`` steps (default all), Euler after them, or at the listed steps only; ``sigma_one`` goes to
-    ``kernels.sde_step`` when given (e.g. ``"clamp_to_next"``, as the toy recipe samples)."""
+    ``sde_steps`` steps (default all), Euler after them, or at the listed steps only;
+    ``sigma_one`` goes to ``kernels.sde_step`` when given (e.g. ``"clamp_to_next"``, as the toy
+    recipe samples)."""
     height = height or adapter.resolution
     width = width or adapter.resolution
     sde_step = None
