@@ -41,11 +41,12 @@ def _state_values(optimizer) -> list[torch.Tensor]:
     return out
 
 
-def _run(variant: str, local: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _run(variant: str, local: bool, device: str = "cpu") -> tuple[list[torch.Tensor],
+                                                                  list[torch.Tensor]]:
     from torch.distributed.fsdp import fully_shard
 
     cls, kwargs, skip_second, tensor_lr = VARIANTS[variant]
-    model = fully_shard(_model(0))
+    model = fully_shard(_model(0).to(device))
     optimizer = cls(model.parameters(), **kwargs)
     hooks = []
     optimizer.register_step_pre_hook(lambda opt, args, kwargs: hooks.append("pre"))
@@ -54,13 +55,13 @@ def _run(variant: str, local: bool) -> tuple[list[torch.Tensor], list[torch.Tens
         optimizer.step = lambda *a, **k: pytest.fail("DTensor step taken")
     gen = torch.Generator().manual_seed(dist.get_rank() + 5)
     for step in range(3):
-        x = torch.randn(4, 6, generator=gen)
+        x = torch.randn(4, 6, generator=gen).to(device)
         model(x).square().mean().backward()
         if tensor_lr:
             for group in optimizer.param_groups:
-                group["lr"] = torch.tensor(1e-2 / (step + 1))
+                group["lr"] = torch.tensor(1e-2 / (step + 1), device=device)
         if skip_second:
-            optimizer.found_inf = torch.tensor(float(step == 1))
+            optimizer.found_inf = torch.tensor(float(step == 1), device=device)
         if local:
             step_adam_on_local_shards(optimizer)
         else:
@@ -71,13 +72,13 @@ def _run(variant: str, local: bool) -> tuple[list[torch.Tensor], list[torch.Tens
     return weights, _state_values(optimizer)
 
 
-def _compare_all_variants() -> None:
+def _compare_all_variants(device: str = "cpu") -> None:
     for variant in VARIANTS:
-        (w_ref, s_ref), (w_loc, s_loc) = _run(variant, False), _run(variant, True)
+        (w_ref, s_ref), (w_loc, s_loc) = _run(variant, False, device), _run(variant, True, device)
         assert len(s_ref) == len(s_loc) > 0, variant
         for a, b in zip(w_ref + s_ref, w_loc + s_loc):
             assert torch.equal(a, b), variant
-        assert not torch.equal(w_ref[0], _model(0)[0].weight.detach()), variant  # it trained
+        assert not torch.equal(w_ref[0].cpu(), _model(0)[0].weight.detach()), variant  # trained
 
 
 def _worker(rank: int, world: int, port: int) -> None:
@@ -98,6 +99,14 @@ def _free_port() -> int:
 def test_local_shard_step_equals_the_dtensor_step_world_one(tmp_path):
     with one_rank_group(tmp_path):
         _compare_all_variants()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_local_shard_step_equals_the_dtensor_step_on_cuda(tmp_path):
+    """The CUDA kernels the trainer runs (fused and foreach AdamW among them), nccl world 1."""
+    with one_rank_group(tmp_path, "nccl"):
+        _compare_all_variants("cuda")
 
 
 @pytest.mark.multiproc

@@ -99,3 +99,64 @@ def test_offload_frees_the_actor_and_changes_nothing(tmp_path, process_group):
     finally:
         plain.close()
         offl.close()
+
+
+def _onload_into_nan_blocks(monkeypatch, skip_wait: bool) -> list[bool]:
+    """Route the loop's onload through NaN-filled cached blocks, with the optimizer state's
+    side-stream copies held back ~0.5 s: a step that reads the state before its copies land
+    reads NaN. Returns, per onload, whether the state's copies were deferred."""
+    import trainer.loop as loop_mod
+    from trainer.actor.model import PendingOnload
+
+    real_onload, deferred = loop_mod.onload_actor, []
+
+    def onload(model, optimizer, state, *, state_stream=None):
+        # the blocks the onload will be given back, filled with NaN and returned to the cache
+        torch.cuda.empty_cache()
+        junk = [torch.full((nbytes // cpu.element_size(),), float("nan"), dtype=cpu.dtype,
+                           device="cuda") for cpu, nbytes in state.host.values()]
+        del junk
+        if state_stream is not None:
+            with torch.cuda.stream(state_stream):
+                torch.cuda._sleep(1_000_000_000)
+        pending = real_onload(model, optimizer, state, state_stream=state_stream)
+        deferred.append(pending.event is not None)
+        return pending
+
+    monkeypatch.setattr(loop_mod, "onload_actor", onload)
+    if skip_wait:
+        monkeypatch.setattr(PendingOnload, "wait", lambda self: None)
+    return deferred
+
+
+@pytest.mark.parametrize("skip_wait", [False, True])
+def test_optimizer_state_onload_overlaps_and_the_step_waits(tmp_path, process_group,
+                                                            monkeypatch, skip_wait):
+    """The loop copies the optimizer state back on a side stream (overlapping the first
+    forwards) and the first optimizer step waits for it: with the copies delayed and the
+    blocks they land in pre-filled with NaN, the offloaded run still trains like the plain
+    one. The control (skip_wait) shows the setup reaches the race: without the wait the step
+    reads what the blocks held before the copies."""
+    from trainer.actor.model import onload_actor
+
+    plain, offl = _trainer(tmp_path, "plain", False), _trainer(tmp_path, "offload", True)
+    deferred = _onload_into_nan_blocks(monkeypatch, skip_wait)
+    try:
+        for rollout in range(2):
+            a, b = plain.train_step(rollout), offl.train_step(rollout)
+        assert deferred == [True]  # rollout 1 onloads, with the state on the side stream
+        onload_actor(offl.model, offl.optimizer, offl.offloaded)
+        offl.offloaded = None
+        weights = [(p, q) for (_, p), (_, q) in zip(plain.model.named_parameters(),
+                                                     offl.model.named_parameters())]
+        full = [(p.full_tensor() if hasattr(p, "full_tensor") else p,
+                 q.full_tensor() if hasattr(q, "full_tensor") else q) for p, q in weights]
+        if skip_wait:  # NaN where the cache gave the junk back, stale bytes elsewhere
+            assert any(not torch.isfinite(q).all() or not torch.allclose(q, p) for p, q in full)
+            return
+        torch.testing.assert_close(a["train/loss"], b["train/loss"])
+        for p, q in full:
+            torch.testing.assert_close(q, p)
+    finally:
+        plain.close()
+        offl.close()

@@ -225,6 +225,11 @@ class FSDPConfig:
         "When offload_train / rollout.offload_rollout run: 'always' (every step), or "
         "'as_needed' (measured on the first step; skipped while the GPU holds actor and engine "
         "at their peaks with a 10% margin).")
+    overlap_state_onload: bool = _f(
+        True, "--overlap-state-onload",
+        "When offload_train brings the actor back, copy the optimizer state on a side stream "
+        "while the first update's forwards and backwards run (its first step waits for it); "
+        "off: everything is copied back before training starts.")
     debug_fingerprint: bool = _f(False, "--fsdp-debug-fingerprint",
                                  "Log weight fingerprints around each optimizer step.")
 

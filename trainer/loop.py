@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 import ipc
-from trainer.actor.model import (build_actor, build_optimizer, lora_spec, offload_actor,
-                                 onload_actor, shard_actor, strip_wrapper_names)
+from trainer.actor.model import (PendingOnload, build_actor, build_optimizer, lora_spec,
+                                 offload_actor, onload_actor, shard_actor, strip_wrapper_names)
 from trainer.actor.colocate import Footprint, OffloadPolicy, actor_footprint
 from trainer.actor.sync import sync_payload
 from trainer.actor.update import train_on
@@ -85,6 +85,8 @@ class Trainer(TrainerState):
         self.optimizer = build_optimizer(self.model, cfg)
         self.ema = build_ema(self.model, cfg)
         self.offloaded = None
+        self.state_stream = (torch.cuda.Stream(self.device) if self.device.type == "cuda"
+                             and cfg.fsdp.overlap_state_onload else None)
         self.auto_micro_batch: int | None = None  # train.micro_batch_size=auto, once resolved
         self.recompile_streak = 0  # consecutive steps that compiled something
         self.colocate = OffloadPolicy(cfg.fsdp.offload_policy,
@@ -308,14 +310,19 @@ class Trainer(TrainerState):
         if self.colocate.engine_release:
             with self.timer.stage("engine_release"):
                 self.engine.release()
+        state_onload = PendingOnload()
         if self.offloaded is not None:
-            with self.timer.stage("onload"):
-                onload_actor(self.model, self.optimizer, self.offloaded)
+            with self.timer.stage("onload", current_stream_only=True):
+                # the optimizer state lands on a side stream while the first update's forwards
+                # and backwards run; its first step waits for it (PendingOnload)
+                state_onload = onload_actor(self.model, self.optimizer, self.offloaded,
+                                            state_stream=self.state_stream)
                 self.offloaded = None
         if first_measure:
             torch.cuda.reset_peak_memory_stats(self.device)
         with self.timer.stage("train"):
             metrics.update(self.train_on(batch, advantages, rollout_id))
+            state_onload.wait()  # a stage without an optimizer step must not leave it pending
         metrics.update(call_with_recovery(self, "weight sync", self.sync_weights, collective=True))
         actor_now = actor_footprint(self.device) if first_measure else None
         if self.colocate.actor_offload:

@@ -233,8 +233,12 @@ def _offload_tensors(tensors: list[torch.Tensor]) -> dict[int, tuple[torch.Tenso
     return host
 
 
-def _onload_tensors(tensors: list[torch.Tensor],
-                    host: dict[int, tuple[torch.Tensor, int]]) -> None:
+def _onload_tensors(tensors: list[torch.Tensor], host: dict[int, tuple[torch.Tensor, int]],
+                    copy_stream: torch.cuda.Stream | None = None) -> None:
+    """Restore each tensor's storage and copy its host copy back; the copies go on
+    ``copy_stream`` when given (the storage is allocated on the current stream, which the copy
+    stream waits for first: the memory may be the last user's)."""
+    restored = []
     for t in tensors:
         entry = host.get(id(t))
         if entry is None:
@@ -242,15 +246,46 @@ def _onload_tensors(tensors: list[torch.Tensor],
         cpu, nbytes = entry
         loc = _local(t)
         loc.untyped_storage().resize_(nbytes)
-        loc.copy_(cpu, non_blocking=True)
+        restored.append((loc, cpu))
+    if copy_stream is not None:
+        copy_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(copy_stream):  # None: the current stream
+        for loc, cpu in restored:
+            loc.copy_(cpu, non_blocking=True)
+
+
+class PendingOnload:
+    """Optimizer-state copies still in flight on a side stream. ``wait()`` (idempotent, no
+    host sync) makes the current stream wait for them; it also runs as a one-shot step
+    pre-hook of the optimizer, so no optimizer step reads the state before it has landed."""
+
+    def __init__(self, event: torch.cuda.Event | None = None,
+                 optimizer: torch.optim.Optimizer | None = None) -> None:
+        self.event = event
+        self.hook = (optimizer.register_step_pre_hook(lambda *_: self.wait())
+                     if event is not None and optimizer is not None else None)
+
+    def wait(self) -> None:
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+            self.event = None
+        if self.hook is not None:
+            self.hook.remove()
+            self.hook = None
+
+
+def model_tensors(model: nn.Module) -> list[torch.Tensor]:
+    return list(model.parameters()) + [p.grad for p in model.parameters() if p.grad is not None]
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The state's tensors with storage worth moving (the 0-dim step counters stay)."""
+    return [v for state in optimizer.state.values() for v in state.values()
+            if torch.is_tensor(v) and v.dim() > 0]
 
 
 def actor_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    tensors = list(model.parameters())
-    tensors += [p.grad for p in model.parameters() if p.grad is not None]
-    for state in optimizer.state.values():
-        tensors += [v for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
-    return tensors
+    return model_tensors(model) + optimizer_state_tensors(optimizer)
 
 
 def reshard_gathered(model: nn.Module) -> None:
@@ -279,6 +314,16 @@ def offload_actor(model: nn.Module, optimizer: torch.optim.Optimizer) -> Offload
 
 
 @torch.no_grad()
-def onload_actor(model: nn.Module, optimizer: torch.optim.Optimizer, state: OffloadState) -> None:
-    _onload_tensors(actor_tensors(model, optimizer), state.host)
-    state.host.clear()
+def onload_actor(model: nn.Module, optimizer: torch.optim.Optimizer, state: OffloadState, *,
+                 state_stream: torch.cuda.Stream | None = None) -> PendingOnload:
+    """Bring the actor back from host memory. The parameters (and gradients) are copied on the
+    current stream, so the next forward follows them. With ``state_stream``, the optimizer
+    state (2x the parameters' bytes under AdamW) is copied on that stream instead, overlapping
+    the forwards and backwards that need only the parameters; the returned handle's ``wait()``
+    (also run by the optimizer's next step) orders the current stream after those copies."""
+    _onload_tensors(model_tensors(model), state.host)
+    _onload_tensors(optimizer_state_tensors(optimizer), state.host, state_stream)
+    state.host.clear()  # pinned blocks return to torch's host cache once their copies are done
+    if state_stream is None:
+        return PendingOnload()
+    return PendingOnload(state_stream.record_event(), optimizer)
