@@ -52,6 +52,11 @@ def _trainer(tmp_path, name: str, offload: bool):
     return Trainer(cfg, rank=0, world=1, device="cuda")
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole value (a DTensor's gathered, a plain tensor as is)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def _actor_bytes(trainer) -> int:
     from trainer.actor.model import _local, actor_tensors
 
@@ -90,8 +95,7 @@ def test_offload_frees_the_actor_and_changes_nothing(tmp_path, process_group):
         offl.offloaded = None
         bitwise = True
         for (n, p), (_, q) in zip(plain.model.named_parameters(), offl.model.named_parameters()):
-            p = p.full_tensor() if hasattr(p, "full_tensor") else p
-            q = q.full_tensor() if hasattr(q, "full_tensor") else q
+            p, q = _full(p), _full(q)
             torch.testing.assert_close(q, p, msg=n)
             bitwise = bitwise and torch.equal(p, q)
         print(f"weights after 2 steps bitwise equal: {bitwise}")
@@ -147,10 +151,8 @@ def test_optimizer_state_onload_overlaps_and_the_step_waits(tmp_path, process_gr
         assert deferred == [True]  # rollout 1 onloads, with the state on the side stream
         onload_actor(offl.model, offl.optimizer, offl.offloaded)
         offl.offloaded = None
-        weights = [(p, q) for (_, p), (_, q) in zip(plain.model.named_parameters(),
-                                                     offl.model.named_parameters())]
-        full = [(p.full_tensor() if hasattr(p, "full_tensor") else p,
-                 q.full_tensor() if hasattr(q, "full_tensor") else q) for p, q in weights]
+        full = [(_full(p), _full(q)) for p, q in zip(plain.model.parameters(),
+                                                     offl.model.parameters())]
         if skip_wait:  # NaN where the cache gave the junk back, stale bytes elsewhere
             assert any(not torch.isfinite(q).all() or not torch.allclose(q, p) for p, q in full)
             return
