@@ -1,6 +1,7 @@
 """The main job learns: a CI-sized run of the `toy` recipe on the shipped toy model raises the
 held-out eval reward by several times the eval's own seed-to-seed noise, with no component
-falling beyond its own noise.
+falling beyond its own noise and count rising beyond it (the shipped model's caption noise
+leaves count alone, so RL must not trade it for colour and position).
 
 Noise is measured, not assumed: the recipe's eval (256 held-out prompts x 2 candidates, ODE)
 is repeated under three generation seeds before and after training; the spread across seeds
@@ -37,3 +38,5 @@ def test_toy_run_improves_eval_reward_beyond_seed_noise(tmp_path):
     assert gain > MARGIN * noise, stats
     fallen = {k: v for k, v in stats.items() if v[0] < -v[1]}
     assert not fallen, f"components fell beyond their seed noise: {fallen}"
+    count_gain, count_noise = stats["eval/count_mean"]
+    assert count_gain > count_noise, f"count did not rise beyond its seed noise: {stats}"
