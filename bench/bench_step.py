@@ -26,9 +26,9 @@ import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -44,7 +44,8 @@ from transformers import (AutoTokenizer, Qwen2_5_VLConfig,  # noqa: E402
                           Qwen2_5_VLForConditionalGeneration)
 
 from bench_rewards import build_model_dir  # noqa: E402
-from floors import diffusers_images_per_s, fwd_bwd_ms, text_tokens  # noqa: E402
+from floors import (adam_step_ms, diffusers_images_per_s,  # noqa: E402
+                    fwd_bwd_and_fwd_ms, text_tokens, trainable_shapes)
 from peer_step import run_peer  # noqa: E402
 from record_rows import record_step  # noqa: E402
 from tiny_models import write_qwen2_tokenizer  # noqa: E402
@@ -200,6 +201,7 @@ def summarize(mode: str, steps: list[dict], busy: list | None = None) -> dict:
             "share_outside": avg["perf/outside_compute_share"],
             "first_update_ratio": steps[-1].get("train/first_update_ratio_mean"),
             "micro_batch": steps[-1].get("train/micro_batch_size"),
+            "updates": steps[-1].get("train/optimizer_steps"),
             "recompiles": [s.get("perf/recompiles") for s in steps],
             "train_ms_per_transition": 1000.0 / avg["perf/train_transitions_per_s"],
             "logp_parity": steps[-1].get("train/logp_parity"),
@@ -209,51 +211,77 @@ def summarize(mode: str, steps: list[dict], busy: list | None = None) -> dict:
                               if all(b is not None for b in busy) else None)}
 
 
+_POLL_NVML = """
+import sys, time, pynvml
+pynvml.nvmlInit()
+handle = pynvml.nvmlDeviceGetHandleByIndex(int(sys.argv[1]))
+while True:
+    print(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu, flush=True)
+    time.sleep(0.02)
+"""
+
+
 class GpuBusySampler:
-    """Polls NVML's GPU utilization (percent of the last sample period with a kernel running)
-    every 20 ms on a thread; ``mean`` is the average as a fraction, or None without NVML."""
+    """NVML's GPU utilization (percent of the last sample period with a kernel running),
+    polled every 20 ms by a child process; ``mean`` is the average as a fraction, or None
+    without NVML. A child, not a thread: a polling thread takes the GIL from the host-bound
+    train stage it measures."""
 
     def __init__(self, device) -> None:
-        self.device, self.values, self.mean = device, [], None
-        self._stop = None
+        self.device, self.mean, self._child = device, None, None
 
     def __enter__(self):
         if self.device.type != "cuda":
             return self
         try:
-            torch.cuda.utilization(self.device)
+            import pynvml  # noqa: F401
+            index = torch.cuda._get_nvml_device_index(self.device)
         except Exception:  # no pynvml / NVML on this machine
             return self
-        self._stop = threading.Event()
-
-        def poll():
-            while not self._stop.wait(0.02):
-                self.values.append(torch.cuda.utilization(self.device))
-        self._thread = threading.Thread(target=poll, daemon=True)
-        self._thread.start()
+        self._child = subprocess.Popen([sys.executable, "-c", _POLL_NVML, str(index)],
+                                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                       text=True)
         return self
 
     def __exit__(self, *exc):
-        if self._stop is not None:
-            self._stop.set()
-            self._thread.join()
-            self.mean = sum(self.values) / len(self.values) / 100.0 if self.values else None
+        if self._child is None:
+            return
+        self._child.terminate()
+        out, _ = self._child.communicate()
+        values = [int(v) for v in out.split() if v.isdigit()]
+        self.mean = sum(values) / len(values) / 100.0 if values else None
 
 
 def add_floors(results: list[dict], model_dir: Path, args) -> dict:
     """The floors of bench/floors.py, measured now, in this process, for each mode's
-    micro-batch (rows = samples x trained steps), plus diffusers' eager generate."""
+    micro-batch (rows = samples x trained steps), plus diffusers' eager generate.
+
+    ``floor_ms_per_transition``: the bare compiled forward + backward per row. The work floor
+    adds what the train stage must also do, each part measured bare: the no-grad forward of
+    the pi_old anchor for the samples of updates after the first, and per update one clip +
+    fused AdamW step over fp32 parameters of the trained shapes."""
     steps, tokens = 3, text_tokens(str(model_dir))
+    samples = 8 * args.groups
     floors: dict = {}
     for r in results:
         rows = int(r["micro_batch"] or args.micro_batch) * steps
         key = f"{r['mode']} x{rows}"
+        rank = 64 if r["mode"] == "lora" else 0
         if key not in floors:
-            rank = 64 if r["mode"] == "lora" else 0
-            floors[key] = fwd_bwd_ms(str(model_dir), rows, rank=rank, tokens=tokens) / rows
-        r["floor_ms_per_transition"] = floors[key]
-        r["floor_ratio"] = r["train_ms_per_transition"] / floors[key]
-    out = {"floor_ms_per_transition": floors, "text_tokens": tokens}
+            both = fwd_bwd_and_fwd_ms(str(model_dir), rows, rank=rank, tokens=tokens)
+            floors[key] = {"fwd_bwd": both[0] / rows, "fwd": both[1] / rows,
+                           "adam": adam_step_ms(trainable_shapes(str(model_dir), rank))}
+        f, updates = floors[key], int(r["updates"] or 1)
+        anchor_rows = samples * steps * (updates - 1) // updates
+        work_ms = (samples * steps * f["fwd_bwd"] + anchor_rows * f["fwd"]
+                   + updates * f["adam"])
+        r["floor_ms_per_transition"] = f["fwd_bwd"]
+        r["floor_ratio"] = r["train_ms_per_transition"] / f["fwd_bwd"]
+        r["work_floor_ms_per_transition"] = work_ms / (samples * steps)
+        r["work_floor_ratio"] = r["train_ms_per_transition"] / r["work_floor_ms_per_transition"]
+        r["floor_parts_ms"] = {"fwd_bwd_per_row": f["fwd_bwd"], "fwd_per_row": f["fwd"],
+                               "adam_step": f["adam"], "anchor_rows": anchor_rows}
+    out = {"floors": floors, "text_tokens": tokens}
     if args.diffusers:
         out["diffusers_images_per_s"] = diffusers_images_per_s(str(model_dir))
     return out
@@ -262,7 +290,7 @@ def add_floors(results: list[dict], model_dir: Path, args) -> dict:
 def print_table(results: list[dict], extra: dict, args) -> None:
     dev = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"\n| row | step s | rollout s | train s | train ms/transition | floor ms/transition"
-          f" | ratio | engine img/s | micro-batch | peak GB | recompiles | ratio0 | parity |"
+          f" | ratio / to work floor | engine img/s | micro-batch | peak GB | recompiles | ratio0 | parity |"
           f" ({dev}, {args.layers} layers, {8 * args.groups} samples)")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
@@ -270,12 +298,16 @@ def print_table(results: list[dict], extra: dict, args) -> None:
         print(f"| {r['label']} | {r['step_time']:.3f} | {st.get('perf/rollout_time', 0):.3f} | "
               f"{st.get('perf/train_time', 0):.3f} | {r['train_ms_per_transition']:.2f} | "
               f"{r.get('floor_ms_per_transition', float('nan')):.2f} | "
-              f"{r.get('floor_ratio', float('nan')):.2f} | "
+              f"{r.get('floor_ratio', float('nan')):.2f} / "
+              f"{r.get('work_floor_ratio', float('nan')):.2f} | "
               f"{8 * args.groups / st.get('perf/rollout_time', float('nan')):.1f} | "
               f"{r['micro_batch']} | {r['peak_gb']:.1f} | {r['recompiles']} | "
               f"{r['first_update_ratio']} | {r['logp_parity']} |")
         print("  stages:", {k: round(v, 4) for k, v in st.items()})
         print("  compute:", {k: round(v, 4) for k, v in r["compute"].items()})
+        if "floor_parts_ms" in r:
+            print("  work floor:", {k: round(v, 3) for k, v in r["floor_parts_ms"].items()},
+                  f"= {r['work_floor_ms_per_transition']:.2f} ms/transition")
     if "diffusers_images_per_s" in extra:
         print(f"diffusers eager QwenImagePipeline: {extra['diffusers_images_per_s']:.1f} img/s")
     peer = extra.get("peer")

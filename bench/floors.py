@@ -4,6 +4,9 @@
   or every weight trainable for full fine-tuning) on random inputs of the step's geometry and
   text length, each block compiled (or eager), no optimizer, no FSDP, no log-prob: what a
   replay micro-batch of ``rows`` transitions cannot go below.
+- ``adam_step_ms``: one clip + fused AdamW step over fp32 parameters of the trained shapes:
+  with the no-grad forward of the pi_old anchor, what a train stage does besides its
+  forwards and backwards (``bench_step.py``'s work floor).
 - ``diffusers_images_per_s``: diffusers' own QwenImagePipeline, eager, on the same model
   directory and geometry (text encoding, denoising loop, VAE decode): what the engine's
   generate is judged against.
@@ -102,6 +105,51 @@ def fwd_bwd_ms(model_dir: str, rows: int, *, rank: int = 64, compiled: bool = Tr
         return _median_ms(step, warmup=3, iters=10)
     finally:
         del model, step
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def fwd_bwd_and_fwd_ms(model_dir: str, rows: int, *, rank: int = 64, tokens: int = 32,
+                       height: int = 384, width: int = 384) -> tuple[float, float]:
+    """``fwd_bwd_ms`` and its ``forward_only`` twin on one loaded, compiled model."""
+    adapter, model = lora_transformer(model_dir, rank, True)
+    try:
+        return tuple(_median_ms(floor_step(adapter, model, rows, tokens=tokens, height=height,
+                                           width=width, forward_only=fwd), warmup=3, iters=10)
+                     for fwd in (False, True))
+    finally:
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def trainable_shapes(model_dir: str, rank: int) -> list[torch.Size]:
+    """Shapes of the parameters the actor trains: the LoRA's, or the whole transformer's."""
+    _, model = lora_transformer(model_dir, rank, compiled=False)
+    shapes = [p.shape for p in model.parameters() if p.requires_grad]
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return shapes
+
+
+def adam_step_ms(shapes: list[torch.Size], *, max_norm: float = 1.0) -> float:
+    """One optimizer step as the actor takes it, on fp32 master parameters of ``shapes``:
+    the gradient-norm clip (one fused norm, one scale) and torch's fused AdamW."""
+    params = [torch.zeros(s, device="cuda", dtype=torch.float32, requires_grad=True)
+              for s in shapes]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-5, fused=True)
+
+    def step():
+        torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        opt.step()
+
+    try:
+        return _median_ms(step, warmup=2, iters=5)
+    finally:
+        del params, opt
         gc.collect()
         torch.cuda.empty_cache()
 

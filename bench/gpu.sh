@@ -8,6 +8,7 @@
 #                                        default  recipe rows + floors + diffusers, then the peer
 #                                        offload  both modes with the colocate offloads forced
 #                                        nsys     two-step Nsight captures (REVS="after before")
+#                                                 and the train stages' GPU idle gaps
 #                                        profile  torch.profiler of one train stage + its floor
 #                                                 (bench/profile_train.py: GPU busy, idle gaps)
 #   bash bench/gpu.sh multigpu         every GPU of the host: weak scaling 1 -> N, two-node dry run
@@ -86,6 +87,8 @@ step_nsys() {
     "$nsys" stats --report nvtx_sum --format csv -o "$OUT/nvtx_$rev" "/tmp/step_$rev.nsys-rep" \
       > /dev/null 2>&1
     "$nsys" stats --report nvtx_sum "/tmp/step_$rev.nsys-rep" 2>/dev/null | head -40
+    # where the GPU waits inside each train stage (bench/nsys_gaps.py)
+    python3 bench/nsys_gaps.py "/tmp/step_$rev.nsys-rep" --nsys "$nsys" | tee "$OUT/gaps_$rev.txt"
     gzip -c "/tmp/step_$rev.nsys-rep" > "$OUT/step_$rev.nsys-rep.gz"
   done
 }

@@ -37,6 +37,9 @@ def record_step(results: list[dict], extra: dict, args) -> None:
         if "floor_ms_per_transition" in r:
             rec.add(case, "floor_ms_per_transition", r["floor_ms_per_transition"], "ms")
             rec.add(case, "floor_ratio", r["floor_ratio"], "x")
+        if "work_floor_ms_per_transition" in r:
+            rec.add(case, "work_floor_ms_per_transition", r["work_floor_ms_per_transition"], "ms")
+            rec.add(case, "work_floor_ratio", r["work_floor_ratio"], "x")
         rec.add(case, "peak_memory", r["peak_gb"], "GB")
         rec.add(case, "outside_compute_share", 100 * r["share_outside"], "%")
     if "diffusers_images_per_s" in extra:

@@ -30,3 +30,45 @@ def test_idle_gaps_lists_each_gap_with_the_cpu_ranges_open_then():
     assert "idle  0.75 ms" in lines[1] and "'after_gap'" in lines[1]
     assert "Optimizer.step" in lines[1] and "too_short" not in lines[1]
     assert "idle  0.45 ms" in lines[2] and "'late'" in lines[2] and "cpu: []" in lines[2]
+
+
+def _capture(path: Path) -> Path:
+    """A minimal Nsight Systems SQLite export: two kernels and a memcpy on the GPU, the train
+    stage and two ranges inside it on the host, CUDA API calls (times in ns)."""
+    import sqlite3
+    db = sqlite3.connect(str(path))
+    db.executescript("""
+        CREATE TABLE StringIds (id INTEGER PRIMARY KEY, value TEXT);
+        CREATE TABLE NVTX_EVENTS (start INT, end INT, text TEXT, textId INT, globalTid INT);
+        CREATE TABLE CUPTI_ACTIVITY_KIND_KERNEL (start INT, end INT);
+        CREATE TABLE CUPTI_ACTIVITY_KIND_MEMCPY (start INT, end INT);
+        CREATE TABLE CUPTI_ACTIVITY_KIND_RUNTIME (start INT, end INT, nameId INT);
+        INSERT INTO StringIds VALUES (1, 'train/optimizer'), (2, 'cudaLaunchKernel_v7000'),
+                                     (3, 'cudaStreamSynchronize_v3020');
+        INSERT INTO NVTX_EVENTS VALUES (0, 10000000, ':train', NULL, 7),
+                                       (0, 3000000, 'train/replay', NULL, 7),
+                                       (3000000, 10000000, NULL, 1, 7),
+                                       (3000000, 10000000, 'other thread', NULL, 8);
+        INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL VALUES (500000, 2500000), (2400000, 3500000),
+                                                      (6000000, 9950000);
+        INSERT INTO CUPTI_ACTIVITY_KIND_MEMCPY VALUES (3500000, 3600000);
+        INSERT INTO CUPTI_ACTIVITY_KIND_RUNTIME VALUES (3700000, 3900000, 2),
+                                                        (5000000, 6500000, 3);
+    """)
+    db.commit()
+    db.close()
+    return path
+
+
+def test_nsys_gaps_attributes_each_idle_gap_to_the_open_range(tmp_path):
+    import nsys_gaps
+    text = nsys_gaps.report(_capture(tmp_path / "cap.sqlite"), "train", gap_us=100, top=5)
+    lines = text.splitlines()
+    # busy: [0.5, 3.6) and [6.0, 9.95) ms = 7.05 ms; gaps: 0.5 ms at the start, 2.4 ms
+    # from 3.6 (the optimizer range) and 0.05 ms at the end (under 100 us: not a gap)
+    assert lines[0] == (":train: wall 10.0 ms, GPU busy 7.0 ms, 2 gaps >= 100 us = 2.9 ms")
+    assert "2.40     1  train/optimizer" in lines[2]
+    assert "0.50     1  train/replay" in lines[3]
+    # API time inside the gaps, clipped to them: the sync's 1.0 ms before 6.0, the launch 0.2
+    assert "1.00  cudaStreamSynchronize" in text and "0.20  cudaLaunchKernel" in text
+    assert nsys_gaps.report(tmp_path / "cap.sqlite", "rollout", 100, 5).startswith("no NVTX")

@@ -89,11 +89,17 @@ def test_later_updates_are_anchored_on_the_pre_update_policy(adapter, batch, mon
     trainer = stand_in_trainer(adapter, cfg, model)
     captured = {}
     real_anchors = update.anchors
+    real_select = update.select_micro_batches
 
-    def spy(tr, b, plan):
-        captured["plan"], captured["pi_old"] = plan, real_anchors(tr, b, plan).clone()
+    def spy_select(tr, b, adv, plan):
+        captured["plan"] = plan
+        return real_select(tr, b, adv, plan)
+
+    def spy(tr, selected):
+        captured["pi_old"] = real_anchors(tr, selected)
         return captured["pi_old"]
 
+    monkeypatch.setattr(update, "select_micro_batches", spy_select)
     monkeypatch.setattr(update, "anchors", spy)
     adv = torch.linspace(-1.0, 1.0, len(batch))
     out = update.train_on(trainer, batch, adv, rollout_id=3)
@@ -101,14 +107,13 @@ def test_later_updates_are_anchored_on_the_pre_update_policy(adapter, batch, mon
     # replayed micro-batch by micro-batch as the anchor pass does: the same row counts give
     # the same GEMM shapes, so bitwise equality does not depend on the CPU's kernel choice
     micro = captured["plan"].updates[1]
-    later = torch.cat(micro)
     with torch.no_grad():
         pre = torch.cat([replay_log_probs(adapter, before, batch.select(r)) for r in micro])
         post = torch.cat([replay_log_probs(adapter, model, batch.select(r)) for r in micro])
-    assert torch.equal(captured["pi_old"][later], pre)
+    assert torch.equal(torch.cat(captured["pi_old"][1]), pre)
     assert not torch.allclose(pre, post)  # the policy did move: the test can tell them apart
-    first = torch.cat(captured["plan"].updates[0])
-    assert torch.equal(captured["pi_old"][first], torch.zeros_like(pre))  # no forward spent
+    # no forward spent on the first update's anchors: its training forward is its own
+    assert captured["pi_old"][0] == [None] * len(captured["plan"].updates[0])
 
 
 def test_largest_fitting_divisor_picks_a_divisor_and_refuses_what_cannot_fit():

@@ -183,6 +183,11 @@ class TrainConfig:
     max_rollouts_without_step: int = _f(10, "--max-rollouts-without-step",
                                         "Stop with an error after this many consecutive "
                                         "rollouts with no optimizer step; 0 never stops.")
+    gc: str = _f("auto", "--train-gc",
+                 "Python garbage collection: 'rollout' (automatic collection off; after the first "
+                 "step the live heap is frozen and one full collection runs while the engine "
+                 "generates each rollout, so none pauses the host inside the train stage), "
+                 "'python' (Python's own schedule), 'auto' (rollout on CUDA, python on CPU).")
     anchor: str = _f("replay", "--train-anchor",
                      "pi_old source: 'replay' (actor's own no-grad replay before any optimizer "
                      "step: first ratio exactly 1) or 'engine' (the engine's recorded log-probs).")

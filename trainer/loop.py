@@ -31,6 +31,7 @@ from trainer.engine import launch_embedded_engine
 from trainer.engine.recovery import call_with_recovery
 from trainer.engine.sglang_sync import connect_sglang
 from trainer.evaluation import eval_sampling, eval_weights
+from trainer.host_gc import HostGarbageCollection, resolve_gc_mode
 from trainer.metrics import MetricsLogger, step_metrics
 from trainer.models.compile import compile_events, compile_wanted
 from trainer.profiling import ComputeMeter, ProfileWindow, StageTimer, add_times, nvtx_range
@@ -92,6 +93,7 @@ class Trainer(TrainerState):
         self.colocate = OffloadPolicy(cfg.fsdp.offload_policy,
                                       offload_rollout=cfg.rollout.offload_rollout,
                                       offload_train=cfg.fsdp.offload_train, device=self.device)
+        self.host_gc = HostGarbageCollection(resolve_gc_mode(cfg.train.gc, self.device))
         self._build_data()
         self._build_engine()
         self._build_reward()
@@ -195,7 +197,8 @@ class Trainer(TrainerState):
                 return self.driver.generate(mine, self.cfg.rollout.n_samples_per_prompt,
                                             rollout_id=rollout_id,
                                             policy_version=self.policy_version,
-                                            progress=self.cfg.logging.progress and self.rank == 0)
+                                            progress=self.cfg.logging.progress and self.rank == 0,
+                                            while_waiting=self.host_gc.while_engine_works)
         batch = call_with_recovery(self, "rollout", generate)
         return batch
 
@@ -346,6 +349,7 @@ class Trainer(TrainerState):
             outside=self.outside.pop(), samples=len(batch), sde_steps=len(batch.sde_indices),
             world=self.world, counters=self.counters(), device=self.device))
         self._watch_recompiles(rollout_id, recompiles)
+        self.host_gc.step_done()
         return self._reduce_metrics(metrics)
 
     def _watch_recompiles(self, rollout_id: int, count: float) -> None:
@@ -472,6 +476,9 @@ class Trainer(TrainerState):
                 save_checkpoint(self, step, final=is_last)
 
     def close(self) -> None:
+        host_gc = getattr(self, "host_gc", None)
+        if host_gc is not None:
+            host_gc.close()
         for obj in (getattr(self, "sender", None), getattr(self, "engine", None)):
             if obj is not None:
                 try:

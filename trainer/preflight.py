@@ -197,6 +197,7 @@ def _check_geometry(c: Checker) -> None:
     c.at_least("train.num_rollouts", t.num_rollouts, 1)
     c.one_of("train.advantage_estimator", t.advantage_estimator, ("grpo",))
     c.one_of("train.anchor", t.anchor, ("replay", "engine"))
+    c.one_of("train.gc", t.gc, ("auto", "rollout", "python"))
     if t.num_updates_per_batch == 1:
         c.warn(f"{flagged('train.num_updates_per_batch')}=1: the ratio is 1 throughout, so with "
                f"group-centred advantages the clipped loss is 0 by construction; use >= 2")

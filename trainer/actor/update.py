@@ -9,6 +9,8 @@ pi_old (the anchor of the ratio) is frozen before the first optimizer step:
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -22,18 +24,33 @@ from trainer.profiling import nvtx_range
 from trainer.rewards.advantages import micro_batch_scale
 
 
-def anchors(trainer, batch, plan) -> torch.Tensor:
-    """pi_old of every row, frozen before the first optimizer step (module docstring).
-    Rows of update 0 are left at 0: their forward is their own anchor."""
+def select_micro_batches(trainer, batch, advantages: torch.Tensor, plan) -> list[list[tuple]]:
+    """Every planned micro-batch as (rows of ``batch``, their advantages), on the model's device,
+    gathered before the stage queues any GPU work. Indexing device tensors with host row
+    indices copies the indices with a stream synchronisation (so does moving host advantages):
+    between micro-batches each such copy would make the host wait for the GPU to drain, and the
+    host could never queue work ahead of it. Here the GPU is idle anyway."""
+    device = next(trainer.model.parameters()).device
+    adv = advantages.to(device)
+    # the sigmas come back from the response check on the host
+    batch = dataclasses.replace(batch, sigmas=batch.sigmas.to(device),
+                                sigmas_next=batch.sigmas_next.to(device))
+    return [[(batch.select(rows), adv[rows.to(device)]) for rows in micro_batches]
+            for micro_batches in plan.updates]
+
+
+def anchors(trainer, micro: list[list[tuple]]) -> list[list[torch.Tensor | None]]:
+    """pi_old of every micro-batch's rows (``micro`` as ``select_micro_batches`` lays it out),
+    frozen before the first optimizer step (module docstring). Under ``"replay"`` update 0's
+    entries are None: their forward is their own anchor."""
     if trainer.cfg.train.anchor == "engine":
-        return batch.log_probs
-    out = torch.zeros_like(batch.log_probs)
+        return [[mb.log_probs for mb, _ in micro_batches] for micro_batches in micro]
+    out: list[list[torch.Tensor | None]] = [[None] * len(micro[0])]
     with torch.no_grad(), nvtx_range("train/anchor"):
-        for micro_batches in plan.updates[1:]:
-            for rows in micro_batches:
-                lp = replay_log_probs(trainer.adapter, trainer.model, batch.select(rows),
-                                      meter=trainer.meter)
-                out[rows.to(out.device)] = lp.float().to(out.device)
+        for micro_batches in micro[1:]:
+            out.append([replay_log_probs(trainer.adapter, trainer.model, mb,
+                                         meter=trainer.meter).float()
+                        for mb, _ in micro_batches])
     # The gathered parameters stay for the first update's training forward (same parameters,
     # so FSDP2 skips its gather); that update's backward reshards them before any optimizer step.
     return out
@@ -178,20 +195,22 @@ def train_on(trainer, batch, advantages: torch.Tensor, rollout_id: int) -> dict[
         return {**base, "train/optimizer_steps": 0.0,
                 "train/optimizer_skips": float(len(plan.updates))}
     trainer.model.train()
-    pi_old = anchors(trainer, batch, plan)
-    sums: dict[str, list[torch.Tensor]] = {}
+    # everything that copies between host and device, before any GPU work is queued
+    # (select_micro_batches says why)
+    selected = select_micro_batches(trainer, batch, advantages, plan)
+    scales = [[micro_batch_scale(advantages, rows, micro_batches,
+                                 drop_zero_advantage=cfg.train.drop_zero_advantage)
+               for rows in micro_batches] for micro_batches in plan.updates]
     # the tensors the optimizer steps (FSDP2's sharded parameters), whatever the module holds
     params = [p for group in trainer.optimizer.param_groups for p in group["params"]]
     steps = (DeviceSkips(trainer, len(plan.updates), params[0].device)
              if skips_on_device(trainer) else HostSkips(trainer))
+    pi_old = anchors(trainer, selected)
+    sums: dict[str, list[torch.Tensor]] = {}
     grad_norms, skip_flags = [], []
-    for u, micro_batches in enumerate(plan.updates):
-        own_anchor = u == 0 and cfg.train.anchor == "replay"
-        for rows in micro_batches:
-            scale = micro_batch_scale(advantages, rows, micro_batches,
-                                      drop_zero_advantage=cfg.train.drop_zero_advantage)
-            stats = forward_backward(trainer, batch.select(rows), advantages[rows], scale,
-                                     None if own_anchor else pi_old[rows])
+    for u, micro_batches in enumerate(selected):
+        for m, (mb, adv) in enumerate(micro_batches):
+            stats = forward_backward(trainer, mb, adv, scales[u][m], pi_old[u][m])
             if u == 0:
                 sums.setdefault("first_update_ratio_mean", []).append(stats["ratio_mean"])
             for k, v in stats.items():

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -137,8 +137,11 @@ class RolloutDriver:
     # ---- one rollout ---------------------------------------------------------------------------
     def generate(self, records: list[dict[str, Any]], n_samples_per_prompt: int, *,
                  rollout_id: int | None, policy_version: int, write_artifacts: bool = True,
-                 progress: bool = False) -> RolloutBatch:
-        """Generate ``n_samples_per_prompt`` candidates per record; ``rollout_id=None`` is eval."""
+                 progress: bool = False,
+                 while_waiting: Callable[[], None] | None = None) -> RolloutBatch:
+        """Generate ``n_samples_per_prompt`` candidates per record; ``rollout_id=None`` is eval.
+        ``while_waiting`` runs once, on this thread, after the first requests are sent and
+        before their answers are awaited (host work that then costs no time)."""
         self._check_records(records, n_samples_per_prompt)
         n = n_samples_per_prompt
         sde = self.sampling_config.noise_steps(rollout_id)
@@ -178,6 +181,8 @@ class RolloutDriver:
                 wave = list(range(start, min(start + num_engines, len(requests))))
                 futures = {i: pool.submit(self._serve, self.engines[i % num_engines], requests[i])
                            for i in wave}
+                if while_waiting is not None and start == 0:
+                    while_waiting()
                 for i in wave:
                     packed[i], reported, compute = futures[i].result()
                     add_times(self.last_compute_s, compute)
