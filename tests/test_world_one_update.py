@@ -1,8 +1,10 @@
 """The update at world size 1 and its optimizer step: FSDP2's defaults there (gathered blocks
 kept, the frozen base left out, one unit for the adapter) train as the other settings do, the
-clip on local shards equals torch's, and the non-finite skip decided on the device equals the
-host check."""
+clip on local shards equals torch's, the non-finite skip decided on the device equals the
+host check, and (CUDA) the update queues its GPU work without waiting for it."""
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -159,3 +161,45 @@ def test_skip_on_device_steps_like_the_host_check(device, adapter, batch, tmp_pa
         assert len(d_state) == len(h_state)
         for hs, ds in zip(h_state, d_state):
             assert hs.keys() == ds.keys() and all(torch.equal(hs[k], ds[k]) for k in hs)
+
+
+def _strict(fn):
+    """``fn`` under torch.cuda.set_sync_debug_mode("error"): any call that makes the host wait
+    for the GPU (a blocking copy, a host read) raises."""
+    def wrapped(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return wrapped
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_update_queues_its_gpu_work_without_waiting_for_it(adapter, batch, tmp_path,
+                                                                monkeypatch):
+    """Once the micro-batches are selected, nothing in the update makes the host wait for the
+    GPU until the metrics are read at its end: every anchor replay, forward + backward and
+    optimizer step runs in sync-debug "error" mode, so the host can queue the whole stage
+    ahead of the GPU. The batch lies as the engine returns it: tensors on the GPU, sigmas on
+    the host. Control: selecting rows of that batch with host indices does synchronise."""
+    on_gpu = dataclasses.replace(
+        batch, latents=batch.latents.cuda(), next_latents=batch.next_latents.cuda(),
+        log_probs=batch.log_probs.cuda(),
+        conditions={k: v.cuda() for k, v in batch.conditions.items()})
+    with pytest.raises(RuntimeError, match="synchroniz"):
+        _strict(on_gpu.select)(torch.tensor([0, 1]))
+    with one_rank_group(tmp_path, "nccl"):
+        cfg = lora_cfg("train.adam_fused=true", "train.micro_batch_size=2")
+        model = build_actor(adapter, cfg, torch.device("cuda"), distributed=True)
+        trainer = stand_in_trainer(adapter, cfg, model)
+        trainer.device = torch.device("cuda")
+        assert update.skips_on_device(trainer)
+        adv = torch.linspace(-1.0, 1.0, len(batch))
+        update.train_on(trainer, on_gpu, adv, rollout_id=3)  # compiles and warms up: not judged
+        monkeypatch.setattr(update, "forward_backward", _strict(update.forward_backward))
+        monkeypatch.setattr(update, "replay_log_probs", _strict(update.replay_log_probs))
+        monkeypatch.setattr(update.DeviceSkips, "step", _strict(update.DeviceSkips.step))
+        out = update.train_on(trainer, on_gpu, adv, rollout_id=4)
+        assert out["train/optimizer_steps"] == 2.0 and out["train/optimizer_skips"] == 0.0
