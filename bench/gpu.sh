@@ -6,6 +6,7 @@
 #   bash bench/gpu.sh engine           rollout side: engine generate bench, reward scoring bench
 #   bash bench/gpu.sh step [VARIANT]   one training step (bench_step.py) on the 8-layer model:
 #                                        default  recipe rows + floors + diffusers, then the peer
+#                                                 and the LoRA row with the peer's pi_old
 #                                        offload  both modes with the colocate offloads forced
 #                                        nsys     two-step Nsight captures (REVS="after before")
 #                                                 and the train stages' GPU idle gaps
@@ -52,6 +53,10 @@ purpose_step() {
       --diffusers ${STEP_ARGS:-}
     TAIL=14 step peer "${SECS2:-230}" $STEP --out "$LOGS/peer.json" --modes lora --no-offload \
       --micro-batch 4 --label "mb4-no-offload-" --peer ${STEP_ARGS:-}
+    # the peer's algorithm exactly: pi_old from the sampling log-probs, no anchor forward
+    TAIL=8 step engine_anchor "${SECS3:-150}" $STEP --out "$LOGS/engine_anchor.json" --modes lora \
+      --no-offload --micro-batch 4 --label "mb4-no-offload-engine-anchor-" \
+      --set train.anchor=engine ${STEP_ARGS:-}
     ;;
   offload)
     TAIL=14 step offload_always "${SECS:-300}" $STEP --out "$LOGS/always.json" --modes lora full \

@@ -32,9 +32,10 @@ def select_micro_batches(trainer, batch, advantages: torch.Tensor, plan) -> list
     host could never queue work ahead of it. Here the GPU is idle anyway."""
     device = next(trainer.model.parameters()).device
     adv = advantages.to(device)
-    # the sigmas come back from the response check on the host
+    # the sigmas come back from the response check on the host; the images (the reward's)
+    # are not replayed, so no micro-batch copies them
     batch = dataclasses.replace(batch, sigmas=batch.sigmas.to(device),
-                                sigmas_next=batch.sigmas_next.to(device))
+                                sigmas_next=batch.sigmas_next.to(device), images=None)
     return [[(batch.select(rows), adv[rows.to(device)]) for rows in micro_batches]
             for micro_batches in plan.updates]
 
