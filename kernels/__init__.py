@@ -5,7 +5,8 @@ Imports torch only; Triton is imported when a Triton kernel is first needed.
 """
 from .advantages import normalize_grouped
 from .grpo_loss import grpo_clip_loss
-from .sde import SDEStepOutput, resolve_backend, sde_kl, sde_log_prob, sde_step
+from .sde import (SDEStepOutput, check_schedule, resolve_backend, sde_kl, sde_log_prob,
+                  sde_step)
 
-__all__ = ["SDEStepOutput", "grpo_clip_loss", "normalize_grouped", "resolve_backend", "sde_kl",
-           "sde_log_prob", "sde_step"]
+__all__ = ["SDEStepOutput", "check_schedule", "grpo_clip_loss", "normalize_grouped",
+           "resolve_backend", "sde_kl", "sde_log_prob", "sde_step"]

@@ -148,6 +148,29 @@ def check_step_inputs(op: str, named: list[tuple[str, object]], sigma, sigma_nex
     return resolved
 
 
+def check_schedule(sigmas, sde_steps, *, eta: float, sde_type: str = "sde",
+                   sigma_one: str = "refuse", log_prob_form: str = "gaussian") -> None:
+    """Check a whole sampling schedule's options and sigma values on the host, as ``sde_step``
+    checks one step given float sigmas: step ``i`` goes ``sigmas[i] -> sigmas[i + 1]``,
+    stochastic (``eta``, ``sde_type``) where ``i`` is in ``sde_steps``, the deterministic Euler
+    step elsewhere. One ValueError naming every bad step. A loop that checked its schedule
+    here passes ``validate=False`` to its steps: with sigma tensors each validated step costs
+    a host sync, which mid-loop drains the forwards queued before it."""
+    stochastic_steps = {int(i) for i in sde_steps}
+    problems = []
+    for i in range(len(sigmas) - 1):
+        s, s_next = float(sigmas[i]), float(sigmas[i + 1])
+        step_eta, step_type = (eta, sde_type) if i in stochastic_steps else (0.0, "ode")
+        found = _option_problems(step_eta, step_type, "auto", False, sigma_one, log_prob_form)
+        if not found:
+            found = _sigma_value_problems(s, s_next, 1, "cpu", sde_type=step_type, eta=step_eta,
+                                          replay=False, sigma_one=sigma_one,
+                                          log_prob_form=log_prob_form)
+        problems += [f"step {i} ({s:.6g} -> {s_next:.6g}): {p}" for p in found]
+    if problems:
+        raise ValueError("sampling schedule: invalid:\n  - " + "\n  - ".join(problems))
+
+
 def _option_problems(eta, sde_type, backend, replay, sigma_one, log_prob_form) -> list[str]:
     problems: list[str] = []
     if sde_type not in SDE_TYPES:

@@ -57,6 +57,9 @@ def denoise(velocity_fn: VelocityFn, x: torch.Tensor, sigmas: Sequence[float],
     trajectory = torch.empty((batch, n_sde if record else 0, 2, *x.shape[1:]), dtype=x.dtype,
                              device=x.device)
     log_probs = torch.empty((batch, n_sde), dtype=torch.float32, device=x.device)
+    # every step's sigma values checked once, on the host, before any step is queued: the
+    # steps then skip validation, which with their sigma tensors would sync with the GPU
+    kernels.check_schedule(sigmas, sde_slot, eta=eta, sde_type=sde_type, **(sde_options or {}))
     sigma_dev = torch.tensor([float(s) for s in sigmas], dtype=torch.float32, device=x.device)
     with nvtx_range("rollout/denoise"):
         for i in range(num_steps):
@@ -68,10 +71,10 @@ def denoise(velocity_fn: VelocityFn, x: torch.Tensor, sigmas: Sequence[float],
             slot = sde_slot.get(i)
             if slot is None:
                 x = kernels.sde_step(x, v, s, s_next, eta=0.0, sde_type="ode", backend=backend,
-                                     validate=i == 0).prev_sample
+                                     validate=False).prev_sample
                 continue
             out = kernels.sde_step(x, v, s, s_next, eta=eta, sde_type=sde_type, noise=noise_fn(i),
-                                   backend=backend, validate=i == 0 or slot == 0,
+                                   backend=backend, validate=False,
                                    **(sde_options or {}))
             if record:
                 trajectory[:, slot, 0].copy_(x)
