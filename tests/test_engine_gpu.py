@@ -98,3 +98,25 @@ def test_spawned_cuda_engine_with_ipc_sync(model_dir):
         local.close()
         sender.close()
         client.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_sampler_loop_never_waits_for_the_gpu():
+    """The engine's denoise loop (ODE and SDE steps, the fused kernels, the recorded
+    trajectory) runs in torch's sync-debug "error" mode: nothing in it makes the host wait
+    for the GPU, so the host queues the steps ahead of it. Control: a host read raises."""
+    from trainer.engine.sampler import denoise
+
+    x = torch.randn(4, 256, 64, device="cuda")
+    noise = torch.randn(4, 256, 64, device="cuda")
+    sigmas = [1.0, 0.9, 0.75, 0.5, 0.3, 0.0]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            x.sum().item()
+        out = denoise(lambda z, s: 0.5 * z, x, sigmas, [1, 2], eta=0.7, sde_type="sde",
+                      noise_fn=lambda i: noise)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.log_probs.shape == (4, 2) and bool(torch.isfinite(out.log_probs).all())

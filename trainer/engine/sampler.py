@@ -60,7 +60,10 @@ def denoise(velocity_fn: VelocityFn, x: torch.Tensor, sigmas: Sequence[float],
     # every step's sigma values checked once, on the host, before any step is queued: the
     # steps then skip validation, which with their sigma tensors would sync with the GPU
     kernels.check_schedule(sigmas, sde_slot, eta=eta, sde_type=sde_type, **(sde_options or {}))
-    sigma_dev = torch.tensor([float(s) for s in sigmas], dtype=torch.float32, device=x.device)
+    sigma_dev = torch.tensor([float(s) for s in sigmas], dtype=torch.float32)
+    # a pageable host copy would wait for the GPU; a pinned one is queued like a kernel
+    sigma_dev = (sigma_dev.pin_memory().to(x.device, non_blocking=True)
+                 if x.device.type == "cuda" else sigma_dev.to(x.device))
     with nvtx_range("rollout/denoise"):
         for i in range(num_steps):
             # The kernels get the same fp32 [B] sigma tensors the actor's replay passes
