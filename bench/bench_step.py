@@ -272,7 +272,9 @@ def add_floors(results: list[dict], model_dir: Path, args) -> dict:
             floors[key] = {"fwd_bwd": both[0] / rows, "fwd": both[1] / rows,
                            "adam": adam_step_ms(trainable_shapes(str(model_dir), rank))}
         f, updates = floors[key], int(r["updates"] or 1)
-        anchor_rows = samples * steps * (updates - 1) // updates
+        # no anchor forward when pi_old is the engine's recorded log-probs
+        engine_anchor = "train.anchor=engine" in args.set
+        anchor_rows = 0 if engine_anchor else samples * steps * (updates - 1) // updates
         work_ms = (samples * steps * f["fwd_bwd"] + anchor_rows * f["fwd"]
                    + updates * f["adam"])
         r["floor_ms_per_transition"] = f["fwd_bwd"]
