@@ -44,8 +44,7 @@ from transformers import (AutoTokenizer, Qwen2_5_VLConfig,  # noqa: E402
                           Qwen2_5_VLForConditionalGeneration)
 
 from bench_rewards import build_model_dir  # noqa: E402
-from floors import (adam_step_ms, diffusers_images_per_s,  # noqa: E402
-                    fwd_bwd_and_fwd_ms, text_tokens, trainable_shapes)
+from floors import diffusers_images_per_s, text_tokens, train_floors  # noqa: E402
 from peer_step import run_peer  # noqa: E402
 from record_rows import record_step  # noqa: E402
 from tiny_models import write_qwen2_tokenizer  # noqa: E402
@@ -268,9 +267,9 @@ def add_floors(results: list[dict], model_dir: Path, args) -> dict:
         key = f"{r['mode']} x{rows}"
         rank = 64 if r["mode"] == "lora" else 0
         if key not in floors:
-            both = fwd_bwd_and_fwd_ms(str(model_dir), rows, rank=rank, tokens=tokens)
-            floors[key] = {"fwd_bwd": both[0] / rows, "fwd": both[1] / rows,
-                           "adam": adam_step_ms(trainable_shapes(str(model_dir), rank))}
+            ms = train_floors(str(model_dir), rows, rank=rank, tokens=tokens)
+            floors[key] = {"fwd_bwd": ms["fwd_bwd"] / rows, "fwd": ms["fwd"] / rows,
+                           "adam": ms["adam"]}
         f, updates = floors[key], int(r["updates"] or 1)
         # no anchor forward when pi_old is the engine's recorded log-probs
         engine_anchor = "train.anchor=engine" in args.set

@@ -1,12 +1,11 @@
 """Floors measured in the same run as the step they judge (bench_step.py).
 
-- ``fwd_bwd_ms``: the bare bf16 forward + backward of the same transformer (with its LoRA,
+- ``train_floors``: the bare bf16 forward + backward of the same transformer (with its LoRA,
   or every weight trainable for full fine-tuning) on random inputs of the step's geometry and
-  text length, each block compiled (or eager), no optimizer, no FSDP, no log-prob: what a
-  replay micro-batch of ``rows`` transitions cannot go below.
-- ``adam_step_ms``: one clip + fused AdamW step over fp32 parameters of the trained shapes:
-  with the no-grad forward of the pi_old anchor, what a train stage does besides its
-  forwards and backwards (``bench_step.py``'s work floor).
+  text length, each block compiled, no optimizer, no FSDP, no log-prob: what a replay
+  micro-batch of ``rows`` transitions cannot go below; beside it the no-grad forward (what the
+  pi_old anchor costs at best) and one clip + fused AdamW step over fp32 parameters of the
+  trained shapes (``adam_step_ms``): together ``bench_step.py``'s work floor.
 - ``diffusers_images_per_s``: diffusers' own QwenImagePipeline, eager, on the same model
   directory and geometry (text encoding, denoising loop, VAE decode): what the engine's
   generate is judged against.
@@ -32,8 +31,7 @@ def text_tokens(model_dir: str) -> int:
     frozen = adapter.load_frozen(device="cuda", dtype=torch.bfloat16)
     length = int(adapter.encode_prompts(frozen, [BENCH_PROMPT])["prompt_embeds"].shape[1])
     del frozen
-    gc.collect()
-    torch.cuda.empty_cache()
+    _release()
     return length
 
 
@@ -95,42 +93,26 @@ def floor_step(adapter, model, rows: int, *, tokens: int = 32, height: int = 384
     return step
 
 
-def fwd_bwd_ms(model_dir: str, rows: int, *, rank: int = 64, compiled: bool = True,
-               height: int = 384, width: int = 384, forward_only: bool = False,
-               tokens: int = 32) -> float:
-    adapter, model = lora_transformer(model_dir, rank, compiled)
-    step = floor_step(adapter, model, rows, tokens=tokens, height=height, width=width,
-                      forward_only=forward_only)
-    try:
-        return _median_ms(step, warmup=3, iters=10)
-    finally:
-        del model, step
-        gc.collect()
-        torch.cuda.empty_cache()
-
-
-def fwd_bwd_and_fwd_ms(model_dir: str, rows: int, *, rank: int = 64, tokens: int = 32,
-                       height: int = 384, width: int = 384) -> tuple[float, float]:
-    """``fwd_bwd_ms`` and its ``forward_only`` twin on one loaded, compiled model."""
-    adapter, model = lora_transformer(model_dir, rank, True)
-    try:
-        return tuple(_median_ms(floor_step(adapter, model, rows, tokens=tokens, height=height,
-                                           width=width, forward_only=fwd), warmup=3, iters=10)
-                     for fwd in (False, True))
-    finally:
-        del model
-        gc.collect()
-        torch.cuda.empty_cache()
-
-
-def trainable_shapes(model_dir: str, rank: int) -> list[torch.Size]:
-    """Shapes of the parameters the actor trains: the LoRA's, or the whole transformer's."""
-    _, model = lora_transformer(model_dir, rank, compiled=False)
-    shapes = [p.shape for p in model.parameters() if p.requires_grad]
-    del model
+def _release() -> None:
+    """Give a dropped model's device memory back before the next measurement."""
     gc.collect()
     torch.cuda.empty_cache()
-    return shapes
+
+
+def train_floors(model_dir: str, rows: int, *, rank: int = 64, tokens: int = 32,
+                 height: int = 384, width: int = 384) -> dict[str, float]:
+    """The floors of a train stage on micro-batches of ``rows`` rows, in ms, from one loaded,
+    compiled model: ``fwd_bwd`` and ``fwd`` per micro-batch, ``adam`` per optimizer step."""
+    adapter, model = lora_transformer(model_dir, rank, True)
+    try:
+        fwd_bwd, fwd = (_median_ms(floor_step(adapter, model, rows, tokens=tokens,
+                                              height=height, width=width, forward_only=only),
+                                   warmup=3, iters=10) for only in (False, True))
+        shapes = [p.shape for p in model.parameters() if p.requires_grad]
+    finally:
+        del model
+        _release()
+    return {"fwd_bwd": fwd_bwd, "fwd": fwd, "adam": adam_step_ms(shapes)}
 
 
 def adam_step_ms(shapes: list[torch.Size], *, max_norm: float = 1.0) -> float:
@@ -150,8 +132,7 @@ def adam_step_ms(shapes: list[torch.Size], *, max_norm: float = 1.0) -> float:
         return _median_ms(step, warmup=2, iters=5)
     finally:
         del params, opt
-        gc.collect()
-        torch.cuda.empty_cache()
+        _release()
 
 
 def diffusers_images_per_s(model_dir: str, *, batch: int = 8, steps: int = 12,
@@ -168,5 +149,4 @@ def diffusers_images_per_s(model_dir: str, *, batch: int = 8, steps: int = 12,
         return batch / (_median_ms(generate, warmup=1, iters=3) / 1000.0)
     finally:
         del pipe
-        gc.collect()
-        torch.cuda.empty_cache()
+        _release()

@@ -141,7 +141,7 @@ class RolloutDriver:
                  while_waiting: Callable[[], None] | None = None) -> RolloutBatch:
         """Generate ``n_samples_per_prompt`` candidates per record; ``rollout_id=None`` is eval.
         ``while_waiting`` runs once, on this thread, after the first requests are sent and
-        before their answers are awaited (host work that then costs no time)."""
+        before their answers are awaited (host work done while the engines work)."""
         self._check_records(records, n_samples_per_prompt)
         n = n_samples_per_prompt
         sde = self.sampling_config.noise_steps(rollout_id)
