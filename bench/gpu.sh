@@ -3,7 +3,8 @@
 # tool (under its 10-minute limit):
 #   bash bench/gpu.sh kernels          SDE log-prob kernels: GPU tests, then the bench (SWEEP=1: tilings)
 #   bash bench/gpu.sh ipc              weight-sync transport: CUDA tests, then the bench with its sweep
-#   bash bench/gpu.sh engine           rollout side: engine generate bench, reward scoring bench
+#   bash bench/gpu.sh engine           rollout side: engine generate bench, reward scoring bench,
+#                                      the transformer's forward with and without the fast paths
 #   bash bench/gpu.sh step [VARIANT]   one training step (bench_step.py) on the 8-layer model:
 #                                        default  recipe rows + floors + diffusers, then the peer
 #                                                 and the LoRA row with the peer's pi_old
@@ -44,6 +45,7 @@ purpose_ipc() {
 purpose_engine() {
   TAIL=20 step engine_bench 150 python3 bench/bench_engine.py --out "$LOGS/engine.md"
   TAIL=20 step rewards_bench 100 python3 bench/bench_rewards.py --out "$LOGS/rewards.json"
+  TAIL=6 step forward_bench 300 python3 bench/bench_forward.py --model-dir "$MODEL"
 }
 
 purpose_step() {
@@ -118,6 +120,8 @@ purpose_gpu-tests() {
     --impls eager,triton
   step smoke_ipc 60 python3 bench/bench_ipc.py --smoke
   step smoke_engine 60 python3 bench/bench_engine.py --tiny --layers 2 --warmup 1 --repeats 1
+  step smoke_forward 150 python3 bench/bench_forward.py --tiny --layers 2 --repeats 2 --batch 2 \
+    --rows 2
   step smoke_rewards 60 python3 bench/bench_rewards.py --tiny --images 8 --resolution 64 \
     --prompts 2 --repeats 1 --batch-sizes 8 --out "$LOGS/smoke_rewards.json"
   # the step bench with its floors, diffusers' pipeline and the peer loop (peer_step.py, floors.py)

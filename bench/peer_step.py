@@ -26,8 +26,8 @@ from peft import LoraConfig, get_peft_model  # noqa: E402
 
 from kernels.sde_reference import sde_log_prob_ref, sde_step_ref  # noqa: E402
 from record_rows import record_peer  # noqa: E402
-from trainer.models.qwen_image import (QwenImageAdapter,  # noqa: E402
-                                       install_sync_free_text_lengths)
+from trainer.models.qwen_fast_paths import install_fast_paths  # noqa: E402
+from trainer.models.qwen_image import QwenImageAdapter  # noqa: E402
 from trainer.rewards.jpeg import jpeg_kilobytes  # noqa: E402
 
 QWEN_LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj",
@@ -124,8 +124,8 @@ def run_peer(model_dir: str, *, micro_batch: int, updates: int, rollouts: int,
              samples: int = 8) -> dict:
     loop = PeerLoop(model_dir)
     # stock diffusers, as the reference runs it: the adapter that loaded the model installs
-    # the trainer's sync-free text-length helper (trainer/models/qwen_image.py), process-wide
-    install_sync_free_text_lengths(False)
+    # the trainer's faster paths (trainer/models/qwen_fast_paths.py), process-wide
+    install_fast_paths(False)
     torch.cuda.reset_peak_memory_stats()
     times = [loop.step([f"a photo of a red panda number {r} in a teacup"] * samples, seed=r,
                        micro_batch=micro_batch, updates=updates) for r in range(rollouts)]
@@ -136,7 +136,7 @@ def run_peer(model_dir: str, *, micro_batch: int, updates: int, rollouts: int,
     out.update(micro_batch=micro_batch, updates=updates)
     del loop
     torch.cuda.empty_cache()
-    install_sync_free_text_lengths(True)
+    install_fast_paths(True)
     return out
 
 

@@ -75,9 +75,9 @@ class FixtureAdapter(GenerativeModelAdapter):
                          device: str | torch.device = "cpu") -> nn.Module:
         from diffusers import QwenImageTransformer2DModel
 
-        from trainer.models.qwen_image import install_sync_free_text_lengths
+        from trainer.models.qwen_fast_paths import install_fast_paths
 
-        install_sync_free_text_lengths()  # as QwenImageAdapter loads the same transformer
+        install_fast_paths()  # as QwenImageAdapter loads the same transformer
         return QwenImageTransformer2DModel.from_pretrained(
             self.model_path, subfolder="transformer", torch_dtype=dtype).to(device)
 

@@ -323,33 +323,3 @@ def test_qwen_channels_last_decoder_decodes_the_same_images(tiny_model_dir):
                          and not m.weight.is_contiguous() for m in convs)
     assert torch.equal(adapter.decode(frozen, x, H, W), before)
 
-
-def test_qwen_text_lengths_equal_diffusers_without_a_host_copy(tiny_model_dir):
-    """trainer.models.qwen_image.text_seq_len_from_mask returns what diffusers' own
-    compute_text_seq_len_from_mask returns (lengths, dtype, bool mask; rows with no active
-    token; no mask; a mask of the wrong shape refused), and loading a Qwen-Image transformer
-    through the adapter points diffusers' forward at it; install(False) restores diffusers'."""
-    from diffusers.models.transformers import transformer_qwenimage as module
-
-    from trainer.models.qwen_image import (QwenImageAdapter, install_sync_free_text_lengths,
-                                           text_seq_len_from_mask)
-
-    install_sync_free_text_lengths(False)
-    stock = module.compute_text_seq_len_from_mask
-    assert stock is not text_seq_len_from_mask
-    gen = torch.Generator().manual_seed(0)
-    for trial in range(20):
-        hidden = torch.randn(4, 9, 3, generator=gen)
-        mask = (torch.rand(4, 9, generator=gen) > 0.6).long()
-        mask[trial % 4] = 0  # a row with no active token: the full length
-        want, got = stock(hidden, mask), text_seq_len_from_mask(hidden, mask)
-        assert got[0] == want[0] and got[1].dtype == want[1].dtype
-        assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
-    assert text_seq_len_from_mask(hidden, None) == stock(hidden, None) == (9, None, None)
-    with pytest.raises(ValueError, match="must match"):
-        text_seq_len_from_mask(hidden, mask[:, :5])
-    QwenImageAdapter(str(tiny_model_dir("qwen_image"))).load_train_model()
-    assert module.compute_text_seq_len_from_mask is text_seq_len_from_mask
-    install_sync_free_text_lengths(False)
-    assert module.compute_text_seq_len_from_mask is stock
-    install_sync_free_text_lengths(True)

@@ -21,43 +21,10 @@ import torch
 from torch import nn
 
 from trainer.models.diffusers_base import PackedLatentsAdapter, images_to_uint8
+from trainer.models.qwen_fast_paths import install_fast_paths
 
 # diffusers and transformers are imported inside the methods that need them, so importing
 # the adapter class (as the config checks do) imports neither: trainer/models/diffusers_base.py.
-
-
-def text_seq_len_from_mask(encoder_hidden_states: torch.Tensor,
-                           encoder_hidden_states_mask: torch.Tensor | None):
-    """diffusers' ``compute_text_seq_len_from_mask``, the same values without its one
-    host-to-device copy: the fallback length there is a scalar tensor built on the host and
-    copied to the device, a copy that makes the host wait for the GPU at the start of every
-    transformer forward (the pipeline passes no mask when it is all ones, so it never meets
-    it; the engine and the replay always pass the mask). A Python scalar in ``torch.where``
-    needs no copy."""
-    batch_size, text_seq_len = encoder_hidden_states.shape[:2]
-    if encoder_hidden_states_mask is None:
-        return text_seq_len, None, None
-    if encoder_hidden_states_mask.shape[:2] != (batch_size, text_seq_len):
-        raise ValueError(f"encoder_hidden_states_mask shape {encoder_hidden_states_mask.shape} "
-                         f"must match (batch_size, text_seq_len)=({batch_size}, {text_seq_len})")
-    mask = encoder_hidden_states_mask.to(torch.bool)
-    positions = torch.arange(text_seq_len, device=encoder_hidden_states.device)
-    last = torch.where(mask, positions, 0).max(dim=1).values + 1
-    return text_seq_len, torch.where(mask.any(dim=1), last, text_seq_len), mask
-
-
-def install_sync_free_text_lengths(install: bool = True) -> None:
-    """Point diffusers' Qwen-Image transformer at ``text_seq_len_from_mask`` (its forward
-    looks the function up in its module at each call); ``install=False`` puts diffusers' own
-    back (the bench's peer row runs stock diffusers)."""
-    from diffusers.models.transformers import transformer_qwenimage as module
-
-    if not hasattr(module, "compute_text_seq_len_from_mask"):
-        return
-    stock = getattr(module, "_stock_compute_text_seq_len_from_mask",
-                    module.compute_text_seq_len_from_mask)
-    module._stock_compute_text_seq_len_from_mask = stock
-    module.compute_text_seq_len_from_mask = text_seq_len_from_mask if install else stock
 
 
 def _pipeline_cls():
@@ -126,7 +93,7 @@ class QwenImageAdapter(PackedLatentsAdapter):
 
     def load_train_model(self, *, dtype: torch.dtype = torch.float32,
                          device: str | torch.device = "cpu") -> nn.Module:
-        install_sync_free_text_lengths()
+        install_fast_paths()  # the faster text-length and rotary paths: qwen_fast_paths.py
         return super().load_train_model(dtype=dtype, device=device)
 
     def velocity(self, transformer: nn.Module, latents: torch.Tensor, sigma: torch.Tensor,
