@@ -2,7 +2,8 @@
 
 Same oracles as the CPU tests, where the dtype and device handling actually matters: the
 pipeline's timestep rounding to bf16, the casts of fp32 conditions, ids built on the device.
-Needs diffusers, transformers, tokenizers and open_clip_torch (for the tiny CLIP vocabulary).
+Needs diffusers, transformers, tokenizers; SD3 and FLUX also open_clip_torch (their tiny CLIP
+tokenizer takes its vocabulary from it), so a machine without it still runs the Qwen-Image cases.
 """
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-pytest.importorskip("open_clip")
 
 from test_models_adapters import PROMPTS, _pipeline_kwargs, _pipeline_with  # noqa: E402
 from test_models_rollout import serve  # noqa: E402
@@ -24,6 +24,8 @@ H, W = TINY_HEIGHT, TINY_WIDTH
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bf16_cuda_ode_sampling_equals_the_diffusers_pipeline(family, tiny_model_dir):
+    if family != "qwen_image":
+        pytest.importorskip("open_clip")
     adapter = adapter_class(family)(str(tiny_model_dir(family)))
     frozen = adapter.load_frozen(device="cuda", dtype=torch.bfloat16)
     transformer = adapter.load_train_model(dtype=torch.bfloat16, device="cuda")
