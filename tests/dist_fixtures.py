@@ -1,7 +1,9 @@
 """A one-rank process group for tests that need torch.distributed in this process (FSDP2,
-DTensor) without torchrun."""
+DTensor) without torchrun; the end of a spawned rank whose checks passed."""
 from __future__ import annotations
 
+import os
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -21,3 +23,16 @@ def one_rank_group(tmp_path: Path, backend: str = "gloo"):
         yield
     finally:
         dist.destroy_process_group()
+
+
+def leave_spawned_rank() -> None:
+    """End a spawned gloo rank whose checks all passed: every rank reaches the barrier before
+    any tears the group down, then the process leaves without the interpreter's teardown,
+    where a gloo thread still joinable at exit made the C++ runtime abort the rank (SIGABRT,
+    "terminate called without an active exception") under a loaded CPU, after the test had
+    already succeeded. A rank that fails raises before this, and its spawner reports it."""
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

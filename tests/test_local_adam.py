@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from dist_fixtures import one_rank_group
+from dist_fixtures import leave_spawned_rank, one_rank_group
 from trainer.actor.local_adam import _elementwise_safe, step_adam_on_local_shards
 
 VARIANTS = {  # name: (optimizer class, kwargs, found_inf at step 2, tensor lr)
@@ -84,10 +84,8 @@ def _compare_all_variants(device: str = "cpu") -> None:
 def _worker(rank: int, world: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        _compare_all_variants()
-    finally:
-        dist.destroy_process_group()
+    _compare_all_variants()
+    leave_spawned_rank()
 
 
 def _free_port() -> int:
