@@ -86,7 +86,9 @@ def _patch_points(module) -> dict:
 def install_fast_paths(install: bool = True) -> None:
     """Point diffusers' Qwen-Image transformer at the fast paths (``install=False``: at
     diffusers' own). Both rotary halves change together: a stock rotation given (cos, sin)
-    pairs would be wrong, so they are never installed apart."""
+    pairs would be wrong, so they are never installed apart. diffusers' context-parallel plan
+    for the position embedding expects its complex [S, D/2] output; the trainer does not use
+    diffusers' context parallelism, so that plan never applies here."""
     module = _module()
     points = _patch_points(module)
     if not hasattr(module, _STOCK):
