@@ -6,7 +6,9 @@
 #   bash bench/gpu.sh engine           rollout side: engine generate bench, reward scoring bench,
 #                                      the transformer's forward with and without the fast paths
 #   bash bench/gpu.sh step [VARIANT]   one training step (bench_step.py) on the 8-layer model:
-#                                        default  recipe rows + floors + diffusers, then the peer
+#                                        default  recipe rows + floors + diffusers (one call: on
+#                                                 a cold machine its compiles take minutes)
+#                                        peer     the peer, beside the LoRA row at its settings
 #                                                 and the LoRA row with the peer's pi_old
 #                                        offload  both modes with the colocate offloads forced
 #                                        nsys     two-step Nsight captures (REVS="after before")
@@ -51,8 +53,10 @@ purpose_engine() {
 purpose_step() {
   case "${1:-default}" in
   default)
-    TAIL=30 step step "${SECS:-330}" $STEP --out "$LOGS/step.json" --modes lora full --floors \
+    TAIL=30 step step "${SECS:-560}" $STEP --out "$LOGS/step.json" --modes lora full --floors \
       --diffusers ${STEP_ARGS:-}
+    ;;
+  peer)
     TAIL=14 step peer "${SECS2:-230}" $STEP --out "$LOGS/peer.json" --modes lora --no-offload \
       --micro-batch 4 --label "mb4-no-offload-" --peer ${STEP_ARGS:-}
     # the peer's algorithm exactly: pi_old from the sampling log-probs, no anchor forward
@@ -69,7 +73,7 @@ purpose_step() {
     TAIL=8 step profile_train "${SECS:-300}" python3 bench/profile_train.py --model-dir "$MODEL" \
       --out "$LOGS/profile" ${STEP_ARGS:-}
     ;;
-  *) echo "unknown step variant '$1' (default, offload, nsys, profile)" >&2
+  *) echo "unknown step variant '$1' (default, peer, offload, nsys, profile)" >&2
      FAILED+=("step:$1") ;;
   esac
 }
