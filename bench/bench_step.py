@@ -166,7 +166,7 @@ def run_mode(mode: str, model_dir: Path, reward_dir: Path | None, args, work: Pa
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return summarize(mode, steps, busy)
+    return summarize(mode, steps, busy) | {"anchor": cfg.train.anchor}
 
 
 def summarize(mode: str, steps: list[dict], busy: list | None = None) -> dict:
@@ -272,8 +272,8 @@ def add_floors(results: list[dict], model_dir: Path, args) -> dict:
                            "adam": ms["adam"]}
         f, updates = floors[key], int(r["updates"] or 1)
         # no anchor forward when pi_old is the engine's recorded log-probs
-        engine_anchor = "train.anchor=engine" in args.set
-        anchor_rows = 0 if engine_anchor else samples * steps * (updates - 1) // updates
+        anchor_rows = (0 if r["anchor"] == "engine"
+                       else samples * steps * (updates - 1) // updates)
         work_ms = (samples * steps * f["fwd_bwd"] + anchor_rows * f["fwd"]
                    + updates * f["adam"])
         r["floor_ms_per_transition"] = f["fwd_bwd"]

@@ -18,12 +18,17 @@ from bench.results import Recorder, device_name  # noqa: E402
 def record_step(results: list[dict], extra: dict, args) -> None:
     """bench_step.py: one case per row (``qwen8l-lora``, with the run's ``--label`` prefix),
     its step / stage seconds, train ms per transition, floor and ratio, engine images/s, peak
-    memory and share outside model compute; the diffusers pipeline and the peer when timed."""
+    memory and share outside model compute; the diffusers pipeline and the peer when timed,
+    with each row's speed-up over the peer."""
     rec = Recorder("bench_step", device=device_name(args.device))
     setup = f"{'tiny-' if args.tiny else ''}qwen{args.layers}l"
     samples = 8 * args.groups
+
+    def case_of(r: dict) -> str:
+        return f"{setup}-{r['label']}" + (f"-{samples}samples" if args.groups != 1 else "")
+
     for r in results:
-        case = f"{setup}-{r['label']}" + (f"-{samples}samples" if args.groups != 1 else "")
+        case = case_of(r)
         times = [t for t in r["step_times"] if t is not None]
         rec.add(case, "step_s", r["step_time"], "s", samples=times[1:] or times)
         stages = r["stage_times"]
@@ -46,7 +51,10 @@ def record_step(results: list[dict], extra: dict, args) -> None:
         rec.add(f"{setup}-diffusers-eager-pipeline", "images_per_s",
                 extra["diffusers_images_per_s"], "images/s")
     if extra.get("peer"):
-        _peer_rows(rec, f"{setup}-peer-mb{extra['peer']['micro_batch']}", extra["peer"])
+        peer = extra["peer"]
+        _peer_rows(rec, f"{setup}-peer-mb{peer['micro_batch']}", peer)
+        for r in results:  # the peer's step over each row's, both timed in this run
+            rec.add(case_of(r), "speedup_over_peer", peer["step"] / r["step_time"], "x")
     rec.write()
 
 
