@@ -19,6 +19,7 @@ import torch
 from diffusers import QwenImagePipeline
 from peft import LoraConfig, get_peft_model
 
+from trainer.actor.update import clip_grad_norm
 from trainer.models.compile import compile_blocks
 from trainer.models.qwen_image import QwenImageAdapter
 
@@ -115,9 +116,12 @@ def train_floors(model_dir: str, rows: int, *, rank: int = 64, tokens: int = 32,
     return {"fwd_bwd": fwd_bwd, "fwd": fwd, "adam": adam_step_ms(shapes)}
 
 
-def adam_step_ms(shapes: list[torch.Size], *, max_norm: float = 1.0) -> float:
+def adam_step_ms(shapes: list[torch.Size], *, max_norm: float = 1.0,
+                 fold_clip: bool = True) -> float:
     """One optimizer step as the actor takes it, on fp32 master parameters of ``shapes``:
-    the gradient-norm clip (one fused norm, one scale) and torch's fused AdamW."""
+    the gradient-norm clip (``update.clip_grad_norm``: one fused norm, its scale folded into
+    the step as ``grad_scale``, or with ``fold_clip=False`` one scaling pass over the
+    gradients first) and torch's fused AdamW."""
     params = [torch.zeros(s, device="cuda", dtype=torch.float32, requires_grad=True)
               for s in shapes]
     for p in params:
@@ -125,8 +129,9 @@ def adam_step_ms(shapes: list[torch.Size], *, max_norm: float = 1.0) -> float:
     opt = torch.optim.AdamW(params, lr=1e-5, fused=True)
 
     def step():
-        torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        clip_grad_norm(params, max_norm, opt if fold_clip else None)
         opt.step()
+        opt.__dict__.pop("grad_scale", None)
 
     try:
         return _median_ms(step, warmup=2, iters=5)

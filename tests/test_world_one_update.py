@@ -106,6 +106,74 @@ def test_clip_on_local_shards_equals_torch_clip(max_norm, tmp_path):
             torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-6, atol=0)
 
 
+def _fused_adam_run(params: list[torch.Tensor], max_norm: float, fold: bool,
+                    as_grad=lambda g: g) -> tuple[list[torch.Tensor], list[dict]]:
+    """Two clipped fused-AdamW steps through update.clip_grad_norm / step_optimizer, the clip
+    folded into the step or applied to the gradients first; returns weights and moments."""
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor import DTensor
+
+    optimizer = torch.optim.AdamW(params, lr=0.1, weight_decay=0.01, fused=True)
+    trainer = SimpleNamespace(optimizer=optimizer, cfg=SimpleNamespace(
+        train=SimpleNamespace(adam_on_local_shards=True)))
+    for seed in (1, 2):
+        for p, g in zip(params, _grads(seed)):
+            p.grad = as_grad(3.0 * g)
+        before = [g.clone() for g in _grads(seed)]
+        folded = update.clip_folds(trainer)
+        assert folded is optimizer
+        update.clip_grad_norm(params, max_norm, folded if fold else None)
+        if fold:  # the gradients are left as they are; the scale waits in the optimizer
+            local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+            assert all(torch.equal(g, 3.0 * b) for g, b in zip(local, before))
+            assert optimizer.grad_scale.dtype == torch.float32
+        update.step_optimizer(trainer)
+        assert not hasattr(optimizer, "grad_scale")
+
+    def full(t):
+        return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+    return ([full(p) for p in params],
+            [{k: full(v) for k, v in optimizer.state[p].items()} for p in params])
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e9])
+def test_the_clip_folded_into_the_fused_step_equals_clipping_first(max_norm, tmp_path):
+    """Fused AdamW on the local shards takes the clip as its grad_scale (one pass over the
+    gradients fewer): after two steps the weights and moments equal those of scaling the
+    gradients first, bit for bit without clipping and to the last bit or so with it, on plain
+    tensors and on Shard(0) DTensors. Other optimizers, or the DTensor step, keep the separate
+    scaling pass."""
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    def zeros():
+        return [torch.nn.Parameter(torch.zeros_like(g)) for g in _grads(0)]
+
+    def compare(got, want):
+        for g, w in zip(got[0] + [v for s in got[1] for v in s.values()],
+                        want[0] + [v for s in want[1] for v in s.values()]):
+            if max_norm > 1e6:
+                assert torch.equal(g, w)
+            else:
+                torch.testing.assert_close(g, w, rtol=2e-6, atol=1e-9)
+
+    want = _fused_adam_run(zeros(), max_norm, fold=False)
+    compare(_fused_adam_run(zeros(), max_norm, fold=True), want)
+    with one_rank_group(tmp_path):
+        mesh = init_device_mesh("cpu", (1,))
+        sharded = [torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)]))
+                   for p in zeros()]
+        compare(_fused_adam_run(sharded, max_norm, fold=True,
+                                as_grad=lambda g: distribute_tensor(g, mesh, [Shard(0)])), want)
+    for optimizer, local_shards in ((torch.optim.AdamW(zeros(), foreach=True), True),
+                                    (torch.optim.AdamW(zeros(), fused=True), False)):
+        trainer = SimpleNamespace(optimizer=optimizer, cfg=SimpleNamespace(
+            train=SimpleNamespace(adam_on_local_shards=local_shards)))
+        assert update.clip_folds(trainer) is None
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
 def test_skip_on_device_steps_like_the_host_check(device, adapter, batch, tmp_path, monkeypatch):
@@ -118,9 +186,9 @@ def test_skip_on_device_steps_like_the_host_check(device, adapter, batch, tmp_pa
 
     real_clip = update.clip_grad_norm
 
-    def clip_first_non_finite(params, max_norm):
+    def clip_first_non_finite(params, max_norm, fold_into=None):
         calls.append(1)
-        norm = real_clip(params, max_norm)
+        norm = real_clip(params, max_norm, fold_into)
         return torch.full_like(norm, float("inf")) if len(calls) == 1 else norm
 
     def full(t):

@@ -34,13 +34,19 @@ def step_adam_on_local_shards(optimizer: torch.optim.Optimizer) -> None:
     the optimizer's ``found_inf`` / ``grad_scale`` and a tensor lr apply as in its own step.
     Any other optimizer, or a Partial placement on a parameter or gradient, steps through
     ``optimizer.step()`` (the state is created like its parameter, so it follows)."""
-    tensors = [t for group in optimizer.param_groups for p in group["params"]
-               for t in (p, p.grad) if t is not None]
-    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) \
-            or not _elementwise_safe(tensors):
+    if not steps_on_local_shards(optimizer):
         optimizer.step()
         return
     _hooked_local_step(optimizer)
+
+
+def steps_on_local_shards(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``step_adam_on_local_shards`` takes the local-shard path for ``optimizer`` now
+    (a torch Adam / AdamW, no Partial placement among its parameters and gradients)."""
+    tensors = [t for group in optimizer.param_groups for p in group["params"]
+               for t in (p, p.grad) if t is not None]
+    return (type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
+            and _elementwise_safe(tensors))
 
 
 @torch.optim.Optimizer.profile_hook_step  # the step hooks and profiler range of step()
