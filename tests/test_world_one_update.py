@@ -116,7 +116,7 @@ def _fused_adam_run(params: list[torch.Tensor], max_norm: float, fold: bool,
 
     optimizer = torch.optim.AdamW(params, lr=0.1, weight_decay=0.01, fused=True)
     trainer = SimpleNamespace(optimizer=optimizer, cfg=SimpleNamespace(
-        train=SimpleNamespace(adam_on_local_shards=True)))
+        train=SimpleNamespace(adam_on_local_shards=True, fold_clip=True)))
     for seed in (1, 2):
         for p, g in zip(params, _grads(seed)):
             p.grad = as_grad(3.0 * g)
@@ -167,10 +167,11 @@ def test_the_clip_folded_into_the_fused_step_equals_clipping_first(max_norm, tmp
                    for p in zeros()]
         compare(_fused_adam_run(sharded, max_norm, fold=True,
                                 as_grad=lambda g: distribute_tensor(g, mesh, [Shard(0)])), want)
-    for optimizer, local_shards in ((torch.optim.AdamW(zeros(), foreach=True), True),
-                                    (torch.optim.AdamW(zeros(), fused=True), False)):
+    for optimizer, local_shards, fold in ((torch.optim.AdamW(zeros(), foreach=True), True, True),
+                                          (torch.optim.AdamW(zeros(), fused=True), False, True),
+                                          (torch.optim.AdamW(zeros(), fused=True), True, False)):
         trainer = SimpleNamespace(optimizer=optimizer, cfg=SimpleNamespace(
-            train=SimpleNamespace(adam_on_local_shards=local_shards)))
+            train=SimpleNamespace(adam_on_local_shards=local_shards, fold_clip=fold)))
         assert update.clip_folds(trainer) is None
 
 

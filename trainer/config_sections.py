@@ -179,6 +179,12 @@ class TrainConfig:
         "elementwise arithmetic, equal bit for bit) instead of through DTensor's per-op "
         "dispatch, whose host time exceeds a LoRA step's GPU time. The optimizer's step "
         "hooks run as in optimizer.step(); a Partial placement falls back to it.")
+    fold_clip: bool = _f(
+        True, "--fold-clip",
+        "With fused AdamW stepping the local shards, pass the grad-norm clip to the step as "
+        "its grad_scale (the kernel divides each gradient as it reads it) instead of scaling "
+        "the gradients in a pass of their own. Without clipping the step is the same bit for "
+        "bit; with it, a gradient may differ in its last bit.")
     seed: int = _f(0, "--seed", "Seed of model init (LoRA) and everything not sampling.")
     max_rollouts_without_step: int = _f(10, "--max-rollouts-without-step",
                                         "Stop with an error after this many consecutive "

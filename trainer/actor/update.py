@@ -91,11 +91,11 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float,
 
 
 def clip_folds(trainer) -> torch.optim.Optimizer | None:
-    """The optimizer when the clip can ride in its step (``clip_grad_norm``'s ``fold_into``):
-    a fused torch Adam / AdamW stepping on the local shards. Fused steps on DTensors and the
-    foreach / for-loop implementations keep the separate scaling pass."""
+    """The optimizer when the clip rides in its step (``clip_grad_norm``'s ``fold_into``):
+    ``train.fold_clip`` on and a fused torch Adam / AdamW stepping on the local shards. Fused
+    steps on DTensors and the foreach / for-loop implementations keep the separate pass."""
     optimizer = trainer.optimizer
-    fold = (trainer.cfg.train.adam_on_local_shards
+    fold = (trainer.cfg.train.fold_clip and trainer.cfg.train.adam_on_local_shards
             and any(group.get("fused") for group in optimizer.param_groups)
             and steps_on_local_shards(optimizer))
     return optimizer if fold else None
