@@ -13,7 +13,11 @@ come from the same code. The loop is kept lean for the GPU:
   filled with device copies;
 - step noise is requested lazily (``noise_fn(step)``) inside the loop, so drawing it on the host
   (the driver's CPU recipe, ~0.3 ms per candidate and step) overlaps the forwards the host has
-  already queued on the device instead of adding up before the loop starts.
+  already queued on the device instead of adding up before the loop starts;
+- no CUDA graph: the host already queues the loop ahead of the GPU, so replaying the compiled
+  forward from a graph saves about 3 % of it, while the graph would tie the loop to fixed
+  input and weight buffers (weight sync and the LoRA merge write in place) and keep a memory
+  pool of its own (``bench/reports/2026-12-03_h200_clip-fold-and-graphs/``).
 
 The latent state is kept in the dtype of ``x_T`` (fp32 by the engine's choice): the stored
 trajectory is then exactly what the transformer saw after its own cast, and the log-prob is the
