@@ -19,7 +19,8 @@ import torch
 from diffusers import QwenImagePipeline
 from peft import LoraConfig, get_peft_model
 
-from trainer.actor.update import clip_grad_norm
+from trainer.actor.local_adam import step_adam_on_local_shards
+from trainer.actor.update import grad_norm_and_clip_coef, scale_gradients
 from trainer.models.compile import compile_blocks
 from trainer.models.qwen_image import QwenImageAdapter
 
@@ -119,9 +120,9 @@ def train_floors(model_dir: str, rows: int, *, rank: int = 64, tokens: int = 32,
 def adam_step_ms(shapes: list[torch.Size], *, max_norm: float = 1.0,
                  fold_clip: bool = True) -> float:
     """One optimizer step as the actor takes it, on fp32 master parameters of ``shapes``:
-    the gradient-norm clip (``update.clip_grad_norm``: one fused norm, its scale folded into
-    the step as ``grad_scale``, or with ``fold_clip=False`` one scaling pass over the
-    gradients first) and torch's fused AdamW."""
+    the gradient-norm clip (one fused norm; its coefficient applied inside fused AdamW's
+    step, or with ``fold_clip=False`` by a scaling pass over the gradients first) and torch's
+    fused AdamW on the local-shard path."""
     params = [torch.zeros(s, device="cuda", dtype=torch.float32, requires_grad=True)
               for s in shapes]
     for p in params:
@@ -129,9 +130,12 @@ def adam_step_ms(shapes: list[torch.Size], *, max_norm: float = 1.0,
     opt = torch.optim.AdamW(params, lr=1e-5, fused=True)
 
     def step():
-        clip_grad_norm(params, max_norm, opt if fold_clip else None)
-        opt.step()
-        opt.__dict__.pop("grad_scale", None)
+        _, coef = grad_norm_and_clip_coef(params, max_norm)
+        if fold_clip:
+            step_adam_on_local_shards(opt, coef)
+        else:
+            scale_gradients(params, coef)
+            step_adam_on_local_shards(opt)
 
     try:
         return _median_ms(step, warmup=2, iters=5)

@@ -72,9 +72,17 @@ def _grads(seed: int) -> list[torch.Tensor]:
     return [torch.randn(shape, generator=gen) for shape in ((64, 4), (4, 64), (7,), (33, 5))]
 
 
+def _clip(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """The clip as the update's separate pass takes it: the norm and coefficient on the
+    local shards, then the gradients scaled in place; returns the norm."""
+    norm, coef = update.grad_norm_and_clip_coef(params, max_norm)
+    update.scale_gradients(params, coef)
+    return norm
+
+
 @pytest.mark.parametrize("max_norm", [0.5, 1e9])
 def test_clip_on_local_shards_equals_torch_clip(max_norm, tmp_path):
-    """update.clip_grad_norm (local shards, one all-reduce) gives torch's clip_grad_norm_
+    """The update's clip (local shards, one all-reduce) gives torch's clip_grad_norm_
     norm and clipped gradients, on plain tensors and on FSDP-style Shard(0) DTensors."""
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
@@ -87,7 +95,7 @@ def test_clip_on_local_shards_equals_torch_clip(max_norm, tmp_path):
     want_params = params_with(_grads(0))
     want = torch.nn.utils.clip_grad_norm_(want_params, max_norm)
     plain = params_with(_grads(0))
-    got = update.clip_grad_norm(plain, max_norm)
+    got = _clip(plain, max_norm)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
     for p, q in zip(plain, want_params):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0)
@@ -100,36 +108,34 @@ def test_clip_on_local_shards_equals_torch_clip(max_norm, tmp_path):
                    for g in _grads(0)]
         for p, g in zip(sharded, _grads(0)):
             p.grad = distribute_tensor(g, mesh, [Shard(0)])
-        got = update.clip_grad_norm(sharded, max_norm)
+        got = _clip(sharded, max_norm)
         torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
         for p, q in zip(sharded, want_params):
             torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-6, atol=0)
 
 
-def _fused_adam_run(params: list[torch.Tensor], max_norm: float, fold: bool,
-                    as_grad=lambda g: g) -> tuple[list[torch.Tensor], list[dict]]:
-    """Two clipped fused-AdamW steps through update.clip_grad_norm / step_optimizer, the clip
-    folded into the step or applied to the gradients first; returns weights and moments."""
+def _adam_run(params: list[torch.Tensor], max_norm: float, fold: bool, monkeypatch,
+              as_grad=lambda g: g, **adam_kwargs) -> tuple[list[torch.Tensor], list[dict]]:
+    """Two clipped AdamW steps through update.grad_norm_and_clip_coef / step_optimizer, with
+    ``train.fold_clip`` = ``fold``; returns weights and moments. Asserts whether a separate
+    pass scaled the gradients: none when the clip rides in a fused step."""
     from types import SimpleNamespace
 
     from torch.distributed.tensor import DTensor
 
-    optimizer = torch.optim.AdamW(params, lr=0.1, weight_decay=0.01, fused=True)
+    optimizer = torch.optim.AdamW(params, lr=0.1, weight_decay=0.01, **adam_kwargs)
     trainer = SimpleNamespace(optimizer=optimizer, cfg=SimpleNamespace(
-        train=SimpleNamespace(adam_on_local_shards=True, fold_clip=True)))
+        train=SimpleNamespace(adam_on_local_shards=True, fold_clip=fold)))
+    real_mul, scaling_passes = torch._foreach_mul_, []
+    monkeypatch.setattr(torch, "_foreach_mul_",
+                        lambda *a, **k: scaling_passes.append(1) or real_mul(*a, **k))
     for seed in (1, 2):
         for p, g in zip(params, _grads(seed)):
             p.grad = as_grad(3.0 * g)
-        before = [g.clone() for g in _grads(seed)]
-        folded = update.clip_folds(trainer)
-        assert folded is optimizer
-        update.clip_grad_norm(params, max_norm, folded if fold else None)
-        if fold:  # the gradients are left as they are; the scale waits in the optimizer
-            local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
-            assert all(torch.equal(g, 3.0 * b) for g, b in zip(local, before))
-            assert optimizer.grad_scale.dtype == torch.float32
-        update.step_optimizer(trainer)
-        assert not hasattr(optimizer, "grad_scale")
+        _, coef = update.grad_norm_and_clip_coef(params, max_norm)
+        update.step_optimizer(trainer, params, coef)
+    monkeypatch.setattr(torch, "_foreach_mul_", real_mul)
+    assert bool(scaling_passes) is not (fold and adam_kwargs.get("fused", False))
 
     def full(t):
         return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
@@ -138,41 +144,35 @@ def _fused_adam_run(params: list[torch.Tensor], max_norm: float, fold: bool,
 
 
 @pytest.mark.parametrize("max_norm", [0.5, 1e9])
-def test_the_clip_folded_into_the_fused_step_equals_clipping_first(max_norm, tmp_path):
-    """Fused AdamW on the local shards takes the clip as its grad_scale (one pass over the
-    gradients fewer): after two steps the weights and moments equal those of scaling the
-    gradients first, bit for bit without clipping and to the last bit or so with it, on plain
-    tensors and on Shard(0) DTensors. Other optimizers, or the DTensor step, keep the separate
-    scaling pass."""
-    from types import SimpleNamespace
-
+def test_the_clip_folded_into_the_fused_step_equals_clipping_first(max_norm, tmp_path,
+                                                                    monkeypatch):
+    """Fused AdamW on the local shards applies the clip as its kernel's grad_scale (no pass
+    over the gradients of its own): after two steps the weights and moments equal those of
+    scaling the gradients first, bit for bit without clipping and to the last bit or so with
+    it, on plain tensors and on Shard(0) DTensors. foreach AdamW scales first either way."""
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
     def zeros():
         return [torch.nn.Parameter(torch.zeros_like(g)) for g in _grads(0)]
 
-    def compare(got, want):
+    def compare(got, want, exact=max_norm > 1e6):
         for g, w in zip(got[0] + [v for s in got[1] for v in s.values()],
                         want[0] + [v for s in want[1] for v in s.values()]):
-            if max_norm > 1e6:
+            if exact:
                 assert torch.equal(g, w)
             else:
                 torch.testing.assert_close(g, w, rtol=2e-6, atol=1e-9)
 
-    want = _fused_adam_run(zeros(), max_norm, fold=False)
-    compare(_fused_adam_run(zeros(), max_norm, fold=True), want)
+    want = _adam_run(zeros(), max_norm, False, monkeypatch, fused=True)
+    compare(_adam_run(zeros(), max_norm, True, monkeypatch, fused=True), want)
     with one_rank_group(tmp_path):
         mesh = init_device_mesh("cpu", (1,))
         sharded = [torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)]))
                    for p in zeros()]
-        compare(_fused_adam_run(sharded, max_norm, fold=True,
-                                as_grad=lambda g: distribute_tensor(g, mesh, [Shard(0)])), want)
-    for optimizer, local_shards, fold in ((torch.optim.AdamW(zeros(), foreach=True), True, True),
-                                          (torch.optim.AdamW(zeros(), fused=True), False, True),
-                                          (torch.optim.AdamW(zeros(), fused=True), True, False)):
-        trainer = SimpleNamespace(optimizer=optimizer, cfg=SimpleNamespace(
-            train=SimpleNamespace(adam_on_local_shards=local_shards, fold_clip=fold)))
-        assert update.clip_folds(trainer) is None
+        compare(_adam_run(sharded, max_norm, True, monkeypatch, fused=True,
+                          as_grad=lambda g: distribute_tensor(g, mesh, [Shard(0)])), want)
+    foreach = _adam_run(zeros(), max_norm, False, monkeypatch, foreach=True)
+    compare(_adam_run(zeros(), max_norm, True, monkeypatch, foreach=True), foreach, exact=True)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
@@ -185,17 +185,17 @@ def test_skip_on_device_steps_like_the_host_check(device, adapter, batch, tmp_pa
     equal the host check's bit for bit, and the device path never calls the host one."""
     from torch.distributed.tensor import DTensor
 
-    real_clip = update.clip_grad_norm
+    real_norm = update.grad_norm_and_clip_coef
 
-    def clip_first_non_finite(params, max_norm, fold_into=None):
+    def first_norm_non_finite(params, max_norm):
         calls.append(1)
-        norm = real_clip(params, max_norm, fold_into)
-        return torch.full_like(norm, float("inf")) if len(calls) == 1 else norm
+        norm, coef = real_norm(params, max_norm)
+        return (torch.full_like(norm, float("inf")) if len(calls) == 1 else norm), coef
 
     def full(t):
         return (t.full_tensor() if isinstance(t, DTensor) else t).clone()
 
-    monkeypatch.setattr(update, "clip_grad_norm", clip_first_non_finite)
+    monkeypatch.setattr(update, "grad_norm_and_clip_coef", first_norm_non_finite)
     host_steps = []
     real_host_step = update.optimizer_step
     monkeypatch.setattr(update, "optimizer_step",

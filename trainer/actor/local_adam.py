@@ -29,29 +29,36 @@ def _elementwise_safe(tensors: list[torch.Tensor]) -> bool:
                for t in tensors if isinstance(t, DTensor))
 
 
-def step_adam_on_local_shards(optimizer: torch.optim.Optimizer) -> None:
+def step_adam_on_local_shards(optimizer: torch.optim.Optimizer,
+                              clip_coef: torch.Tensor | None = None) -> None:
     """``optimizer.step()`` of a torch Adam / AdamW on the local shards (module docstring);
     the optimizer's ``found_inf`` / ``grad_scale`` and a tensor lr apply as in its own step.
     Any other optimizer, or a Partial placement on a parameter or gradient, steps through
-    ``optimizer.step()`` (the state is created like its parameter, so it follows)."""
-    if not steps_on_local_shards(optimizer):
-        optimizer.step()
-        return
-    _hooked_local_step(optimizer)
+    ``optimizer.step()`` (the state is created like its parameter, so it follows).
 
-
-def steps_on_local_shards(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``step_adam_on_local_shards`` takes the local-shard path for ``optimizer`` now
-    (a torch Adam / AdamW, no Partial placement among its parameters and gradients)."""
+    ``clip_coef``: the gradient-norm clip's coefficient c, applied by this step. A fused group
+    on the local shards hands 1/c to the kernel as its ``grad_scale``, which divides each
+    gradient as it loads it, so the gradients get no pass of their own (for full fine-tuning,
+    a read and a write of 4 bytes a parameter). Without clipping c is 1 and the step is the
+    same bit for bit; with it, a gradient divided by 1/c may differ from one multiplied by c in
+    its last bit. Every other case scales the gradients by c first."""
     tensors = [t for group in optimizer.param_groups for p in group["params"]
                for t in (p, p.grad) if t is not None]
-    return (type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
-            and _elementwise_safe(tensors))
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) \
+            or not _elementwise_safe(tensors):
+        if clip_coef is not None:
+            torch._foreach_mul_(_local([p.grad for group in optimizer.param_groups
+                                        for p in group["params"] if p.grad is not None]),
+                                clip_coef)
+        optimizer.step()
+        return
+    _hooked_local_step(optimizer, clip_coef)
 
 
 @torch.optim.Optimizer.profile_hook_step  # the step hooks and profiler range of step()
 @torch.no_grad()
-def _hooked_local_step(optimizer: torch.optim.Optimizer) -> None:
+def _hooked_local_step(optimizer: torch.optim.Optimizer,
+                       clip_coef: torch.Tensor | None = None) -> None:
     for group in optimizer.param_groups:
         lists = ([], [], [], [], [], [])  # params, grads, exp_avgs, exp_avg_sqs, max, steps
         has_complex = optimizer._init_group(group, *lists)  # creates missing state, as step()
@@ -61,11 +68,18 @@ def _hooked_local_step(optimizer: torch.optim.Optimizer) -> None:
         foreach = group["foreach"]
         if foreach is None and not group["fused"]:  # the choice step() makes on DTensors
             _, foreach = _default_to_fused_or_foreach(lists[0], group["differentiable"])
-        adam(*(_local(ts) for ts in lists), amsgrad=group["amsgrad"],
+        local = [_local(ts) for ts in lists]
+        grad_scale = getattr(optimizer, "grad_scale", None)
+        if clip_coef is not None:
+            if group["fused"] and grad_scale is None:
+                grad_scale = clip_coef.float().reciprocal()
+            else:
+                torch._foreach_mul_(local[1], clip_coef)
+        adam(*local, amsgrad=group["amsgrad"],
              has_complex=has_complex, beta1=beta1, beta2=beta2, lr=group["lr"],
              weight_decay=group["weight_decay"], eps=group["eps"],
              maximize=group["maximize"], foreach=foreach,
              capturable=group["capturable"], differentiable=group["differentiable"],
-             fused=group["fused"], grad_scale=getattr(optimizer, "grad_scale", None),
+             fused=group["fused"], grad_scale=grad_scale,
              found_inf=getattr(optimizer, "found_inf", None),
              decoupled_weight_decay=group["decoupled_weight_decay"])

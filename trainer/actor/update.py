@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from trainer.actor.local_adam import step_adam_on_local_shards, steps_on_local_shards
+from trainer.actor.local_adam import step_adam_on_local_shards
 from trainer.actor.micro_batch import resolve_micro_batch
 from trainer.actor.micro_step import forward_backward
 from trainer.actor.model import lr_at_step
@@ -57,22 +57,22 @@ def anchors(trainer, micro: list[list[tuple]]) -> list[list[torch.Tensor | None]
     return out
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float,
-                   fold_into: torch.optim.Optimizer | None = None) -> torch.Tensor:
-    """``clip_grad_norm_`` on the local shards: one fused norm over plain tensors and one
-    all-reduce per sharded mesh dimension. Dispatching every small LoRA gradient through
-    DTensor costs more host time than the GPU work it launches. Returns the total norm.
+def scale_gradients(params: list[torch.Tensor], coef: torch.Tensor) -> None:
+    """Every gradient of ``params`` times ``coef``, in place on its local shard."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coef)
 
-    ``fold_into`` (an optimizer ``clip_folds`` returned): the gradients are not scaled here;
-    the reciprocal of the clip coefficient becomes the optimizer's ``grad_scale``, which the
-    fused Adam kernel divides each gradient by as it reads it. That saves a read and a write of
-    every gradient (for full fine-tuning, two passes over 4 bytes a parameter). Without
-    clipping the coefficient is 1 and the step is bit for bit the same; with it, a gradient
-    divided by 1/c may differ from one multiplied by c in its last bit. ``step_optimizer``
-    clears ``grad_scale`` after the step."""
+
+def grad_norm_and_clip_coef(params: list[torch.Tensor],
+                            max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(total norm, clip coefficient min(1, max_norm / norm)) of the gradients, as
+    ``clip_grad_norm_`` computes them, on the local shards: one fused norm over plain tensors
+    and one all-reduce per sharded mesh dimension. Dispatching every small LoRA gradient
+    through DTensor costs more host time than the GPU work it launches."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
-        return torch.zeros(())
+        return torch.zeros(()), torch.ones(())
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     norms = torch._foreach_norm(local, 2.0)
     total_sq = torch.stack([n.float() for n in norms]).square().sum()
@@ -82,23 +82,7 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float,
             if placement.is_shard() and mesh.size(dim) > 1:  # replicas hold equal values
                 dist.all_reduce(total_sq, group=mesh.get_group(dim))
     total = total_sq.sqrt()
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0).to(local[0].device)
-    if fold_into is not None:
-        fold_into.grad_scale = coef.float().reciprocal()
-    else:
-        torch._foreach_mul_(local, coef)
-    return total
-
-
-def clip_folds(trainer) -> torch.optim.Optimizer | None:
-    """The optimizer when the clip rides in its step (``clip_grad_norm``'s ``fold_into``):
-    ``train.fold_clip`` on and a fused torch Adam / AdamW stepping on the local shards. Fused
-    steps on DTensors and the foreach / for-loop implementations keep the separate pass."""
-    optimizer = trainer.optimizer
-    fold = (trainer.cfg.train.fold_clip and trainer.cfg.train.adam_on_local_shards
-            and any(group.get("fused") for group in optimizer.param_groups)
-            and steps_on_local_shards(optimizer))
-    return optimizer if fold else None
+    return total, torch.clamp(max_norm / (total + 1e-6), max=1.0).to(local[0].device)
 
 
 def optimizer_step(trainer, params: list[torch.Tensor]) -> tuple[torch.Tensor, float | None]:
@@ -106,7 +90,7 @@ def optimizer_step(trainer, params: list[torch.Tensor]) -> tuple[torch.Tensor, f
     (grad norm, the step's lr or None when skipped)."""
     cfg = trainer.cfg
     with nvtx_range("train/optimizer"), trainer.outside.region("optimizer", trainer.device):
-        gn = clip_grad_norm(params, cfg.train.clip_grad, clip_folds(trainer))
+        gn, coef = grad_norm_and_clip_coef(params, cfg.train.clip_grad)
         # NOTE: host sync per update: a non-finite norm must skip the step on all ranks alike
         # (the norm is already all-reduced by FSDP, so they agree).
         lr = None
@@ -114,22 +98,28 @@ def optimizer_step(trainer, params: list[torch.Tensor]) -> tuple[torch.Tensor, f
             lr = lr_at_step(trainer.lr_steps, cfg)
             for group in trainer.optimizer.param_groups:
                 group["lr"] = lr
-            step_optimizer(trainer)
+            step_optimizer(trainer, params, coef)
             trainer.lr_steps += 1
             if trainer.ema is not None:
                 trainer.ema.step(trainer.lr_steps - 1)
         trainer.optimizer.zero_grad(set_to_none=True)
-        trainer.optimizer.__dict__.pop("grad_scale", None)  # a skipped step's folded clip
     return gn, lr
 
 
-def step_optimizer(trainer) -> None:
-    """One optimizer step, on the local shards unless ``train.adam_on_local_shards`` is off."""
-    if trainer.cfg.train.adam_on_local_shards:
+def step_optimizer(trainer, params: list[torch.Tensor], clip_coef: torch.Tensor) -> None:
+    """One optimizer step with the gradient clip's coefficient, on the local shards unless
+    ``train.adam_on_local_shards`` is off. There, under ``train.fold_clip``, the step applies
+    the coefficient itself (``step_adam_on_local_shards``: in fused AdamW's kernel); otherwise
+    the gradients are scaled first."""
+    t = trainer.cfg.train
+    if t.adam_on_local_shards and t.fold_clip:
+        step_adam_on_local_shards(trainer.optimizer, clip_coef)
+        return
+    scale_gradients(params, clip_coef)
+    if t.adam_on_local_shards:
         step_adam_on_local_shards(trainer.optimizer)
     else:
         trainer.optimizer.step()
-    trainer.optimizer.__dict__.pop("grad_scale", None)  # a folded clip belongs to one step
 
 
 class HostSkips:
@@ -181,13 +171,13 @@ class DeviceSkips:
         trainer = self.trainer
         optimizer = trainer.optimizer
         with nvtx_range("train/optimizer"), trainer.outside.region("optimizer", trainer.device):
-            gn = clip_grad_norm(params, trainer.cfg.train.clip_grad, clip_folds(trainer))
+            gn, coef = grad_norm_and_clip_coef(params, trainer.cfg.train.clip_grad)
             finite = torch.isfinite(gn).to(self.taken.device)
             lr = self.table.index_select(0, self.taken.view(1)).view(())  # no host read
             for group in optimizer.param_groups:
                 group["lr"] = lr
             optimizer.found_inf = (~finite).float()
-            step_optimizer(trainer)
+            step_optimizer(trainer, params, coef)
             optimizer.zero_grad(set_to_none=True)
             self.taken += finite.long()
         return gn, (~finite).float()
