@@ -54,6 +54,11 @@ def record(figures: list[dict], args) -> None:
     for f in figures:
         rec.add(f"{setup}-{f['path']}-paths", f"forward_b{args.batch}_ms", f["forward_ms"], "ms")
         rec.add(f"{setup}-{f['path']}-paths", f"fwd_bwd_b{args.rows}_ms", f["fwd_bwd_ms"], "ms")
+    fast, stock = figures  # the same-run ratios
+    rec.add(f"{setup}-fast-over-stock", f"forward_b{args.batch}_ratio",
+            fast["forward_ms"] / stock["forward_ms"], "x")
+    rec.add(f"{setup}-fast-over-stock", f"fwd_bwd_b{args.rows}_ratio",
+            fast["fwd_bwd_ms"] / stock["fwd_bwd_ms"], "x")
     rec.write()
 
 
