@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from trainer.models.base import GenerativeModelAdapter
+from trainer.models.qwen_image import QwenImageAdapter
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -87,6 +88,9 @@ class FixtureAdapter(GenerativeModelAdapter):
 
     def lora_target_modules(self) -> list[str]:
         return ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"]
+
+    # the transformer is Qwen-Image's: its blocks take the text length where Qwen-Image's do
+    block_dynamic_dims = QwenImageAdapter.block_dynamic_dims
 
     def load_frozen(self, *, device: str | torch.device, dtype: torch.dtype) -> dict[str, Any]:
         from safetensors.torch import load_file

@@ -11,7 +11,7 @@ import torch
 import kernels
 from compute_fixtures import (IDS, PROMPTS, adapter, batch, lora_cfg,  # noqa: F401
                               model_dir, stand_in_trainer)
-from engine_fixtures import ADAPTER_PATH, make_request
+from engine_fixtures import ADAPTER_PATH, HEIGHT, JOINT, WIDTH, make_request
 from trainer.actor import update
 from trainer.actor.micro_batch import largest_fitting_divisor, resolve_micro_batch
 from trainer.actor.model import build_actor, lora_options
@@ -275,6 +275,44 @@ def test_compiled_blocks_replay_like_eager_and_stop_compiling(adapter, batch):
     assert torch.equal(got, again)
     got.sum().backward()  # the compiled backward runs and reaches the weights
     assert all(p.grad is not None for p in adapter.transformer_blocks(compiled)[0].parameters())
+
+
+def _text_conditions(batch: int, length: int) -> dict[str, torch.Tensor]:
+    mask = torch.ones(batch, length, dtype=torch.long)
+    mask[0, length - 2:] = 0  # one padded prompt, as a batch of prompts of two lengths has
+    return {"prompt_embeds": torch.randn(batch, length, JOINT), "prompt_embeds_mask": mask}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("marked", [True, False], ids=["text-marked", "control"])
+def test_a_second_prompt_length_compiles_nothing_once_the_text_dimension_is_marked(adapter, marked):
+    torch._dynamo.reset()  # the block's code object may hold other tests' compiled graphs
+    eager = adapter.load_train_model(dtype=torch.float32)
+    compiled = adapter.load_train_model(dtype=torch.float32)
+    compile_blocks(adapter.transformer_blocks(compiled),
+                   adapter.block_dynamic_dims if marked else None)
+    torch.manual_seed(0)
+    latents = torch.randn(2, *adapter.latent_shape(HEIGHT, WIDTH))
+    sigma = torch.tensor([0.7, 0.4])
+    compiles = []
+    for length in (5, 9):  # the actor's replay: forward and backward, grad enabled
+        cond = _text_conditions(2, length)
+        before = compile_events()
+        got = adapter.velocity(compiled, latents, sigma, cond, HEIGHT, WIDTH)
+        got.square().sum().backward()
+        compiles.append(compile_events() - before)
+        want = adapter.velocity(eager, latents, sigma, cond, HEIGHT, WIDTH)
+        want.square().sum().backward()
+        assert (got - want).abs().max() <= 1e-5
+        for (name, p), q in zip(compiled.named_parameters(), eager.parameters()):
+            g, h = (torch.zeros_like(p) if x.grad is None else x.grad for x in (p, q))
+            assert torch.allclose(g, h, rtol=1e-4, atol=1e-6), name
+            p.grad, q.grad = None, None
+    assert compiles[0] >= 1
+    if marked:
+        assert compiles[1] == 0, compiles
+    else:  # without the marks torch compiles again at the second length
+        assert compiles[1] >= 1, compiles
 
 
 def test_offload_policy_skips_the_offloads_only_when_both_sides_fit():

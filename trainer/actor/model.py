@@ -167,7 +167,7 @@ def build_actor(adapter: GenerativeModelAdapter, cfg: Config, device: torch.devi
         apply_activation_checkpointing(model, adapter.transformer_blocks(inner_model(model)))
     if compile_wanted(cfg.model.compile, device):
         # before fully_shard: its hooks then wrap the compiled forward (torchtitan's order)
-        compile_blocks(current_blocks(model, adapter))
+        compile_blocks(current_blocks(model, adapter), adapter.block_dynamic_dims)
     if distributed and shard:
         apply_fsdp(model, current_blocks(model, adapter), cfg)
     return model

@@ -161,7 +161,7 @@ class EngineCore:
                 receiver.start()
                 return receiver
         if compile_wanted(compile, dev):
-            compile_blocks(adapter.transformer_blocks(transformer))
+            compile_blocks(adapter.transformer_blocks(transformer), adapter.block_dynamic_dims)
             adapter.compile_frozen(frozen)
         core = cls(adapter, transformer, frozen, device=dev, receiver_factory=factory,
                    lora=bool(lora), merge_lora=bool(lora) and bool(lora.get("merge", True)))
@@ -201,8 +201,9 @@ class EngineCore:
 
     def warm_up(self, *, height: int, width: int, batch: int) -> dict[str, Any]:
         """Run the transformer at the configured geometry before the first request, so the
-        first rollout does not pay the compile: two prompt lengths, so the text dimension is
-        already dynamic when real prompts of other lengths arrive."""
+        first rollout does not pay the compile. Two prompt lengths: where the adapter marks
+        the text dimension dynamic the second compiles nothing; where it marks nothing, torch
+        turns the dimension dynamic here rather than at a later rollout."""
         with self._lock, torch.no_grad():
             self._serve_merged()
             t0, before = time.perf_counter(), compile_events()

@@ -53,6 +53,12 @@ class GenerativeModelAdapter(abc.ABC):
     def lora_target_modules(self) -> list[str]:
         """peft target module names for LoRA on this family's transformer."""
 
+    def block_dynamic_dims(self, kwargs: dict[str, Any]) -> list[tuple[torch.Tensor, int]]:
+        """(tensor, dim) pairs among a repeated block's keyword inputs whose size changes
+        between calls at one geometry (a text length that follows the prompts). Compiled
+        blocks mark them dynamic from the first call, so a new length compiles nothing."""
+        return []
+
     def weight_name_map(self, train_names: Iterable[str]) -> dict[str, str]:
         """Trainer parameter name -> engine parameter name (identity unless overridden).
 

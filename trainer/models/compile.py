@@ -10,9 +10,12 @@ is replaced by its compiled version in place:
   after compiling, as torchtitan orders it) and activation checkpointing's wrapper (compiled
   with the block when present) work unchanged.
 
-Shapes: batch and text length vary between requests and micro-batches; torch's automatic
-dynamic shapes turn a dimension symbolic the second time it changes, so after a short warm-up
-nothing recompiles. ``compile_events()`` counts compilations (first compiles and recompiles);
+Shapes: batch and text length vary between requests and micro-batches. The adapter names the
+block inputs whose size changes at one geometry (``block_dynamic_dims``: Qwen-Image's text
+length); they are marked dynamic before every call, so the first compile already treats that
+dimension as symbolic and a second prompt length compiles nothing. Any other dimension that
+changes turns symbolic through torch's automatic dynamic shapes the second time it changes
+(one recompile). ``compile_events()`` counts compilations (first compiles and recompiles);
 the trainer logs its per-step growth as ``perf/recompiles``.
 """
 from __future__ import annotations
@@ -21,6 +24,9 @@ import logging
 
 import torch
 import torch._dynamo.config as dynamo_config
+from collections.abc import Callable
+from typing import Any
+
 from torch import nn
 from torch._dynamo.utils import counters
 
@@ -41,12 +47,30 @@ def compile_wanted(setting: str, device: torch.device | str) -> bool:
     return setting == "blocks"
 
 
-def compile_blocks(blocks: list[nn.Module]) -> int:
-    """Compile each block's forward in place; returns how many were compiled."""
+DynamicDims = Callable[[dict[str, Any]], list[tuple[torch.Tensor, int]]]
+
+
+def compile_blocks(blocks: list[nn.Module], dynamic_dims: DynamicDims | None = None) -> int:
+    """Compile each block's forward in place; returns how many were compiled.
+
+    ``dynamic_dims(kwargs)`` gives the (tensor, dim) pairs of a call's keyword inputs to mark
+    dynamic before the compiled code sees them."""
     _raise_recompile_limit()
     for block in blocks:
-        block.forward = torch.compile(block.forward)
+        compiled = torch.compile(block.forward)
+        block.forward = compiled if dynamic_dims is None else _marking(compiled, dynamic_dims)
     return len(blocks)
+
+
+def _marking(compiled: Callable, dynamic_dims: DynamicDims) -> Callable:
+    # maybe_mark_dynamic, not mark_dynamic: the marked sizes are equal to each other inside
+    # the block (text embeddings, mask, text rotary table), which mark_dynamic rejects.
+    def forward(*args, **kwargs):
+        for tensor, dim in dynamic_dims(kwargs):
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        return compiled(*args, **kwargs)
+
+    return forward
 
 
 def compile_events() -> int:

@@ -96,6 +96,17 @@ class QwenImageAdapter(PackedLatentsAdapter):
         install_fast_paths()  # the faster text-length and rotary paths: qwen_fast_paths.py
         return super().load_train_model(dtype=dtype, device=device)
 
+    def block_dynamic_dims(self, kwargs: dict[str, Any]) -> list[tuple[torch.Tensor, int]]:
+        """The text length: the prompt embeddings are padded to the longest prompt of the
+        batch, so it changes with the prompts; the text embeddings, their mask and the text
+        half of the rotary table carry it."""
+        dims = [(kwargs[k], 1) for k in ("encoder_hidden_states", "encoder_hidden_states_mask")
+                if isinstance(kwargs.get(k), torch.Tensor)]
+        rope = kwargs.get("image_rotary_emb")
+        if isinstance(rope, (tuple, list)) and len(rope) == 2 and isinstance(rope[1], torch.Tensor):
+            dims.append((rope[1], 0))
+        return dims
+
     def velocity(self, transformer: nn.Module, latents: torch.Tensor, sigma: torch.Tensor,
                  conditions: dict[str, torch.Tensor], height: int, width: int) -> torch.Tensor:
         latents, cond, dtype = self._cast_inputs(transformer, latents, conditions)
