@@ -53,8 +53,10 @@ purpose_engine() {
 purpose_step() {
   case "${1:-default}" in
   default)
+    # 6 rollouts: the first is warm-up and the second has run slower than the later ones
+    # too, so the median of 5 kept steps, not 3, is a steady step
     TAIL=30 step step "${SECS:-560}" $STEP --out "$LOGS/step.json" --modes lora full --floors \
-      --diffusers ${STEP_ARGS:-}
+      --diffusers --rollouts 6 ${STEP_ARGS:-}
     ;;
   peer)
     TAIL=14 step peer "${SECS2:-230}" $STEP --out "$LOGS/peer.json" --modes lora --no-offload \
