@@ -4,6 +4,7 @@ compilation (inductor on this CPU)."""
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -338,3 +339,28 @@ def test_offload_policy_skips_the_offloads_only_when_both_sides_fit():
     assert always.decided and always.engine_release and always.actor_offload
     cpu = OffloadPolicy("as_needed", offload_rollout=False, offload_train=True, device="cpu")
     assert cpu.decided and not cpu.actor_offload  # the actor offload is a GPU thing
+
+
+@pytest.mark.parametrize("fits", [True, False], ids=["fits", "does-not-fit"])
+def test_the_first_step_decides_before_its_actor_offload(monkeypatch, fits):
+    from trainer import loop
+    from trainer.actor.colocate import OffloadPolicy
+    from trainer.profiling import StageTimer
+
+    gib = 2 ** 30
+    offloads = []
+    monkeypatch.setattr(loop, "offload_actor", lambda model, opt: offloads.append(model) or "host")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 100 * gib))
+    engine = {"memory_allocated_bytes": 20 * gib, "memory_peak_bytes": (35 if fits else 70) * gib}
+    trainer = SimpleNamespace(
+        colocate=OffloadPolicy("as_needed", offload_rollout=True, offload_train=True,
+                               device="cuda"),
+        driver=SimpleNamespace(last_engine_memory=engine), device=torch.device("cuda"),
+        model="actor", optimizer=None, offloaded=None, timer=StageTimer(sync=False))
+    # the first step: the actor measured 30 GiB resident, 50 GiB at its peak
+    loop.Trainer._offload_after_train(trainer, (30 * gib, 50 * gib))
+    assert trainer.colocate.decided
+    assert offloads == ([] if fits else ["actor"])  # fits: no offload, so no onload next step
+    assert trainer.offloaded == (None if fits else "host")
+    loop.Trainer._offload_after_train(trainer, None)  # a later step follows the decision
+    assert len(offloads) == (0 if fits else 2)

@@ -304,6 +304,20 @@ class Trainer(TrainerState):
                     raise
         return {}
 
+    def _offload_after_train(self, actor_now: tuple[int, int] | None) -> None:
+        """The actor's offload at the end of a step. On the first CUDA step (``actor_now``:
+        the actor's resident and peak bytes) the as_needed policy decides first: where both
+        sides fit, the actor stays on the GPU already now, so the second step pays no onload."""
+        if actor_now is not None:
+            engine = self.driver.last_engine_memory
+            self.colocate.measure(Footprint(
+                total=torch.cuda.mem_get_info(self.device)[1], actor_resident=actor_now[0],
+                actor_peak=actor_now[1], engine_resident=engine.get("memory_allocated_bytes", 0),
+                engine_peak=engine.get("memory_peak_bytes", 0)))
+        if self.colocate.actor_offload:
+            with self.timer.stage("offload"):
+                self.offloaded = offload_actor(self.model, self.optimizer)
+
     def train_step(self, rollout_id: int) -> dict[str, float]:
         t0, compiles_before = time.perf_counter(), compile_events()
         self.profile.before(rollout_id)
@@ -327,16 +341,7 @@ class Trainer(TrainerState):
             metrics.update(self.train_on(batch, advantages, rollout_id))
             state_onload.wait()  # a stage without an optimizer step must not leave it pending
         metrics.update(call_with_recovery(self, "weight sync", self.sync_weights, collective=True))
-        actor_now = actor_footprint(self.device) if first_measure else None
-        if self.colocate.actor_offload:
-            with self.timer.stage("offload"):
-                self.offloaded = offload_actor(self.model, self.optimizer)
-        if first_measure:
-            engine = self.driver.last_engine_memory
-            self.colocate.measure(Footprint(
-                total=torch.cuda.mem_get_info(self.device)[1], actor_resident=actor_now[0],
-                actor_peak=actor_now[1], engine_resident=engine.get("memory_allocated_bytes", 0),
-                engine_peak=engine.get("memory_peak_bytes", 0)))
+        self._offload_after_train(actor_footprint(self.device) if first_measure else None)
         metrics.update(self.colocate.metrics())
         self.profile.after(rollout_id)
         step_time = time.perf_counter() - t0

@@ -6,13 +6,13 @@ memory while the engine generates) exist to make room. Where the GPU holds both 
 they are pure cost: every step copies the actor's state through PCIe twice.
 
 - ``always``: each enabled offload runs every step.
-- ``as_needed`` (default): the first step runs with them and measures what each side needs:
-  the engine's resident memory and its peak during a rollout (reported by the engine), the
-  actor's resident memory after its update and its peak during it. From the second step on,
-  the offloads are skipped when ``max(actor resident + engine peak, actor peak + engine
-  resident) + margin`` fits in the device's memory (``margin``: 10 % of it, for allocator
-  slack and each process's CUDA context); otherwise they keep running. The decision and its
-  figures are logged once.
+- ``as_needed`` (default): the first step releases the engine's memory for its update and
+  measures what each side needs: the engine's resident memory and its peak during a rollout
+  (reported by the engine), the actor's resident memory after its update and its peak during
+  it. From the end of that update on (the actor's first offload included), the offloads are
+  skipped when ``max(actor resident + engine peak, actor peak + engine resident) + margin``
+  fits in the device's memory (``margin``: 10 % of it, for allocator slack and each process's
+  CUDA context); otherwise they keep running. The decision and its figures are logged once.
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ class OffloadPolicy:
         self.footprint: Footprint | None = None
 
     def measure(self, footprint: Footprint) -> None:
-        """Called once, after the first step ran with its offloads."""
+        """Called once, after the first step's update, before its offload."""
         if self.decided:
             return
         self.decided, self.footprint = True, footprint
