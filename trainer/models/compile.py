@@ -21,12 +21,11 @@ the trainer logs its per-step growth as ``perf/recompiles``.
 from __future__ import annotations
 
 import logging
-
-import torch
-import torch._dynamo.config as dynamo_config
 from collections.abc import Callable
 from typing import Any
 
+import torch
+import torch._dynamo.config as dynamo_config
 from torch import nn
 from torch._dynamo.utils import counters
 
@@ -63,8 +62,9 @@ def compile_blocks(blocks: list[nn.Module], dynamic_dims: DynamicDims | None = N
 
 
 def _marking(compiled: Callable, dynamic_dims: DynamicDims) -> Callable:
-    # maybe_mark_dynamic, not mark_dynamic: the marked sizes are equal to each other inside
-    # the block (text embeddings, mask, text rotary table), which mark_dynamic rejects.
+    # maybe_mark_dynamic, not mark_dynamic: where a block's code specializes a marked size
+    # (a branch on it, in some diffusers release), torch compiles for that size instead of
+    # raising a constraint violation.
     def forward(*args, **kwargs):
         for tensor, dim in dynamic_dims(kwargs):
             torch._dynamo.maybe_mark_dynamic(tensor, dim)
