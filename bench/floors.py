@@ -19,8 +19,8 @@ import torch
 from diffusers import QwenImagePipeline
 from peft import LoraConfig, get_peft_model
 
-from trainer.actor.local_adam import step_adam_on_local_shards
-from trainer.actor.update import grad_norm_and_clip_coef, scale_gradients
+from trainer.actor.local_adam import scale_gradients, step_adam_on_local_shards
+from trainer.actor.update import grad_norm_and_clip_coef
 from trainer.models.compile import compile_blocks
 from trainer.models.qwen_image import QwenImageAdapter
 

@@ -29,6 +29,13 @@ def _elementwise_safe(tensors: list[torch.Tensor]) -> bool:
                for t in tensors if isinstance(t, DTensor))
 
 
+def scale_gradients(params: list[torch.Tensor], coef: torch.Tensor) -> None:
+    """Every gradient of ``params`` times ``coef``, in place on its local shard."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(_local(grads), coef)
+
+
 def step_adam_on_local_shards(optimizer: torch.optim.Optimizer,
                               clip_coef: torch.Tensor | None = None) -> None:
     """``optimizer.step()`` of a torch Adam / AdamW on the local shards (module docstring);
@@ -47,9 +54,8 @@ def step_adam_on_local_shards(optimizer: torch.optim.Optimizer,
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) \
             or not _elementwise_safe(tensors):
         if clip_coef is not None:
-            torch._foreach_mul_(_local([p.grad for group in optimizer.param_groups
-                                        for p in group["params"] if p.grad is not None]),
-                                clip_coef)
+            scale_gradients([p for group in optimizer.param_groups for p in group["params"]],
+                            clip_coef)
         optimizer.step()
         return
     _hooked_local_step(optimizer, clip_coef)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from trainer.actor.local_adam import step_adam_on_local_shards
+from trainer.actor.local_adam import scale_gradients, step_adam_on_local_shards
 from trainer.actor.micro_batch import resolve_micro_batch
 from trainer.actor.micro_step import forward_backward
 from trainer.actor.model import lr_at_step
@@ -55,13 +55,6 @@ def anchors(trainer, micro: list[list[tuple]]) -> list[list[torch.Tensor | None]
     # The gathered parameters stay for the first update's training forward (same parameters,
     # so FSDP2 skips its gather); that update's backward reshards them before any optimizer step.
     return out
-
-
-def scale_gradients(params: list[torch.Tensor], coef: torch.Tensor) -> None:
-    """Every gradient of ``params`` times ``coef``, in place on its local shard."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if grads:
-        torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coef)
 
 
 def grad_norm_and_clip_coef(params: list[torch.Tensor],
