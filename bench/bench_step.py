@@ -185,6 +185,11 @@ def summarize(mode: str, steps: list[dict], busy: list | None = None) -> dict:
     compute_total = avg["perf/model_compute_time"]
     return {"mode": mode, "trained": trained,
             "step_times": [s.get("perf/step_time") for s in steps],
+            # each step's stages and model parts, so a single slow step can be attributed
+            "step_parts": [{k.removeprefix("perf/"): round(v, 4) for k, v in s.items()
+                            if k.startswith("perf/compute/") or (k.startswith("perf/")
+                                                                and k.endswith("_time"))}
+                           for s in steps],
             "stage_times": {k: v for k, v in avg.items() if k.startswith("perf/")
                             and not k.startswith("perf/compute/")},
             "step_time": avg["perf/step_time"], "samples_per_s": avg["perf/samples_per_s"],
