@@ -15,6 +15,9 @@
 #                                                 and the train stages' GPU idle gaps
 #                                        profile  torch.profiler of one train stage + its floor
 #                                                 (bench/profile_train.py: GPU busy, idle gaps)
+#                                        textlen  what a new prompt length costs the compiled
+#                                                 blocks, per attention backend
+#                                                 (bench/bench_text_length.py)
 #   bash bench/gpu.sh multigpu         every GPU of the host: weak scaling 1 -> N, two-node dry run
 #   bash bench/gpu.sh gpu-tests        every GPU test (pytest -m gpu), the checkpoint self-check and
 #                                      each bench script's smoke case; ONLY=tests or ONLY=smoke runs
@@ -71,11 +74,15 @@ purpose_step() {
       --label "offload-always-" --set fsdp.offload_policy=always ${STEP_ARGS:-}
     ;;
   nsys) step_nsys ;;
+  textlen)
+    TAIL=40 step text_length "${SECS:-400}" python3 bench/bench_text_length.py --model-dir \
+      "$MODEL" --profile-length 77 ${STEP_ARGS:-}
+    ;;
   profile)
     TAIL=8 step profile_train "${SECS:-300}" python3 bench/profile_train.py --model-dir "$MODEL" \
       --out "$LOGS/profile" ${STEP_ARGS:-}
     ;;
-  *) echo "unknown step variant '$1' (default, peer, offload, nsys, profile)" >&2
+  *) echo "unknown step variant '$1' (default, peer, offload, nsys, profile, textlen)" >&2
      FAILED+=("step:$1") ;;
   esac
 }
@@ -128,6 +135,8 @@ purpose_gpu-tests() {
   step smoke_engine 60 python3 bench/bench_engine.py --tiny --layers 2 --warmup 1 --repeats 1
   step smoke_forward 150 python3 bench/bench_forward.py --tiny --layers 2 --repeats 2 --batch 2 \
     --rows 2
+  step smoke_text_length 150 python3 bench/bench_text_length.py --tiny --layers 2 --rows 2 \
+    --lengths 5 6 9 --backends default
   step smoke_rewards 60 python3 bench/bench_rewards.py --tiny --images 8 --resolution 64 \
     --prompts 2 --repeats 1 --batch-sizes 8 --out "$LOGS/smoke_rewards.json"
   # the step bench with its floors, diffusers' pipeline and the peer loop (peer_step.py, floors.py)
@@ -152,7 +161,7 @@ list_purposes() {
   for p in $PURPOSES; do
     echo "$p:"
     if [ "$p" = step ]; then
-      for v in default offload nsys profile; do echo " step $v:"; purpose_step "$v"; done
+      for v in default peer offload nsys profile textlen; do echo " step $v:"; purpose_step "$v"; done
     else
       "purpose_$p"
     fi
