@@ -75,8 +75,9 @@ purpose_step() {
     ;;
   nsys) step_nsys ;;
   textlen)
-    TAIL=40 step text_length "${SECS:-400}" python3 bench/bench_text_length.py --model-dir \
-      "$MODEL" --profile-length 77 ${STEP_ARGS:-}
+    # the recompile log names the guard that failed, where a length compiles again
+    TAIL=40 step text_length "${SECS:-400}" env TORCH_LOGS=recompiles python3 \
+      bench/bench_text_length.py --model-dir "$MODEL" --profile-length 77 ${STEP_ARGS:-}
     ;;
   profile)
     TAIL=8 step profile_train "${SECS:-300}" python3 bench/profile_train.py --model-dir "$MODEL" \
