@@ -1,6 +1,6 @@
 """What a new prompt length costs the compiled LoRA blocks, per attention backend.
 
-    python bench/bench_text_length.py --model-dir /tmp/bench_qwen8              # H200: ~3 min
+    python bench/bench_text_length.py --model-dir /tmp/bench_qwen8
     python bench/bench_text_length.py --backends efficient --profile-length 77  # where it goes
     python bench/bench_text_length.py --tiny --layers 2 --lengths 5 6 9         # runs at all
 
