@@ -15,6 +15,9 @@
 #                                                 and the train stages' GPU idle gaps
 #                                        profile  torch.profiler of one train stage + its floor
 #                                                 (bench/profile_train.py: GPU busy, idle gaps)
+#                                        attention  the LoRA row with torch's attention pick and
+#                                                 with each of $BACKENDS (diffusers' names,
+#                                                 default _native_efficient), same call
 #                                        textlen  what a new prompt length costs the compiled
 #                                                 blocks, per attention backend
 #                                                 (bench/bench_text_length.py)
@@ -74,6 +77,14 @@ purpose_step() {
       --label "offload-always-" --set fsdp.offload_policy=always ${STEP_ARGS:-}
     ;;
   nsys) step_nsys ;;
+  attention)
+    for backend in default ${BACKENDS:-_native_efficient}; do
+      local sets=()
+      [ "$backend" = default ] || sets=(--set "model.adapter_options={\"attention_backend\": \"$backend\"}")
+      TAIL=4 step "attention_$backend" "${SECS:-250}" $STEP --out "$LOGS/attention_$backend.json" \
+        --modes lora --rollouts 6 --label "attention-$backend-" "${sets[@]}" ${STEP_ARGS:-}
+    done
+    ;;
   textlen)
     # the recompile log names the guard that failed, where a length compiles again
     TAIL=40 step text_length "${SECS:-400}" env TORCH_LOGS=recompiles python3 \
@@ -83,7 +94,7 @@ purpose_step() {
     TAIL=8 step profile_train "${SECS:-300}" python3 bench/profile_train.py --model-dir "$MODEL" \
       --out "$LOGS/profile" ${STEP_ARGS:-}
     ;;
-  *) echo "unknown step variant '$1' (default, peer, offload, nsys, profile, textlen)" >&2
+  *) echo "unknown step variant '$1' (default, peer, offload, nsys, profile, attention, textlen)" >&2
      FAILED+=("step:$1") ;;
   esac
 }
@@ -162,7 +173,7 @@ list_purposes() {
   for p in $PURPOSES; do
     echo "$p:"
     if [ "$p" = step ]; then
-      for v in default peer offload nsys profile textlen; do echo " step $v:"; purpose_step "$v"; done
+      for v in default peer offload nsys profile attention textlen; do echo " step $v:"; purpose_step "$v"; done
     else
       "purpose_$p"
     fi

@@ -323,3 +323,57 @@ def test_qwen_channels_last_decoder_decodes_the_same_images(tiny_model_dir):
                          and not m.weight.is_contiguous() for m in convs)
     assert torch.equal(adapter.decode(frozen, x, H, W), before)
 
+
+
+@pytest.fixture
+def attention_registry():
+    """diffusers' attention-backend registry, its active backend and functions put back after
+    the test (set_attention_backend also sets the process-wide active backend)."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry as registry
+
+    active, functions = registry._active_backend, dict(registry._backends)
+    yield registry
+    registry._active_backend = active
+    registry._backends.clear()
+    registry._backends.update(functions)
+
+
+@pytest.mark.parametrize("family", ["qwen_image", "flux"])
+def test_the_attention_backend_option_runs_the_chosen_kernel(family, loaded, tiny_model_dir,
+                                                             attention_registry):
+    """model.adapter_options.attention_backend: every attention call of the loaded
+    transformer goes to that backend, and the velocity stays diffusers' default one's."""
+    from diffusers.models.attention_dispatch import AttentionBackendName
+
+    default_adapter, frozen, default_model = loaded(family)
+    cond = default_adapter.encode_prompts(frozen, PROMPTS)
+    x = default_adapter.initial_latents(["s0", "s1"], H, W, seed=3)
+    sigma = torch.tensor([0.7, 0.3])
+    with torch.no_grad():
+        want = default_adapter.velocity(default_model, x, sigma, cond, H, W)
+    math = AttentionBackendName._NATIVE_MATH
+    calls = []
+    kernel = attention_registry._backends[math]
+    attention_registry._backends[math] = lambda **kw: calls.append(1) or kernel(**kw)
+    adapter = adapter_class(family)(str(tiny_model_dir(family)), attention_backend=math.value)
+    model = adapter.load_train_model(dtype=torch.float32)
+    with torch.no_grad():
+        got = adapter.velocity(model, x, sigma, cond, H, W)
+    blocks = len(adapter.transformer_blocks(model))
+    assert len(calls) >= blocks  # at least one attention per block, each through the choice
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_an_attention_backend_that_cannot_run_is_refused(tiny_model_dir, attention_registry):
+    qwen, sd3 = (str(tiny_model_dir(f)) for f in ("qwen_image", "sd3"))
+    with pytest.raises(ValueError, match="'nope' is not one of diffusers' attention backends"):
+        adapter_class("qwen_image")(qwen, attention_backend="nope")
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:  # diffusers' own requirement check, before any weight is loaded
+        with pytest.raises(ValueError, match="'flash' cannot run here"):
+            adapter_class("qwen_image")(qwen, attention_backend="flash")
+    # processors that call torch's attention directly would ignore it without a word
+    with pytest.raises(ValueError, match="ignored by this diffusers release's attention "
+                                         r"processors \['JointAttnProcessor2_0'\]"):
+        adapter_class("sd3")(sd3, attention_backend="_native_math").load_train_model()

@@ -82,12 +82,49 @@ def images_to_uint8(image_processor: Any, images: torch.Tensor) -> torch.Tensor:
     return (images * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous()
 
 
+def check_attention_backend(name: Any, owner: str) -> None:
+    """Raise one error if diffusers has no attention backend ``name`` or it cannot run here
+    (its package missing), before any model is loaded."""
+    from diffusers.models import attention_dispatch
+
+    known = [b.value for b in attention_dispatch.AttentionBackendName]
+    if name not in known:
+        raise ValueError(f"{owner}: attention_backend {name!r} is not one of diffusers' "
+                         f"attention backends {known}")
+    # diffusers' own requirement check (private: where a release lacks it, the same check
+    # runs inside set_attention_backend when the model loads)
+    requirements = getattr(attention_dispatch, "_check_attention_backend_requirements", None)
+    try:
+        if requirements is not None:
+            requirements(attention_dispatch.AttentionBackendName(name))
+    except RuntimeError as err:
+        raise ValueError(f"{owner}: attention_backend {name!r} cannot run here: {err}") from err
+
+
+def set_attention_backend(model: nn.Module, name: str, owner: str) -> None:
+    """diffusers' ``set_attention_backend``, then a check that every attention processor took
+    it: diffusers skips, without a word, processors that call torch's attention directly."""
+    model.set_attention_backend(name)
+    ignoring = sorted({type(module.processor).__name__ for module in model.modules()
+                       if hasattr(module, "processor") and hasattr(module, "set_processor")
+                       and getattr(module.processor, "_attention_backend", None) != name})
+    if ignoring:
+        raise ValueError(f"{owner}: attention_backend {name!r} is ignored by this diffusers "
+                         f"release's attention processors {ignoring}; leave it unset")
+
+
 class DiffusersAdapter(GenerativeModelAdapter):
     """Shared base of the diffusers adapters.
 
     Options (constructor keywords, all optional):
         revision: str | None = None          passed to every from_pretrained
         max_sequence_length: int | None      text tokens kept (family default when None)
+        attention_backend: str | None = None diffusers' attention backend for the transformer
+                                             (``set_attention_backend``: "native",
+                                             "_native_efficient", "flash", ...); None keeps
+                                             diffusers' default. The actor and the embedded
+                                             engine both load through ``load_train_model``, so
+                                             both run the same kernels.
     Subclasses add their own in ``extra_options`` and set ``transformer_class`` (the diffusers
     class name), ``block_attrs`` (ModuleList attributes holding the repeated blocks) and
     ``lora_targets``.
@@ -101,13 +138,16 @@ class DiffusersAdapter(GenerativeModelAdapter):
 
     def __init__(self, model_path: str, **options: Any) -> None:
         known = {"revision": None, "max_sequence_length": self.default_max_sequence_length,
-                 **self.extra_options}
+                 "attention_backend": None, **self.extra_options}
         unknown = sorted(set(options) - set(known))
         if unknown:
             raise ValueError(f"{type(self).__name__}: unknown options {unknown} (known: {sorted(known)})")
         super().__init__(str(model_path), **{**known, **options})
         self.revision = self.options["revision"]
         self.max_sequence_length = int(self.options["max_sequence_length"])
+        self.attention_backend = self.options["attention_backend"]
+        if self.attention_backend is not None:
+            check_attention_backend(self.attention_backend, type(self).__name__)
 
     # ---- configs (JSON only, no weights) ---------------------------------------------------
     def _config(self, subfolder: str) -> dict[str, Any]:
@@ -154,6 +194,8 @@ class DiffusersAdapter(GenerativeModelAdapter):
 
         model = getattr(diffusers, self.transformer_class).from_pretrained(
             self.model_path, subfolder="transformer", torch_dtype=dtype, revision=self.revision)
+        if self.attention_backend is not None:
+            set_attention_backend(model, self.attention_backend, type(self).__name__)
         return model.to(device)
 
     def transformer_blocks(self, model: nn.Module) -> list[nn.Module]:
