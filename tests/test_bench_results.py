@@ -189,7 +189,7 @@ def test_gpu_sh_dry_run_of_each_purpose_and_refusals():
     for purpose in ("kernels", "ipc", "engine", "multigpu", "gpu-tests", "toy-sweep"):
         proc = _gpu_sh(purpose, DRY_RUN="1")
         assert proc.returncode == 0 and "(" in proc.stdout, (purpose, proc.stderr)
-    for variant in ("default", "peer", "offload", "nsys", "profile", "textlen"):
+    for variant in ("default", "peer", "offload", "nsys", "profile", "attention", "textlen"):
         assert _gpu_sh("step", variant, DRY_RUN="1").returncode == 0
     assert _gpu_sh("step", "bogus", DRY_RUN="1").returncode == 1
     unknown = _gpu_sh("bogus")
