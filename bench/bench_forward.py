@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH), str(BENCH.parent)]
+
+from child_runs import add_model_args, figures_per_variant  # noqa: E402
 
 PATHS = ("fast", "stock")
 
@@ -64,11 +65,7 @@ def record(figures: list[dict], args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model-dir", help="bench_step.py's model directory, built there when "
-                   "absent (default: a temporary one)")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--tiny", action="store_true", help="tiny widths (a smoke run)")
-    p.add_argument("--rank", type=int, default=64)
+    add_model_args(p)
     p.add_argument("--batch", type=int, default=8, help="rows of the no-grad forward")
     p.add_argument("--rows", type=int, default=12, help="rows of the forward + backward")
     p.add_argument("--repeats", type=int, default=20)
@@ -77,19 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.one:
         print(json.dumps(measure(args.one, args)), flush=True)
         return 0
-    from bench_step import prepare_work
-
-    _, model_dir = prepare_work("bench_forward_", args.layers, args.tiny,
-                                Path(args.model_dir) if args.model_dir else None)
-    given = list(sys.argv[1:] if argv is None else argv)
-    figures = []
-    for path in PATHS:
-        child = subprocess.run([sys.executable, __file__, *given, "--model-dir", str(model_dir),
-                                "--one", path], capture_output=True, text=True)
-        if child.returncode != 0:
-            print(child.stdout[-3000:], child.stderr[-3000:], file=sys.stderr)
-            return child.returncode
-        figures.append(json.loads(child.stdout.strip().splitlines()[-1]))
+    figures = figures_per_variant(__file__, "bench_forward_", args, argv, list(PATHS))
     fast, stock = figures
     print(f"text tokens {fast['text_tokens']}; compiled blocks, bf16, LoRA r{args.rank}")
     print("| paths | forward B=%d ms | fwd+bwd B=%d ms |\n|---|---|---|" % (args.batch, args.rows))

@@ -21,13 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH), str(BENCH.parent)]
+
+from child_runs import add_model_args, figures_per_variant  # noqa: E402
 
 BACKENDS = {"default": None, "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
             "flash": "FLASH_ATTENTION", "math": "MATH"}
@@ -106,11 +107,7 @@ def record(all_figures: list[dict], args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model-dir", help="bench_step.py's model directory, built there when "
-                   "absent (default: a temporary one)")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--tiny", action="store_true", help="tiny widths (a smoke run)")
-    p.add_argument("--rank", type=int, default=64)
+    add_model_args(p)
     p.add_argument("--rows", type=int, default=4, help="rows of the forward + backward")
     p.add_argument("--lengths", type=int, nargs="+", default=[40, 41, 48, 64, 77, 100],
                    help="text lengths, in the order they arrive")
@@ -122,19 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.one:
         print(json.dumps(measure(args.one, args)), flush=True)
         return 0
-    from bench_step import prepare_work
-
-    _, model_dir = prepare_work("bench_text_length_", args.layers, args.tiny,
-                                Path(args.model_dir) if args.model_dir else None)
-    given = list(sys.argv[1:] if argv is None else argv)
-    all_figures = []
-    for backend in args.backends:
-        child = subprocess.run([sys.executable, __file__, *given, "--model-dir", str(model_dir),
-                                "--one", backend], stdout=subprocess.PIPE, text=True)
-        if child.returncode != 0:
-            print(child.stdout[-3000:], file=sys.stderr)
-            return child.returncode
-        all_figures.append(json.loads(child.stdout.strip().splitlines()[-1]))
+    all_figures = figures_per_variant(__file__, "bench_text_length_", args, argv, args.backends)
     print(f"compiled LoRA r{args.rank} blocks, forward + backward of {args.rows} rows")
     print("| backend | tokens | first call s | warm s | compiles | new cache files |\n"
           "|---|---|---|---|---|---|")
