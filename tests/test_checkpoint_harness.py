@@ -63,7 +63,8 @@ def save_tinynet(root: Path, dim: int = 16, num_blocks: int = 2, seed: int = 0) 
 
 
 class TinyNetAdapter:
-    """The three adapter methods the actor builder calls (load, blocks, LoRA targets)."""
+    """The adapter methods the actor builder calls (load, blocks, LoRA targets, and the blocks'
+    dynamic inputs, which compiled blocks ask for on CUDA)."""
 
     def __init__(self, model_path: str | Path, **options):
         self.model_path = str(model_path)
@@ -79,6 +80,9 @@ class TinyNetAdapter:
 
     def lora_target_modules(self) -> list[str]:
         return ["to_q", "to_v"]
+
+    def block_dynamic_dims(self, kwargs: dict) -> list[tuple[torch.Tensor, int]]:
+        return []  # fixed shapes: every input of a block keeps its size between calls
 
 
 class DiffusersDirAdapter(TinyNetAdapter):

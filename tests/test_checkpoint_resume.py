@@ -59,6 +59,23 @@ def test_resume_in_one_process_is_bit_exact(model_dir, tmp_path, lora):
     assert_same_step(ref, step_record(fresh))
 
 
+def test_a_compiled_actors_checkpoint_resumes_into_an_eager_one(model_dir, tmp_path):
+    """CUDA compiles the blocks by default and a CPU run does not: a checkpoint written by a
+    compiled LoRA actor loads into an eager one with the same names and values."""
+    from trainer.models.compile import compile_events
+    before = compile_events()
+    tr = trained(model_dir, tmp_path, True, extra=["model.compile=blocks"])
+    assert compile_events() > before  # the blocks did run compiled
+    assert save_checkpoint(tr, K) is not None
+    saved = h.trainable_weights(tr)
+    fresh = h.make_trainer(model_dir, tmp_path, lora=True)
+    assert load_checkpoint(fresh, tmp_path).name == layout.iter_name(K)
+    got = h.trainable_weights(fresh)
+    assert got.keys() == saved.keys()
+    for name in saved:
+        assert torch.equal(got[name], saved[name]), name
+
+
 def test_checkpoint_files_and_sidecars(model_dir, tmp_path):
     from ipc.protocol import manifest_hash
     from torch.distributed.checkpoint import FileSystemReader
