@@ -88,7 +88,7 @@ purpose_step() {
   textlen)
     # the recompile log names the guard that failed, where a length compiles again
     TAIL=40 step text_length "${SECS:-400}" env TORCH_LOGS=recompiles python3 \
-      bench/bench_text_length.py --model-dir "$MODEL" --profile-length 77 ${STEP_ARGS:-}
+      bench/bench_text_length.py --model-dir "$MODEL" --profile-length 64 ${STEP_ARGS:-}
     ;;
   profile)
     TAIL=8 step profile_train "${SECS:-300}" python3 bench/profile_train.py --model-dir "$MODEL" \

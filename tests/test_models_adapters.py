@@ -40,6 +40,14 @@ def _pipeline_with(frozen, transformer):
     return type(pipe)(**{**pipe.components, "transformer": transformer})
 
 
+def as_the_pipeline_runs(adapter):
+    """The adapter computing exactly what diffusers' pipeline computes: Qwen-Image without its
+    joint-sequence padding (the pipeline pads a batch only to its longest prompt)."""
+    if adapter.family != "qwen_image":
+        return adapter
+    return type(adapter)(adapter.model_path, **{**adapter.options, "joint_tokens_multiple": 1})
+
+
 def _pipeline_kwargs(family: str, adapter, cond: dict, x_t: torch.Tensor, steps: int) -> dict:
     kw = dict(prompt_embeds=cond["prompt_embeds"], latents=x_t, num_inference_steps=steps,
               height=H, width=W)
@@ -127,6 +135,7 @@ def test_velocity_shape_and_determinism(family, loaded):
 def test_ode_sampling_and_decode_equal_the_diffusers_pipeline(family, loaded):
     """Adapter velocity + Euler step on adapter.scheduler_sigmas == pipeline(...) bit for bit."""
     adapter, frozen, transformer = loaded(family)
+    adapter = as_the_pipeline_runs(adapter)
     steps = 3
     cond = adapter.encode_prompts(frozen, PROMPTS)
     x_t = adapter.initial_latents(["a", "b"], H, W, seed=11)
@@ -377,3 +386,40 @@ def test_an_attention_backend_that_cannot_run_is_refused(tiny_model_dir, attenti
     with pytest.raises(ValueError, match="ignored by this diffusers release's attention "
                                          r"processors \['JointAttnProcessor2_0'\]"):
         adapter_class("sd3")(sd3, attention_backend="_native_math").load_train_model()
+
+
+@pytest.mark.parametrize("length", [3, 8, 11])
+def test_qwen_pads_the_joint_sequence_to_a_multiple_with_masked_tokens(loaded, length):
+    """Image + text tokens reach the transformer as a multiple of 8; the padding is masked, so
+    the velocity is the unpadded one up to rounding. 1 turns the padding off."""
+    adapter, _, transformer = loaded("qwen_image")
+    torch.manual_seed(length)
+    mask = torch.ones(2, length, dtype=torch.long)
+    mask[1, length - 2:] = 0  # the shorter prompt of a batch, already padded by the pipeline
+    cond = {"prompt_embeds": torch.randn(2, length, adapter.transformer_config["joint_attention_dim"]),
+            "prompt_embeds_mask": mask}
+    x = adapter.initial_latents(["s0", "s1"], H, W, seed=3)
+    seen = []
+    hook = transformer.register_forward_pre_hook(
+        lambda _, args, kwargs: seen.append((kwargs["encoder_hidden_states"].clone(),
+                                             kwargs["encoder_hidden_states_mask"].clone())),
+        with_kwargs=True)
+    try:
+        with torch.no_grad():
+            padded = adapter.velocity(transformer, x, torch.tensor(0.6), cond, H, W)
+            plain = as_the_pipeline_runs(adapter).velocity(transformer, x, torch.tensor(0.6),
+                                                           cond, H, W)
+    finally:
+        hook.remove()
+    (embeds, sent_mask), (plain_embeds, _) = seen
+    assert plain_embeds.shape[1] == length
+    assert (x.shape[1] + embeds.shape[1]) % 8 == 0 and 0 <= embeds.shape[1] - length < 8
+    assert torch.equal(embeds[:, :length], cond["prompt_embeds"])
+    assert torch.equal(sent_mask[:, :length], mask) and not sent_mask[:, length:].any()
+    assert torch.allclose(padded, plain, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("value", [0, -8, 2.5, True, "8"])
+def test_qwen_joint_tokens_multiple_must_be_a_positive_integer(tiny_model_dir, value):
+    with pytest.raises(ValueError, match="joint_tokens_multiple must be an integer >= 1"):
+        adapter_class("qwen_image")(str(tiny_model_dir("qwen_image")), joint_tokens_multiple=value)

@@ -12,7 +12,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from test_models_adapters import PROMPTS, _pipeline_kwargs, _pipeline_with  # noqa: E402
+from test_models_adapters import (PROMPTS, _pipeline_kwargs, _pipeline_with,  # noqa: E402
+                                  as_the_pipeline_runs)
 from test_models_rollout import serve  # noqa: E402
 from tiny_models import FAMILIES, TINY_HEIGHT, TINY_WIDTH  # noqa: E402
 from trainer.models import adapter_class  # noqa: E402
@@ -26,7 +27,7 @@ H, W = TINY_HEIGHT, TINY_WIDTH
 def test_bf16_cuda_ode_sampling_equals_the_diffusers_pipeline(family, tiny_model_dir):
     if family != "qwen_image":
         pytest.importorskip("open_clip")
-    adapter = adapter_class(family)(str(tiny_model_dir(family)))
+    adapter = as_the_pipeline_runs(adapter_class(family)(str(tiny_model_dir(family))))
     frozen = adapter.load_frozen(device="cuda", dtype=torch.bfloat16)
     transformer = adapter.load_train_model(dtype=torch.bfloat16, device="cuda")
     cond = adapter.encode_prompts(frozen, PROMPTS)
@@ -64,3 +65,27 @@ def test_bf16_cuda_rollout_replays_to_the_recorded_log_probs(tiny_model_dir):
                                  batch.sigmas_next[:, s].cuda(), eta=batch.eta, sde_type=batch.sde_type)
             for s in range(2)], dim=1)
     assert torch.equal(replayed, batch.log_probs)
+
+
+def test_compiled_qwen_blocks_compile_once_across_text_lengths_and_alignments(tiny_model_dir):
+    """Inductor guards the attention inputs' alignment to 8, so without the adapter's padding
+    an unaligned text length after an aligned one compiles the blocks again (CUDA only: the
+    CPU lowering has no such guard). With it, every length runs the first graphs."""
+    from trainer.models.compile import compile_blocks, compile_events
+
+    torch._dynamo.reset()
+    adapter = adapter_class("qwen_image")(str(tiny_model_dir("qwen_image")))
+    model = adapter.load_train_model(dtype=torch.bfloat16, device="cuda")
+    compile_blocks(adapter.transformer_blocks(model), adapter.block_dynamic_dims)
+    x = adapter.initial_latents(["a", "b"], H, W, seed=1, dtype=torch.bfloat16, device="cuda")
+    joint = adapter.transformer_config["joint_attention_dim"]
+    aligned = 24 - x.shape[1] % 8  # image + text tokens a multiple of 8 without padding
+    compiles = []
+    for length in (aligned, aligned + 1, aligned + 11, aligned + 24):
+        cond = {"prompt_embeds": torch.randn(2, length, joint, device="cuda", dtype=torch.bfloat16),
+                "prompt_embeds_mask": torch.ones(2, length, dtype=torch.long, device="cuda")}
+        before = compile_events()
+        v = adapter.velocity(model, x, torch.tensor([0.7, 0.3], device="cuda"), cond, H, W)
+        v.float().square().mean().backward()  # the actor's replay: forward and backward
+        compiles.append(compile_events() - before)
+    assert compiles[0] >= 1 and compiles[1:] == [0, 0, 0], compiles

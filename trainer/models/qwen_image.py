@@ -11,6 +11,15 @@ Design choices:
   a batch-first tensor is what the sidecar and the actor's micro-batches need.
 - The timestep is passed as the pipeline passes it: (sigma * 1000) rounded to the latent dtype,
   then divided by 1000.
+- Every forward pads the prompt embeddings with masked tokens (mask 0, as the pipeline pads a
+  batch to its longest prompt) until image + text tokens are a multiple of
+  ``joint_tokens_multiple`` (8). The attention kernels need the joint sequence's strides aligned
+  to 8: compiled blocks otherwise build one graph for aligned and another for unaligned lengths
+  (a compile in the middle of a run), and each distinct length can cost a first call of its
+  own in the attention library. Padding keeps every length aligned and cuts the distinct
+  lengths eightfold; a masked key adds nothing to attention and the rotary positions of the
+  real tokens do not move, so the velocity is the unpadded one up to rounding. The engine and
+  the actor both pad here, so replay sees what sampling saw. 1 turns it off.
 """
 from __future__ import annotations
 
@@ -36,7 +45,8 @@ def _pipeline_cls():
 class QwenImageAdapter(PackedLatentsAdapter):
     """Adapter of the Qwen-Image family (dotpath ``trainer.models.qwen_image.QwenImageAdapter``).
 
-    Options: ``revision`` (None), ``max_sequence_length`` (512, text tokens after the template).
+    Options: ``revision`` (None), ``max_sequence_length`` (512, text tokens after the template),
+    ``joint_tokens_multiple`` (8: the module docstring says why).
     """
 
     family = "qwen_image"
@@ -49,6 +59,15 @@ class QwenImageAdapter(PackedLatentsAdapter):
     lora_targets = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
                     "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
     default_max_sequence_length = 512
+    extra_options = {"joint_tokens_multiple": 8}
+
+    def __init__(self, model_path: str, **options: Any) -> None:
+        super().__init__(model_path, **options)
+        multiple = self.options["joint_tokens_multiple"]
+        if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
+            raise ValueError(f"{type(self).__name__}: joint_tokens_multiple must be an integer "
+                             f">= 1 (1: no padding), got {multiple!r}")
+        self.joint_tokens_multiple = multiple
 
     # ---- geometry (packing: PackedLatentsAdapter) ----------------------------------------
     display_name = "Qwen-Image"
@@ -114,6 +133,7 @@ class QwenImageAdapter(PackedLatentsAdapter):
         sigma = torch.as_tensor(sigma, device=latents.device).reshape(-1).expand(batch)
         timestep = (sigma.to(torch.float32) * 1000).to(dtype) / 1000
         _, h, w = self.init_noise_shape(height, width)
+        cond = self.pad_text(cond, image_tokens=latents.shape[1])
         return transformer(
             hidden_states=latents,
             timestep=timestep,
@@ -122,6 +142,18 @@ class QwenImageAdapter(PackedLatentsAdapter):
             img_shapes=[[(1, h // 2, w // 2)]] * batch,
             return_dict=False,
         )[0]
+
+    def pad_text(self, cond: dict[str, torch.Tensor], *, image_tokens: int) -> dict[str, torch.Tensor]:
+        """``cond`` with masked text tokens appended until image + text tokens are a multiple
+        of ``joint_tokens_multiple`` (unchanged when they already are)."""
+        embeds, mask = cond["prompt_embeds"], cond["prompt_embeds_mask"]
+        pad = -(image_tokens + embeds.shape[1]) % self.joint_tokens_multiple
+        if pad == 0:
+            return cond
+        batch = embeds.shape[0]
+        return {**cond,
+                "prompt_embeds": torch.cat([embeds, embeds.new_zeros(batch, pad, embeds.shape[2])], 1),
+                "prompt_embeds_mask": torch.cat([mask, mask.new_zeros(batch, pad)], 1)}
 
     @torch.no_grad()
     def decode(self, frozen: dict[str, Any], latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
