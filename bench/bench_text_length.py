@@ -52,14 +52,6 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def _padded(adapter, tokens: int, image_tokens: int) -> int:
-    """The text length the transformer sees after the adapter's joint-sequence padding."""
-    import torch
-
-    shapes = {"prompt_embeds": torch.empty(1, tokens, 1), "prompt_embeds_mask": torch.ones(1, tokens)}
-    return adapter.pad_text(shapes, image_tokens=image_tokens)["prompt_embeds"].shape[1]
-
-
 def measure(backend: str, args) -> dict:
     """One backend's figures, in this process."""
     import cProfile
@@ -86,7 +78,8 @@ def measure(backend: str, args) -> dict:
             if profile:
                 print(f"--- cProfile, first call at {tokens} tokens ({backend})", file=sys.stderr)
                 pstats.Stats(profile, stream=sys.stderr).sort_stats("cumulative").print_stats(30)
-            lengths.append({"tokens": tokens, "padded": _padded(adapter, tokens, image_tokens),
+            lengths.append({"tokens": tokens,
+                            "padded": adapter.padded_text_length(tokens, image_tokens),
                             "first_s": first,
                             "warm_s": statistics.median(_timed(step) for _ in range(3)),
                             "compiles": compile_events() - compiles,

@@ -143,11 +143,16 @@ class QwenImageAdapter(PackedLatentsAdapter):
             return_dict=False,
         )[0]
 
+    def padded_text_length(self, text_tokens: int, image_tokens: int) -> int:
+        """The text length the transformer sees: image + text tokens rounded up to a multiple
+        of ``joint_tokens_multiple``."""
+        return text_tokens + (-(image_tokens + text_tokens) % self.joint_tokens_multiple)
+
     def pad_text(self, cond: dict[str, torch.Tensor], *, image_tokens: int) -> dict[str, torch.Tensor]:
-        """``cond`` with masked text tokens appended until image + text tokens are a multiple
-        of ``joint_tokens_multiple`` (unchanged when they already are)."""
+        """``cond`` with masked text tokens appended up to ``padded_text_length`` (unchanged
+        when it is already that long)."""
         embeds, mask = cond["prompt_embeds"], cond["prompt_embeds_mask"]
-        pad = -(image_tokens + embeds.shape[1]) % self.joint_tokens_multiple
+        pad = self.padded_text_length(embeds.shape[1], image_tokens) - embeds.shape[1]
         if pad == 0:
             return cond
         batch = embeds.shape[0]
