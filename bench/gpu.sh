@@ -18,13 +18,16 @@
 #                                        attention  the LoRA row with torch's attention pick and
 #                                                 with each of $BACKENDS (diffusers' names,
 #                                                 default _native_efficient), same call
+#                                        accumulate  the full row at micro-batch 2 with
+#                                                 fsdp.accumulate_unsharded off and on, same call
 #                                        textlen  what a new prompt length costs the compiled
 #                                                 blocks, per attention backend
 #                                                 (bench/bench_text_length.py)
 #   bash bench/gpu.sh multigpu         every GPU of the host: weak scaling 1 -> N, two-node dry run
 #   bash bench/gpu.sh gpu-tests        every GPU test (pytest -m gpu), the checkpoint self-check and
-#                                      each bench script's smoke case; ONLY=tests or ONLY=smoke runs
-#                                      one half (two calls where one would pass the 10 minutes)
+#                                      each bench script's smoke case; ONLY=tests, ONLY=offload or
+#                                      ONLY=smoke runs one third (three calls: all of it passes the
+#                                      10 minutes)
 #   bash bench/gpu.sh toy-sweep        toy learning curves of a sweep file (SWEEP=bench/sweeps/...)
 #   bash bench/gpu.sh --list           every purpose and the commands it runs (no GPU needed)
 #   DRY_RUN=1 bash bench/gpu.sh P      print purpose P's commands without running anything
@@ -85,6 +88,16 @@ purpose_step() {
         --modes lora --rollouts 6 --label "attention-$backend-" "${sets[@]}" ${STEP_ARGS:-}
     done
     ;;
+  accumulate)
+    # fsdp.accumulate_unsharded off and on, same call: one gather and one gradient reduce per
+    # update instead of one per micro-batch (the full actor's copies are 2.76 B parameters
+    # each). Micro-batch 2: two per update (at the recipe's 4 an update is one micro-batch)
+    for acc in false true; do
+      TAIL=4 step "accumulate_$acc" "${SECS:-250}" $STEP --out "$LOGS/accumulate_$acc.json" \
+        --modes ${MODES:-full} --rollouts 6 --micro-batch 2 --label "mb2-accumulate-$acc-" \
+        --set fsdp.accumulate_unsharded=$acc ${STEP_ARGS:-}
+    done
+    ;;
   textlen)
     # the recompile log names the guard that failed, where a length compiles again
     TAIL=40 step text_length "${SECS:-400}" env TORCH_LOGS=recompiles python3 \
@@ -94,7 +107,8 @@ purpose_step() {
     TAIL=8 step profile_train "${SECS:-300}" python3 bench/profile_train.py --model-dir "$MODEL" \
       --out "$LOGS/profile" ${STEP_ARGS:-}
     ;;
-  *) echo "unknown step variant '$1' (default, peer, offload, nsys, profile, attention, textlen)" >&2
+  *) echo "unknown step variant '$1' (default, peer, offload, nsys, profile, attention," \
+       "accumulate, textlen)" >&2
      FAILED+=("step:$1") ;;
   esac
 }
@@ -133,11 +147,16 @@ purpose_multigpu() {
 }
 
 purpose_gpu-tests() {
-  if [ "${ONLY:-tests}" != smoke ]; then
-    TAIL=25 step gpu_tests 330 $PYT -m gpu tests
+  # three parts, each one call under the 10-minute limit: ONLY=tests, ONLY=offload, ONLY=smoke
+  # (the offload tests move the 8-layer actor over PCIe many times: ~250 s on their own)
+  if [ -z "${ONLY:-}" ] || [ "$ONLY" = tests ]; then
+    TAIL=25 step gpu_tests 330 $PYT -m gpu tests --ignore=tests/test_offload_gpu.py
     TAIL=8 step ckpt_selfcheck 120 python3 tests/test_checkpoint_harness.py selfcheck cuda 1
   fi
-  [ "${ONLY:-smoke}" = tests ] && return
+  if [ -z "${ONLY:-}" ] || [ "$ONLY" = offload ]; then
+    TAIL=12 step gpu_tests_offload 400 $PYT -m gpu tests/test_offload_gpu.py
+  fi
+  [ -z "${ONLY:-}" ] || [ "$ONLY" = smoke ] || return 0
   # each bench script's smoke case: a few seconds on the GPU; its rows stay out of the figures
   local BENCH_RESULTS="$LOGS/smoke_results.csv"
   export BENCH_RESULTS

@@ -178,7 +178,9 @@ def test_gpu_sh_lists_every_purpose_with_commands_that_resolve():
     missing = [f for f in files if not (REPO / f).exists()]
     assert missing == [] and files
     gpu_tests = proc.stdout.split("gpu-tests:")[1].split("toy-sweep:")[0]
-    assert "-m gpu tests" in gpu_tests
+    # every GPU test runs: the offload tests in their own part, the rest in the first
+    assert "-m gpu tests --ignore=tests/test_offload_gpu.py" in gpu_tests
+    assert "-m gpu tests/test_offload_gpu.py" in gpu_tests
     for script in [*REPO.glob("bench/bench_*.py")]:
         assert f"bench/{script.name}" in gpu_tests, f"no smoke case of {script.name}"
     for piece in ("--floors", "--peer", "--diffusers"):  # floors.py and peer_step.py
@@ -189,9 +191,15 @@ def test_gpu_sh_dry_run_of_each_purpose_and_refusals():
     for purpose in ("kernels", "ipc", "engine", "multigpu", "gpu-tests", "toy-sweep"):
         proc = _gpu_sh(purpose, DRY_RUN="1")
         assert proc.returncode == 0 and "(" in proc.stdout, (purpose, proc.stderr)
-    for variant in ("default", "peer", "offload", "nsys", "profile", "attention", "textlen"):
+    for variant in ("default", "peer", "offload", "nsys", "profile", "attention", "accumulate",
+                    "textlen"):
         assert _gpu_sh("step", variant, DRY_RUN="1").returncode == 0
     assert _gpu_sh("step", "bogus", DRY_RUN="1").returncode == 1
+    parts = {only: _gpu_sh("gpu-tests", DRY_RUN="1", ONLY=only).stdout
+             for only in ("tests", "offload", "smoke")}
+    assert "ckpt_selfcheck" in parts["tests"] and "smoke_" not in parts["tests"]
+    assert "gpu_tests_offload" in parts["offload"] and "ckpt_selfcheck" not in parts["offload"]
+    assert "smoke_step" in parts["smoke"] and "gpu_tests" not in parts["smoke"]
     unknown = _gpu_sh("bogus")
     assert unknown.returncode == 2 and "kernels ipc engine" in unknown.stderr
     assert _gpu_sh().returncode == 2

@@ -67,6 +67,71 @@ def test_world_one_fsdp_keeps_gathered_blocks_and_trains_the_same(adapter, batch
                 assert torch.equal(w, weights[key][name]), (key, name)
 
 
+def _accumulating_versus_per_micro_batch(adapter, batch, device: str, monkeypatch):
+    """Train a full bf16 actor (fp32 master and reduce, per-block units, two updates of two
+    micro-batches) once with each schedule of fsdp.accumulate_unsharded, inside a one-rank
+    group; returns {accumulate: (stats, weights, gather and reduce counts)} and the units."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
+    from torch.distributed.tensor import DTensor
+
+    calls = {"gather": 0, "reduce": 0}
+
+    def counting(key, real):
+        def wrapped(*args, **kwargs):
+            calls[key] += 1
+            return real(*args, **kwargs)
+        return wrapped
+
+    # a unit's gather ends in _to_unsharded at every world size (world 1 copies the shards
+    # in place of an all-gather); its gradient reduce is foreach_reduce
+    cls = group.FSDPParamGroup
+    monkeypatch.setattr(cls, "_to_unsharded", counting("gather", cls._to_unsharded))
+    monkeypatch.setattr(group, "foreach_reduce", counting("reduce", group.foreach_reduce))
+    adv = torch.linspace(-1.0, 1.0, len(batch))
+    runs = {}
+    for accumulate in (False, True):
+        cfg = lora_cfg("lora.rank=0", "fsdp.trainable_mode=full", "fsdp.param_dtype=bf16",
+                       "fsdp.block_units=true", "train.micro_batch_size=2", "model.compile=none",
+                       f"fsdp.accumulate_unsharded={str(accumulate).lower()}")
+        model = build_actor(adapter, cfg, torch.device(device), distributed=True)
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        trainer = stand_in_trainer(adapter, cfg, model)
+        trainer.device = torch.device(device)
+        calls.update(gather=0, reduce=0)
+        stats = update.train_on(trainer, batch, adv, rollout_id=3)
+        weights = {n: p.full_tensor().cpu() for n, p in model.named_parameters()
+                   if isinstance(p, DTensor)}
+        groups = [u._get_fsdp_state()._fsdp_param_group for u in units]
+        assert all(g.reduce_grads and g.reshard_after_backward for g in groups if g), \
+            "a unit left off FSDP2's defaults after the update"
+        runs[accumulate] = (stats, weights, dict(calls))
+    return runs, len(units)
+
+
+def _assert_accumulating_is_the_same_with_fewer_copies(runs, units: int) -> None:
+    (stats, weights, counts), (acc_stats, acc_weights, acc_counts) = runs[False], runs[True]
+    assert stats["train/num_microbatches"] == 4 and stats["train/grad_norm"] > 0
+    # per micro-batch: the anchor pass's gather (kept for update 0's first micro-batch), then
+    # one for each later micro-batch; accumulating, one gather and one reduce per update
+    assert counts == {"gather": 4 * units, "reduce": 4 * units}
+    assert acc_counts == {"gather": 2 * units, "reduce": 2 * units}
+    assert acc_stats == stats
+    assert acc_weights.keys() == weights.keys() and weights
+    for name, w in weights.items():
+        assert torch.equal(w, acc_weights[name]), name
+
+
+def test_accumulating_unsharded_gathers_and_reduces_once_per_update_and_trains_the_same(
+        adapter, batch, tmp_path, monkeypatch):
+    """fsdp.accumulate_unsharded at world 1 on the CPU: each unit gathers and reduces once per
+    update, and the stats and weights equal the per-micro-batch schedule's bit for bit; every
+    unit is back to FSDP2's defaults afterwards."""
+    with one_rank_group(tmp_path):
+        runs, units = _accumulating_versus_per_micro_batch(adapter, batch, "cpu", monkeypatch)
+    _assert_accumulating_is_the_same_with_fewer_copies(runs, units)
+
+
 def _grads(seed: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randn(shape, generator=gen) for shape in ((64, 4), (4, 64), (7,), (33, 5))]
@@ -242,6 +307,20 @@ def _strict(fn):
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return wrapped
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_accumulating_unsharded_on_cuda_trains_the_same(adapter, batch, tmp_path, monkeypatch):
+    """The same on CUDA under NCCL, where the gradient reduce runs on FSDP2's side stream and
+    the unsharded accumulation on the compute stream: the same stats and weights, bit for bit."""
+    on_gpu = dataclasses.replace(
+        batch, latents=batch.latents.cuda(), next_latents=batch.next_latents.cuda(),
+        log_probs=batch.log_probs.cuda(),
+        conditions={k: v.cuda() for k, v in batch.conditions.items()})
+    with one_rank_group(tmp_path, "nccl"):
+        runs, units = _accumulating_versus_per_micro_batch(adapter, on_gpu, "cuda", monkeypatch)
+    _assert_accumulating_is_the_same_with_fewer_copies(runs, units)
 
 
 @pytest.mark.gpu

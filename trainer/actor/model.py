@@ -298,6 +298,17 @@ def reshard_gathered(model: nn.Module) -> None:
             module.reshard()
 
 
+def reduce_each_backward(model: nn.Module, reduce: bool) -> None:
+    """Whether each backward reduces its gradients and frees the gathered parameters (FSDP2's
+    default, ``reduce=True``), or leaves both unsharded for the next micro-batch, its gradients
+    accumulated in the reduce dtype (``fsdp.accumulate_unsharded``: the update turns this off
+    for all but its last micro-batch)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_requires_gradient_sync(reduce, recurse=False)
+            module.set_reshard_after_backward(reduce, recurse=False)
+
+
 @torch.no_grad()
 def offload_actor(model: nn.Module, optimizer: torch.optim.Optimizer) -> OffloadState:
     """Free the actor's device storage (params, grads, AdamW state) into pinned host memory.

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from trainer.actor.local_adam import scale_gradients, step_adam_on_local_shards
 from trainer.actor.micro_batch import resolve_micro_batch
 from trainer.actor.micro_step import forward_backward
-from trainer.actor.model import lr_at_step
+from trainer.actor.model import lr_at_step, reduce_each_backward
 from trainer.actor.replay import plan_updates, replay_log_probs
 from trainer.profiling import nvtx_range
 from trainer.rewards.advantages import micro_batch_scale
@@ -188,6 +188,33 @@ class DeviceSkips:
         return lr_at_step(self.first + taken - 1 if taken else self.first, cfg)
 
 
+def run_updates(trainer, selected, scales, pi_old, steps, params):
+    """Each update's micro-batches (forward, loss, backward), then its optimizer step; returns
+    the micro-batches' stats by name, and each step's grad norm and skip flag (device tensors:
+    nothing here waits for the GPU). Under ``fsdp.accumulate_unsharded`` only an update's last
+    backward reduces the gradients and reshards the parameters."""
+    sums: dict[str, list[torch.Tensor]] = {}
+    grad_norms, skip_flags = [], []
+    accumulate = trainer.cfg.fsdp.accumulate_unsharded
+    try:
+        for u, micro_batches in enumerate(selected):
+            for m, (mb, adv) in enumerate(micro_batches):
+                if accumulate:
+                    reduce_each_backward(trainer.model, m == len(micro_batches) - 1)
+                stats = forward_backward(trainer, mb, adv, scales[u][m], pi_old[u][m])
+                if u == 0:
+                    sums.setdefault("first_update_ratio_mean", []).append(stats["ratio_mean"])
+                for k, v in stats.items():
+                    sums.setdefault(k, []).append(v.detach().float())
+            gn, skipped = steps.step(params)
+            grad_norms.append(gn)
+            skip_flags.append(skipped.to(gn.device))
+    finally:  # FSDP2's defaults again, for whatever runs the model next
+        if accumulate:
+            reduce_each_backward(trainer.model, True)
+    return sums, grad_norms, skip_flags
+
+
 def train_on(trainer, batch, advantages: torch.Tensor, rollout_id: int) -> dict[str, float]:
     """Replay and update: the local slice split into --num-updates-per-batch disjoint
     optimizer updates of micro-batches (``train.micro_batch_size``, or ``auto``)."""
@@ -215,18 +242,7 @@ def train_on(trainer, batch, advantages: torch.Tensor, rollout_id: int) -> dict[
     steps = (DeviceSkips(trainer, len(plan.updates), params[0].device)
              if skips_on_device(trainer) else HostSkips(trainer))
     pi_old = anchors(trainer, selected)
-    sums: dict[str, list[torch.Tensor]] = {}
-    grad_norms, skip_flags = [], []
-    for u, micro_batches in enumerate(selected):
-        for m, (mb, adv) in enumerate(micro_batches):
-            stats = forward_backward(trainer, mb, adv, scales[u][m], pi_old[u][m])
-            if u == 0:
-                sums.setdefault("first_update_ratio_mean", []).append(stats["ratio_mean"])
-            for k, v in stats.items():
-                sums.setdefault(k, []).append(v.detach().float())
-        gn, skipped = steps.step(params)
-        grad_norms.append(gn)
-        skip_flags.append(skipped.to(gn.device))
+    sums, grad_norms, skip_flags = run_updates(trainer, selected, scales, pi_old, steps, params)
     out = {f"train/{k}": torch.stack(v).mean() for k, v in sums.items()}
     out["train/optimizer_skips"] = torch.stack(skip_flags).sum()
     out["train/ratio_max"] = torch.stack(sums["ratio_max"]).max()
