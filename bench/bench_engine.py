@@ -41,7 +41,7 @@ import torch  # noqa: E402
 from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel  # noqa: E402
 from torch import nn  # noqa: E402
 
-import kernels  # noqa: E402
+import flowgrpo_kernels as kernels  # noqa: E402
 from trainer.engine.core import EngineCore  # noqa: E402
 from trainer.engine.sampler import denoise  # noqa: E402
 from trainer.models.base import GenerativeModelAdapter  # noqa: E402

@@ -24,7 +24,7 @@ sys.path[:0] = [str(ROOT)]
 import torch  # noqa: E402
 from peft import LoraConfig, get_peft_model  # noqa: E402
 
-from kernels.sde_reference import sde_log_prob_ref, sde_step_ref  # noqa: E402
+from flowgrpo_kernels.sde_reference import sde_log_prob_ref, sde_step_ref  # noqa: E402
 from record_rows import record_peer  # noqa: E402
 from trainer.models.qwen_fast_paths import install_fast_paths  # noqa: E402
 from trainer.models.qwen_image import QwenImageAdapter  # noqa: E402

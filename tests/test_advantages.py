@@ -168,7 +168,7 @@ def test_tiny_variance_group_is_zeroed_not_amplified():
 def test_default_eps_is_the_kernel_default():
     import inspect
 
-    from kernels import normalize_grouped
+    from flowgrpo_kernels import normalize_grouped
     default = inspect.signature(normalize_grouped).parameters["eps"].default
     a, _, _ = run({"pickscore": PICK}, eps=None)
     b, _, _ = run({"pickscore": PICK}, eps=default)

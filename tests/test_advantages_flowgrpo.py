@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-import kernels
+import flowgrpo_kernels as kernels
 from trainer.rewards.advantages import compute_advantages, kl_term, micro_batch_scale
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import kernels
+import flowgrpo_kernels as kernels
 from compute_fixtures import (IDS, PROMPTS, adapter, batch, lora_cfg,  # noqa: F401
                               model_dir, stand_in_trainer)
 from engine_fixtures import ADAPTER_PATH, HEIGHT, JOINT, WIDTH, make_request

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
+import flowgrpo_kernels as kernels
 from engine_fixtures import (ADAPTER_PATH, FixtureAdapter, build_fixture_model_dir,
                              make_request)
 from trainer.engine import EngineStateError, RequestError, launch_embedded_engine

@@ -11,7 +11,7 @@ import importlib.util
 import pytest
 import torch
 
-import kernels
+import flowgrpo_kernels as kernels
 from engine_fixtures import ADAPTER_PATH, FixtureAdapter, build_fixture_model_dir, make_request
 from trainer.engine import EngineStateError, launch_embedded_engine
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ipc
-import kernels
+import flowgrpo_kernels as kernels
 from engine_fixtures import ADAPTER_PATH, FixtureAdapter, build_fixture_model_dir, make_request
 from trainer.engine import RequestError, SGLangEngineClient, launch_embedded_engine
 

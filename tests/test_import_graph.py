@@ -13,7 +13,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("kernels", "ipc", "trainer", "bench")
+PACKAGES = ("flowgrpo_kernels", "ipc", "trainer", "bench")
 
 
 def _modules() -> dict[str, Path]:

@@ -12,8 +12,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import kernels  # noqa: E402
-from kernels import sde_reference as ref  # noqa: E402
+import flowgrpo_kernels as kernels  # noqa: E402
+from flowgrpo_kernels import sde_reference as ref  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ETA = 0.7

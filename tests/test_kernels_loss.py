@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-import kernels
+import flowgrpo_kernels as kernels
 
 
 def _loss_by_hand(logp, old, adv, eps, eps_high):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
+import flowgrpo_kernels as kernels
 
 
 @pytest.mark.parametrize("sde_type,eta", [("sde", 0.7), ("cps", 0.5), ("cps", 1.5), ("dance", 0.3)])

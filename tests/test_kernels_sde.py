@@ -14,8 +14,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import kernels  # noqa: E402
-from kernels import sde_reference as ref  # noqa: E402
+import flowgrpo_kernels as kernels  # noqa: E402
+from flowgrpo_kernels import sde_reference as ref  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TYPES = ("sde", "dance", "cps")
@@ -121,7 +121,7 @@ def _replay_case(sde_type, dtype, shape=SHAPE, seed=0):
 def _log_prob_and_grad(backend, x, v, prev, s, sn, sde_type, config=None):
     v = v.clone().requires_grad_()
     if backend == "config":  # the Triton kernels with a non-default tiling
-        from kernels import sde_triton
+        from flowgrpo_kernels import sde_triton
         b = x.shape[0]
         lp = sde_triton.sde_log_prob(x.reshape(b, -1), v.reshape(b, -1), prev.reshape(b, -1), s, sn,
                                      sde_triton.StepParams(sde_type, ETA), config)
@@ -150,7 +150,7 @@ def test_triton_log_prob_and_grad_vs_float64(sde_type, dtype):
 def test_triton_multi_chunk_reduction(sde_type):
     """Many chunks per sample and a looped final sum: block 32 x 3 tiles over N = 1,001 gives 11
     partials per sample, summed 4 at a time."""
-    from kernels.sde_triton import ReductionConfig
+    from flowgrpo_kernels.sde_triton import ReductionConfig
     x, v, prev, s, sn = _replay_case(sde_type, torch.float32, shape=(3, 7, 11, 13), seed=3)
     config = ReductionConfig(block=32, tiles=3, num_warps=1, block_partials=4)
     assert config.num_chunks(1001) == 11
@@ -438,7 +438,7 @@ def test_sigma_forms_give_the_same_bits():
 def test_fast_validation_accepts_exactly_what_the_full_check_accepts():
     """kernels.sde._fast_resolve (the hot path) must never accept an input the full check
     refuses, and must agree on the backend whenever it accepts."""
-    from kernels import sde as sde_mod
+    from flowgrpo_kernels import sde as sde_mod
     x, v, _ = _inputs((3, 4, 5), torch.float32)
     s, sn = torch.tensor([0.9, 0.6, 0.3], device=DEVICE), torch.tensor([0.8, 0.5, 0.0], device=DEVICE)
     nan = float("nan")
@@ -494,7 +494,7 @@ def test_no_grad_replay_gives_the_autograd_path_bits():
 
 def test_reduction_tile_is_sixteen_kib_per_input():
     """bf16 samples get twice the elements per program of fp32 (same bytes in flight)."""
-    from kernels.sde_triton import reduction_config
+    from flowgrpo_kernels.sde_triton import reduction_config
     assert reduction_config(1 << 20, elem_size=4).block == 4096
     assert reduction_config(1 << 20, elem_size=2).block == 8192
     assert reduction_config(385, elem_size=2).block == 512  # never more than the sample

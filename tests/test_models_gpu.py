@@ -47,7 +47,7 @@ def test_bf16_cuda_ode_sampling_equals_the_diffusers_pipeline(family, tiny_model
 
 def test_bf16_cuda_rollout_replays_to_the_recorded_log_probs(tiny_model_dir):
     """Sampled with kernels.sde_step, replayed with kernels.sde_log_prob (default backend)."""
-    import kernels
+    import flowgrpo_kernels as kernels
 
     adapter = adapter_class("qwen_image")(str(tiny_model_dir("qwen_image")))
     frozen = adapter.load_frozen(device="cuda", dtype=torch.bfloat16)

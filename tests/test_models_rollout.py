@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
+import flowgrpo_kernels as kernels
 from trainer.models import adapter_class
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")

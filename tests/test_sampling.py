@@ -78,7 +78,7 @@ def test_kernel_options_map_the_cps_form():
 
 def test_one_list_of_sde_types():
     """Preflight, the request schema, the engine's request parser and the kernels agree."""
-    import kernels.sde_reference as ref
+    import flowgrpo_kernels.sde_reference as ref
     from trainer.engine import request
     from trainer.models import schema
 

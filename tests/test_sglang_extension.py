@@ -62,7 +62,7 @@ def test_entry_point_names_the_plugin():
 def test_dance_with_driver_noise_is_our_sampler(server):
     """x_T is the driver's recipe, step i's noise is adapter.step_noise, the step is
     kernels.sde_step ('dance' at sigma = 1 included), the log-prob is the replay's."""
-    import kernels
+    import flowgrpo_kernels as kernels
     from trainer.actor.replay import replay_log_probs
 
     adapter, transformer = server.scheduler.adapter, server.scheduler.transformer
@@ -95,7 +95,7 @@ def test_driver_sigmas_are_the_schedule_sglang_runs(server, driver_xt):
     to the driver's sigmas verbatim (SGLang alone would shift them by mu): the loop steps
     them, the trajectory echoes them, and the replay's log-prob equals the engine's, with our
     sampler (driver noise) or SGLang's (its own noise)."""
-    import kernels
+    import flowgrpo_kernels as kernels
     from trainer.actor.replay import replay_log_probs
 
     adapter, transformer = server.scheduler.adapter, server.scheduler.transformer

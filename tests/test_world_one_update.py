@@ -19,8 +19,9 @@ pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
 def test_world_one_fsdp_keeps_gathered_blocks_and_trains_the_same(adapter, batch, tmp_path):
     """World 1 defaults: no re-gather (reshard_after_forward=None), the frozen base left out
-    of FSDP2 (shard_frozen=None: plain tensors; only the LoRA is sharded) and one FSDP2 unit
-    for the whole model (block_units=None). An update (anchor forward for the second update,
+    of FSDP2 (shard_frozen=None: plain tensors; only the LoRA is sharded), one FSDP2 unit
+    for the whole model (block_units=None) and one gradient reduce per update
+    (accumulate_unsharded=None). An update (anchor forward for the second update,
     two optimizer steps) equals the resharding, sharded-base and per-block actors' bit for
     bit: grad norm (clipping sees the real gradients), stats and the weights after it;
     explicit values kept."""
@@ -28,13 +29,17 @@ def test_world_one_fsdp_keeps_gathered_blocks_and_trains_the_same(adapter, batch
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    from trainer.actor.model import block_units, reshard_after_forward, shard_frozen
+    from trainer.actor.model import (accumulate_unsharded, block_units, reshard_after_forward,
+                                     shard_frozen)
 
     if dist.is_initialized():
         pytest.skip("a process group is already up in this process")
     assert reshard_after_forward(lora_cfg()) is True  # no process group: nothing to keep
     assert shard_frozen(lora_cfg()) is True
+    assert accumulate_unsharded(lora_cfg()) is False
     with one_rank_group(tmp_path):
+        assert accumulate_unsharded(lora_cfg()) is True
+        assert accumulate_unsharded(lora_cfg("fsdp.accumulate_unsharded=false")) is False
         assert reshard_after_forward(lora_cfg()) is False
         assert reshard_after_forward(lora_cfg("fsdp.reshard_after_forward=true")) is True
         assert shard_frozen(lora_cfg()) is False

@@ -225,14 +225,15 @@ class FSDPConfig:
         "unsharded (a LoRA actor): there the units hold only the adapter, nothing is "
         "overlapped, and each block's gather and gradient-reduce hooks cost host time that "
         "leaves the GPU idle.")
-    accumulate_unsharded: bool = _f(
-        False, "--fsdp-accumulate-unsharded",
+    accumulate_unsharded: bool | None = _f(
+        None, "--fsdp-accumulate-unsharded",
         "Within one optimizer update, keep every unit's gathered parameters and accumulate its "
         "gradients unsharded in reduce_dtype across the micro-batches, reducing them once at the "
         "last one (FSDP2's set_requires_gradient_sync / set_reshard_after_backward): one gather "
         "and one gradient reduce per update instead of one per micro-batch, the same numbers. "
-        "Costs every rank the whole model's gathered parameters and reduce_dtype gradients "
-        "(nothing more at world size 1, where a shard is the whole).")
+        "Costs every rank the whole model's gathered parameters and reduce_dtype gradients. "
+        "None (default): on at world size 1, where a shard is the whole and that costs nothing "
+        "more; off otherwise.")
     activation_checkpointing: bool = _f(False, "--fsdp-activation-checkpointing",
                                         "Recompute each transformer block in backward.")
     cpu_offload: bool = _f(False, "--fsdp-cpu-offload", "FSDP2 CPU param offload (not LoRA).")

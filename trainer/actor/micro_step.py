@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-import kernels
+import flowgrpo_kernels as kernels
 from trainer.actor.replay import replay_kl, replay_rows, rows_velocity
 from trainer.profiling import nvtx_range
 from trainer.rewards.advantages import kl_term

@@ -108,6 +108,14 @@ def block_units(cfg: Config) -> bool:
     return not (_world_one() and not shard_frozen(cfg) and cfg.lora.rank > 0)
 
 
+def accumulate_unsharded(cfg: Config) -> bool:
+    """fsdp.accumulate_unsharded, with None resolved: on at world 1, where the gathered
+    parameters and unsharded gradients are no more than the shards."""
+    if cfg.fsdp.accumulate_unsharded is not None:
+        return bool(cfg.fsdp.accumulate_unsharded)
+    return _world_one()
+
+
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], cfg: Config) -> nn.Module:
     mp = MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[cfg.fsdp.param_dtype],
                               reduce_dtype=TORCH_DTYPES[cfg.fsdp.reduce_dtype])

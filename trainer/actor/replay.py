@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-import kernels
+import flowgrpo_kernels as kernels
 from trainer.models.base import GenerativeModelAdapter, RolloutBatch
 from trainer.models.guidance import guided_velocity
 from trainer.profiling import ComputeMeter

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from trainer.actor.local_adam import scale_gradients, step_adam_on_local_shards
 from trainer.actor.micro_batch import resolve_micro_batch
 from trainer.actor.micro_step import forward_backward
-from trainer.actor.model import lr_at_step, reduce_each_backward
+from trainer.actor.model import accumulate_unsharded, lr_at_step, reduce_each_backward
 from trainer.actor.replay import plan_updates, replay_log_probs
 from trainer.profiling import nvtx_range
 from trainer.rewards.advantages import micro_batch_scale
@@ -191,11 +191,11 @@ class DeviceSkips:
 def run_updates(trainer, selected, scales, pi_old, steps, params):
     """Each update's micro-batches (forward, loss, backward), then its optimizer step; returns
     the micro-batches' stats by name, and each step's grad norm and skip flag (device tensors:
-    nothing here waits for the GPU). Under ``fsdp.accumulate_unsharded`` only an update's last
-    backward reduces the gradients and reshards the parameters."""
+    nothing here waits for the GPU). Under ``fsdp.accumulate_unsharded`` (on by default at
+    world 1) only an update's last backward reduces the gradients and reshards the parameters."""
     sums: dict[str, list[torch.Tensor]] = {}
     grad_norms, skip_flags = [], []
-    accumulate = trainer.cfg.fsdp.accumulate_unsharded
+    accumulate = accumulate_unsharded(trainer.cfg)
     try:
         for u, micro_batches in enumerate(selected):
             for m, (mb, adv) in enumerate(micro_batches):

@@ -25,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from kernels.sde_reference import LOG_PROB_FORMS
+from flowgrpo_kernels.sde_reference import LOG_PROB_FORMS
 from trainer.models import noise
 from trainer.models.base import GenerativeModelAdapter
 from trainer.sampling import SDE_TYPES, SIGMA_ONE_TREATMENTS

@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 
 import torch
 
-import kernels
+import flowgrpo_kernels as kernels
 from trainer.profiling import nvtx_range
 
 VelocityFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

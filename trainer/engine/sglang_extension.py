@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-import kernels
+import flowgrpo_kernels as kernels
 from trainer.models import noise
 
 EXTRA_KEY = "flowgrpo"

@@ -45,8 +45,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from kernels import normalize_grouped
-from kernels.advantages import DEGENERATE_VARIANCE, STD_MODES
+from flowgrpo_kernels import normalize_grouped
+from flowgrpo_kernels.advantages import DEGENERATE_VARIANCE, STD_MODES
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@
 
 Sampling is the plain Euler loop over ``adapter.scheduler_sigmas`` (ODE, what
 FlowMatchEulerDiscreteScheduler.step does), or with ``--eta > 0`` the Flow-GRPO SDE through
-``kernels.sde_step`` (the math lives only in kernels/; at sigma = 1, where the SDE's std is
+``kernels.sde_step`` (the math lives only in flowgrpo_kernels/; at sigma = 1, where the SDE's std is
 singular, it takes the Euler step itself). Step noise is the adapter's ``step_noise``, so a
 sample is a pure function of (weights, prompt, seed, sample id).
 """
@@ -43,7 +43,7 @@ def sample_images(adapter: ToyAdapter, transformer: torch.nn.Module, frozen: dic
     width = width or adapter.resolution
     sde_step = None
     if eta > 0:
-        from kernels import sde_step  # ImportError here says kernels/ lacks it
+        from flowgrpo_kernels import sde_step  # ImportError here says kernels/ lacks it
     device = next(transformer.parameters()).device
     dtype = next(transformer.parameters()).dtype
     sigmas = adapter.scheduler_sigmas(num_steps, height, width).tolist()

@@ -316,7 +316,7 @@ def _fast_resolve(named, sigma, sigma_next, *, eta, sde_type: str, backend: str,
 
 
 def _flat(t: torch.Tensor, batch: int) -> torch.Tensor:
-    """``[B, N]`` contiguous and 16-byte aligned (see kernels/sde_triton.py on determinism)."""
+    """``[B, N]`` contiguous and 16-byte aligned (see ``sde_triton.py`` on determinism)."""
     if t.dim() != 2 or not t.is_contiguous():
         t = t.reshape(batch, -1).contiguous()
     return t if t.data_ptr() % 16 == 0 else t.clone()

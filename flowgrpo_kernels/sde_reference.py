@@ -1,6 +1,6 @@
 """Readable torch reference of the Flow-GRPO SDE transition and its Gaussian log-density.
 
-This module is the oracle: the Triton kernels in ``kernels/sde_triton.py`` are tested against it,
+This module is the oracle: the Triton kernels in ``sde_triton.py`` beside it are tested against it,
 and it is the production path wherever Triton is not used (CPU, other devices). Everything here
 works in float64 when the inputs are float64 and in float32 otherwise (bf16/fp16 inputs are
 upcast before any arithmetic).
