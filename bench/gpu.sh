@@ -35,6 +35,9 @@
 # (diffusers, importlib_metadata; for nsys the libdw1 / libelf1 .deb files in .dw). Figures
 # are appended to $OUT/results.csv (merge: python bench/results.py merge FILE --commit SHA, then
 # python bench/make_table.py); logs come back as $OUT/<purpose>-logs.tar.gz.
+# Each row records the checkout's commit; where the tree was copied with a .git that lags its
+# latest commits (the device tool's copy records its base commit, "+dirty"), name the commit:
+# BENCH_COMMIT=SHA bash bench/gpu.sh ...
 set -u
 cd "$(dirname "$0")/.."
 PURPOSES="kernels ipc engine step multigpu gpu-tests toy-sweep"
