@@ -1,14 +1,18 @@
 """A one-rank process group for tests that need torch.distributed in this process (FSDP2,
-DTensor) without torchrun; the end of a spawned rank whose checks passed."""
+DTensor) without torchrun; gloo ranks spawned to run a check; the end of a spawned rank whose
+checks passed."""
 from __future__ import annotations
 
 import os
+import socket
 import sys
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 
 @contextmanager
@@ -36,3 +40,23 @@ def leave_spawned_rank() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def free_port() -> int:
+    """A TCP port on the loopback nobody listens on now (for a rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gloo_rank(rank: int, world: int, port: int, check: Callable[[], None]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    check()
+    leave_spawned_rank()
+
+
+def run_on_gloo_ranks(check: Callable[[], None], world: int = 2) -> None:
+    """``check`` (a module-level function: spawn pickles it by name) on each of ``world`` gloo
+    ranks; raises when any rank fails."""
+    mp.spawn(_gloo_rank, args=(world, free_port(), check), nprocs=world, join=True)

@@ -5,16 +5,12 @@ the per-micro-batch schedule's (up to the order of the fp32 sums), with one redu
 unit instead of one per micro-batch."""
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
-from dist_fixtures import leave_spawned_rank
+from dist_fixtures import run_on_gloo_ranks
 from trainer.actor.model import reduce_each_backward
 
 MICRO_BATCHES = 3
@@ -67,19 +63,6 @@ def _check_two_ranks() -> None:
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
 
 
-def _worker(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    _check_two_ranks()
-    leave_spawned_rank()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.multiproc
 def test_accumulating_unsharded_reduces_once_per_update_on_two_ranks():
-    mp.spawn(_worker, args=(2, _free_port()), nprocs=2, join=True)
+    run_on_gloo_ranks(_check_two_ranks)

@@ -4,16 +4,12 @@ uneven shards included, with the optimizer's step hooks run once per step; Parti
 and other optimizers keep the optimizer's own step."""
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
-from dist_fixtures import leave_spawned_rank, one_rank_group
+from dist_fixtures import one_rank_group, run_on_gloo_ranks
 from trainer.actor.local_adam import _elementwise_safe, step_adam_on_local_shards
 
 VARIANTS = {  # name: (optimizer class, kwargs, found_inf at step 2, tensor lr)
@@ -81,19 +77,6 @@ def _compare_all_variants(device: str = "cpu") -> None:
         assert not torch.equal(w_ref[0].cpu(), _model(0)[0].weight.detach()), variant  # trained
 
 
-def _worker(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    _compare_all_variants()
-    leave_spawned_rank()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_local_shard_step_equals_the_dtensor_step_world_one(tmp_path):
     with one_rank_group(tmp_path):
         _compare_all_variants()
@@ -109,7 +92,7 @@ def test_local_shard_step_equals_the_dtensor_step_on_cuda(tmp_path):
 
 @pytest.mark.multiproc
 def test_local_shard_step_equals_the_dtensor_step_two_ranks():
-    mp.spawn(_worker, args=(2, _free_port()), nprocs=2, join=True)
+    run_on_gloo_ranks(_compare_all_variants)
 
 
 def test_partial_placements_and_other_optimizers_take_their_own_step(tmp_path, monkeypatch):

@@ -7,10 +7,11 @@ run with offload trains exactly like one without it.
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
+
+from dist_fixtures import free_port
 
 # Deterministic GPU maths in this process, so that the two runs can be compared closely: what
 # is asserted is "offload changes nothing", not the GPU's run-to-run reduction order.
@@ -20,17 +21,11 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def process_group():
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0",
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                       WORLD_SIZE="1", LOCAL_RANK="0")
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     torch.use_deterministic_algorithms(True, warn_only=True)

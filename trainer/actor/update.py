@@ -198,9 +198,10 @@ def run_updates(trainer, selected, scales, pi_old, steps, params):
     accumulate = accumulate_unsharded(trainer.cfg)
     try:
         for u, micro_batches in enumerate(selected):
+            last = len(micro_batches) - 1
             for m, (mb, adv) in enumerate(micro_batches):
-                if accumulate:
-                    reduce_each_backward(trainer.model, m == len(micro_batches) - 1)
+                if accumulate and last and m in (0, last):  # switch only where it changes
+                    reduce_each_backward(trainer.model, m == last)
                 stats = forward_backward(trainer, mb, adv, scales[u][m], pi_old[u][m])
                 if u == 0:
                     sums.setdefault("first_update_ratio_mean", []).append(stats["ratio_mean"])
