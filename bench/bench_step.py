@@ -44,7 +44,8 @@ from transformers import (AutoTokenizer, Qwen2_5_VLConfig,  # noqa: E402
                           Qwen2_5_VLForConditionalGeneration)
 
 from bench_rewards import build_model_dir  # noqa: E402
-from floors import diffusers_images_per_s, text_tokens, train_floors  # noqa: E402
+from floors import (diffusers_images_per_s, pcie_gb_per_s, text_tokens,  # noqa: E402
+                    train_floors)
 from peer_step import run_peer  # noqa: E402
 from record_rows import record_step  # noqa: E402
 from tiny_models import write_qwen2_tokenizer  # noqa: E402
@@ -293,6 +294,22 @@ def add_floors(results: list[dict], model_dir: Path, args) -> dict:
     return out
 
 
+def add_pcie_floor(results: list[dict]) -> dict:
+    """For each row whose actor was offloaded: the bytes that crossed PCIe each way, the time
+    that takes out and back at the pinned copy rates measured now (``pcie_floor_s``), and the
+    offload stage against its own share of it."""
+    offloading = [r for r in results if r["stage_times"].get("perf/offload_gb")]
+    if not offloading:
+        return {}
+    rates = pcie_gb_per_s()
+    for r in offloading:
+        gb = r["stage_times"]["perf/offload_gb"]
+        r["offload_gb"] = gb
+        r["pcie_floor_s"] = gb / rates["d2h"] + gb / rates["h2d"]
+        r["offload_floor_ratio"] = r["stage_times"]["perf/offload_time"] / (gb / rates["d2h"])
+    return {"pcie_gb_per_s": rates}
+
+
 def print_table(results: list[dict], extra: dict, args) -> None:
     dev = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"\n| row | step s | rollout s | train s | train ms/transition | floor ms/transition"
@@ -311,6 +328,10 @@ def print_table(results: list[dict], extra: dict, args) -> None:
               f"{r['first_update_ratio']} | {r['logp_parity']} |")
         print("  stages:", {k: round(v, 4) for k, v in st.items()})
         print("  compute:", {k: round(v, 4) for k, v in r["compute"].items()})
+        if "pcie_floor_s" in r:
+            print(f"  offload: {r['offload_gb']:.1f} GB each way; out and back at the pinned "
+                  f"copy rates {r['pcie_floor_s']:.3f} s; the offload stage "
+                  f"{r['offload_floor_ratio']:.2f}x its D2H floor")
         if "floor_parts_ms" in r:
             print("  work floor:", {k: round(v, 3) for k, v in r["floor_parts_ms"].items()},
                   f"= {r['work_floor_ms_per_transition']:.2f} ms/transition")
@@ -368,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
         results[-1]["label"] = f"{args.label}{m}"
         Path(args.out).write_text(json.dumps(results, indent=2))
     extra = add_floors(results, model_dir, args) if args.floors else {}
+    if args.device == "cuda":
+        extra |= add_pcie_floor(results)
     if args.peer:
         extra["peer"] = run_peer(str(model_dir), micro_batch=int(args.micro_batch),
                                  updates=2, rollouts=args.rollouts)

@@ -6,6 +6,8 @@
   micro-batch of ``rows`` transitions cannot go below; beside it the no-grad forward (what the
   pi_old anchor costs at best) and one clip + fused AdamW step over fp32 parameters of the
   trained shapes (``adam_step_ms``): together ``bench_step.py``'s work floor.
+- ``pcie_gb_per_s``: pinned host <-> device copy rates, what the colocate offload of the
+  actor's state (out after the update, back before the next) cannot beat.
 - ``diffusers_images_per_s``: diffusers' own QwenImagePipeline, eager, on the same model
   directory and geometry (text encoding, denoising loop, VAE decode): what the engine's
   generate is judged against.
@@ -141,6 +143,21 @@ def adam_step_ms(shapes: list[torch.Size], *, max_norm: float = 1.0,
         return _median_ms(step, warmup=2, iters=5)
     finally:
         del params, opt
+        _release()
+
+
+def pcie_gb_per_s(gib: int = 2) -> dict[str, float]:
+    """Copy rates between pinned host memory and the device, GB/s each way."""
+    host = torch.empty(gib * 2 ** 30, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty_like(host, device="cuda")
+    try:
+        rates = {}
+        for name, dst, src in (("d2h", host, dev), ("h2d", dev, host)):
+            ms = _median_ms(lambda: dst.copy_(src, non_blocking=True), warmup=2, iters=5)
+            rates[name] = gib * 2 ** 30 / (ms / 1e3) / 1e9
+        return rates
+    finally:
+        del host, dev
         _release()
 
 

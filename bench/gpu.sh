@@ -23,6 +23,9 @@
 #                                        textlen  what a new prompt length costs the compiled
 #                                                 blocks, per attention backend
 #                                                 (bench/bench_text_length.py)
+#                                        optimizer  clip + AdamW over the full model's fp32
+#                                                 parameters per implementation, against the
+#                                                 copy floor (bench/bench_optimizer.py)
 #   bash bench/gpu.sh multigpu         every GPU of the host: weak scaling 1 -> N, two-node dry run
 #   bash bench/gpu.sh gpu-tests        every GPU test (pytest -m gpu), the checkpoint self-check and
 #                                      each bench script's smoke case; ONLY=tests, ONLY=offload or
@@ -106,12 +109,16 @@ purpose_step() {
     TAIL=40 step text_length "${SECS:-400}" env TORCH_LOGS=recompiles python3 \
       bench/bench_text_length.py --model-dir "$MODEL" --profile-length 64 ${STEP_ARGS:-}
     ;;
+  optimizer)
+    TAIL=10 step optimizer "${SECS:-240}" python3 bench/bench_optimizer.py \
+      --out "$LOGS/optimizer.json" ${STEP_ARGS:-}
+    ;;
   profile)
     TAIL=8 step profile_train "${SECS:-300}" python3 bench/profile_train.py --model-dir "$MODEL" \
       --out "$LOGS/profile" ${STEP_ARGS:-}
     ;;
   *) echo "unknown step variant '$1' (default, peer, offload, nsys, profile, attention," \
-       "accumulate, textlen)" >&2
+       "accumulate, textlen, optimizer)" >&2
      FAILED+=("step:$1") ;;
   esac
 }
@@ -166,6 +173,7 @@ purpose_gpu-tests() {
   step smoke_kernels 60 python3 bench/bench_kernels.py --shapes 8x36864 --dtypes bf16 \
     --impls eager,triton
   step smoke_ipc 60 python3 bench/bench_ipc.py --smoke
+  step smoke_optimizer 90 python3 bench/bench_optimizer.py --layers 1 --repeats 2
   step smoke_engine 60 python3 bench/bench_engine.py --tiny --layers 2 --warmup 1 --repeats 1
   step smoke_forward 150 python3 bench/bench_forward.py --tiny --layers 2 --repeats 2 --batch 2 \
     --rows 2
@@ -195,7 +203,7 @@ list_purposes() {
   for p in $PURPOSES; do
     echo "$p:"
     if [ "$p" = step ]; then
-      for v in default peer offload nsys profile attention textlen; do echo " step $v:"; purpose_step "$v"; done
+      for v in default peer offload nsys profile attention accumulate textlen optimizer; do echo " step $v:"; purpose_step "$v"; done
     else
       "purpose_$p"
     fi

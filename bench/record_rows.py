@@ -45,6 +45,10 @@ def record_step(results: list[dict], extra: dict, args) -> None:
         if "work_floor_ms_per_transition" in r:
             rec.add(case, "work_floor_ms_per_transition", r["work_floor_ms_per_transition"], "ms")
             rec.add(case, "work_floor_ratio", r["work_floor_ratio"], "x")
+        if "pcie_floor_s" in r:
+            rec.add(case, "offload_gb", r["offload_gb"], "GB")
+            rec.add(case, "pcie_floor_s", r["pcie_floor_s"], "s")
+            rec.add(case, "offload_floor_ratio", r["offload_floor_ratio"], "x")
         rec.add(case, "peak_memory", r["peak_gb"], "GB")
         rec.add(case, "outside_compute_share", 100 * r["share_outside"], "%")
     if "diffusers_images_per_s" in extra:

@@ -192,7 +192,7 @@ def test_gpu_sh_dry_run_of_each_purpose_and_refusals():
         proc = _gpu_sh(purpose, DRY_RUN="1")
         assert proc.returncode == 0 and "(" in proc.stdout, (purpose, proc.stderr)
     for variant in ("default", "peer", "offload", "nsys", "profile", "attention", "accumulate",
-                    "textlen"):
+                    "textlen", "optimizer"):
         assert _gpu_sh("step", variant, DRY_RUN="1").returncode == 0
     assert _gpu_sh("step", "bogus", DRY_RUN="1").returncode == 1
     parts = {only: _gpu_sh("gpu-tests", DRY_RUN="1", ONLY=only).stdout

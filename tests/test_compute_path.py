@@ -345,11 +345,12 @@ def test_offload_policy_skips_the_offloads_only_when_both_sides_fit():
 def test_the_first_step_decides_before_its_actor_offload(monkeypatch, fits):
     from trainer import loop
     from trainer.actor.colocate import OffloadPolicy
+    from trainer.actor.model import OffloadState
     from trainer.profiling import StageTimer
 
     gib = 2 ** 30
-    offloads = []
-    monkeypatch.setattr(loop, "offload_actor", lambda model, opt: offloads.append(model) or "host")
+    offloads, host = [], OffloadState({1: (torch.zeros(3), 12)})
+    monkeypatch.setattr(loop, "offload_actor", lambda model, opt: offloads.append(model) or host)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 100 * gib))
     engine = {"memory_allocated_bytes": 20 * gib, "memory_peak_bytes": (35 if fits else 70) * gib}
     trainer = SimpleNamespace(
@@ -361,6 +362,8 @@ def test_the_first_step_decides_before_its_actor_offload(monkeypatch, fits):
     loop.Trainer._offload_after_train(trainer, (30 * gib, 50 * gib))
     assert trainer.colocate.decided
     assert offloads == ([] if fits else ["actor"])  # fits: no offload, so no onload next step
-    assert trainer.offloaded == (None if fits else "host")
+    assert trainer.offloaded is (None if fits else host)
+    if not fits:  # what the step reports as moved: the host copies' bytes
+        assert trainer.offload_gb == 12 / 1e9
     loop.Trainer._offload_after_train(trainer, None)  # a later step follows the decision
     assert len(offloads) == (0 if fits else 2)

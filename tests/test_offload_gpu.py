@@ -79,6 +79,9 @@ def test_offload_frees_the_actor_and_changes_nothing(tmp_path, process_group):
             on_bytes, on_alloc = _actor_bytes(offl), torch.cuda.memory_allocated()
             assert on_bytes > 1_000_000  # 1.3 M fp32 params + AdamW moments
             assert on_alloc - off_alloc >= on_bytes, (on_alloc, off_alloc, on_bytes)
+            # the step reports the bytes its offload moved (bench_step.py's PCIe floor)
+            assert b["perf/offload_gb"] * 1e9 == pytest.approx(on_bytes, rel=1e-6)
+            assert "perf/offload_gb" not in a
             reserved_on = torch.cuda.memory_reserved()
             offl.offloaded = offload_actor(offl.model, offl.optimizer)
             # reserved bytes are reported, not asserted: this model's tensors are all small

@@ -216,6 +216,11 @@ class OffloadState:
 
     host: dict[int, tuple[torch.Tensor, int]]  # id(tensor) -> (pinned copy, storage bytes)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes held on the host (what crosses PCIe each way)."""
+        return sum(cpu.nbytes for cpu, _ in self.host.values())
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The local shard as a plain tensor sharing storage (detached: resizing / refilling it
