@@ -9,11 +9,8 @@ blocks, real width), fp32 master parameters with fp32 gradients and AdamW moment
 full-fine-tuning actor holds them at world size 1. One step = the gradient-norm clip (one
 fused norm over the gradients) and the AdamW update:
 
-- ``fused``: the actor's path (torch's fused AdamW on the local shards, the clip's
-  coefficient handed to the kernel as its grad_scale);
-- ``foreach``: torch's foreach AdamW, the gradients scaled by the coefficient first;
-- ``compiled``: the foreach AdamW (capturable, tensor learning rate) and the scaling under
-  ``torch.compile``, as torch's compiled-optimizer recipe does it.
+``fused`` (the actor's path), ``foreach`` and ``compiled`` (floors.optimizer_step says what
+each runs).
 
 Floor: the step must read parameter, gradient and both moments and write parameter and both
 moments (28 bytes a parameter), and the clip reads every gradient once more (4 bytes): 32
@@ -33,9 +30,7 @@ sys.path[:0] = [str(BENCH), str(BENCH.parent)]
 
 import torch  # noqa: E402
 
-from floors import _median_ms, _release  # noqa: E402
-from trainer.actor.local_adam import scale_gradients, step_adam_on_local_shards  # noqa: E402
-from trainer.actor.update import grad_norm_and_clip_coef  # noqa: E402
+from floors import _median_ms, _release, optimizer_step  # noqa: E402
 
 VARIANTS = ("fused", "foreach", "compiled")
 BYTES_PER_PARAM = 32
@@ -67,38 +62,6 @@ def make_state(shapes: list[torch.Size], seed: int = 0):
     for p in params:
         p.grad = torch.randn(p.shape, device="cuda", generator=gen)
     return params
-
-
-def optimizer_step(variant: str, params: list[torch.Tensor], max_norm: float = 1.0):
-    """(optimizer, one step as a callable) of ``variant`` over ``params``."""
-    if variant == "fused":
-        opt = torch.optim.AdamW(params, lr=1e-5, fused=True)
-
-        def step():
-            _, coef = grad_norm_and_clip_coef(params, max_norm)
-            step_adam_on_local_shards(opt, coef)
-        return opt, step
-    if variant == "foreach":
-        opt = torch.optim.AdamW(params, lr=1e-5, foreach=True)
-
-        def step():
-            _, coef = grad_norm_and_clip_coef(params, max_norm)
-            scale_gradients(params, coef)
-            opt.step()
-        return opt, step
-    # a tensor lr and capturable step counters: no recompile when the schedule moves lr
-    opt = torch.optim.AdamW(params, lr=torch.tensor(1e-5, device="cuda"), foreach=True,
-                            capturable=True)
-
-    @torch.compile(fullgraph=False)
-    def scaled_step(coef):
-        torch._foreach_mul_([p.grad for p in params], coef)
-        opt.step()
-
-    def step():
-        _, coef = grad_norm_and_clip_coef(params, max_norm)
-        scaled_step(coef)
-    return opt, step
 
 
 def measure(variant: str, shapes, repeats: int, reference: list[torch.Tensor] | None):

@@ -119,30 +119,55 @@ def train_floors(model_dir: str, rows: int, *, rank: int = 64, tokens: int = 32,
     return {"fwd_bwd": fwd_bwd, "fwd": fwd, "adam": adam_step_ms(shapes)}
 
 
-def adam_step_ms(shapes: list[torch.Size], *, max_norm: float = 1.0,
-                 fold_clip: bool = True) -> float:
-    """One optimizer step as the actor takes it, on fp32 master parameters of ``shapes``:
-    the gradient-norm clip (one fused norm; its coefficient applied inside fused AdamW's
-    step, or with ``fold_clip=False`` by a scaling pass over the gradients first) and torch's
-    fused AdamW on the local-shard path."""
+def optimizer_step(variant: str, params: list[torch.Tensor], max_norm: float = 1.0):
+    """(optimizer, one clip + AdamW step as a callable) over ``params`` (with their grads):
+    ``fused``: the actor's step (torch's fused AdamW on the local-shard path, the clip's
+    coefficient applied inside its kernel); ``foreach``: torch's foreach AdamW, the gradients
+    scaled first; ``compiled``: that foreach step and scaling under torch.compile (tensor lr
+    and capturable step counters, so a moving lr does not recompile)."""
+    if variant == "fused":
+        opt = torch.optim.AdamW(params, lr=1e-5, fused=True)
+
+        def step():
+            _, coef = grad_norm_and_clip_coef(params, max_norm)
+            step_adam_on_local_shards(opt, coef)
+        return opt, step
+    if variant == "foreach":
+        opt = torch.optim.AdamW(params, lr=1e-5, foreach=True)
+
+        def step():
+            _, coef = grad_norm_and_clip_coef(params, max_norm)
+            scale_gradients(params, coef)
+            opt.step()
+        return opt, step
+    if variant != "compiled":
+        raise ValueError(f"unknown optimizer variant {variant!r}")
+    opt = torch.optim.AdamW(params, lr=torch.tensor(1e-5, device=params[0].device),
+                            foreach=True, capturable=True)
+
+    @torch.compile(fullgraph=False)
+    def scaled_step(coef):
+        torch._foreach_mul_([p.grad for p in params], coef)
+        opt.step()
+
+    def step():
+        _, coef = grad_norm_and_clip_coef(params, max_norm)
+        scaled_step(coef)
+    return opt, step
+
+
+def adam_step_ms(shapes: list[torch.Size]) -> float:
+    """One optimizer step as the actor takes it (``optimizer_step("fused")``) on fp32 master
+    parameters of ``shapes``."""
     params = [torch.zeros(s, device="cuda", dtype=torch.float32, requires_grad=True)
               for s in shapes]
     for p in params:
         p.grad = torch.randn_like(p)
-    opt = torch.optim.AdamW(params, lr=1e-5, fused=True)
-
-    def step():
-        _, coef = grad_norm_and_clip_coef(params, max_norm)
-        if fold_clip:
-            step_adam_on_local_shards(opt, coef)
-        else:
-            scale_gradients(params, coef)
-            step_adam_on_local_shards(opt)
-
+    opt, step = optimizer_step("fused", params)
     try:
         return _median_ms(step, warmup=2, iters=5)
     finally:
-        del params, opt
+        del params, opt, step
         _release()
 
 
