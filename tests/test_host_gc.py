@@ -30,8 +30,12 @@ def test_rollout_mode_collects_only_when_told_and_restores_the_process():
         schedule.step_done()
         assert schedule.frozen and gc.get_freeze_count() > 0
         frozen = gc.get_freeze_count()
-        schedule.step_done()  # freezes once only
-        assert gc.get_freeze_count() == frozen
+        # freezes once only: a second freeze would move these tracked objects into the
+        # permanent generation too (the count can also fall by a few: frozen objects are
+        # still freed when their last reference goes)
+        kept = [[] for _ in range(1000)]
+        schedule.step_done()
+        assert gc.get_freeze_count() < frozen + len(kept) // 2
     finally:
         schedule.close()
     assert gc.isenabled() and gc.get_freeze_count() == 0
