@@ -304,7 +304,6 @@ def add_pcie_floor(results: list[dict]) -> dict:
     rates = pcie_gb_per_s()
     for r in offloading:
         gb = r["stage_times"]["perf/offload_gb"]
-        r["offload_gb"] = gb
         r["pcie_floor_s"] = gb / rates["d2h"] + gb / rates["h2d"]
         r["offload_floor_ratio"] = r["stage_times"]["perf/offload_time"] / (gb / rates["d2h"])
     return {"pcie_gb_per_s": rates}
@@ -329,7 +328,7 @@ def print_table(results: list[dict], extra: dict, args) -> None:
         print("  stages:", {k: round(v, 4) for k, v in st.items()})
         print("  compute:", {k: round(v, 4) for k, v in r["compute"].items()})
         if "pcie_floor_s" in r:
-            print(f"  offload: {r['offload_gb']:.1f} GB each way; out and back at the pinned "
+            print(f"  offload: {st['perf/offload_gb']:.1f} GB each way; out and back at the pinned "
                   f"copy rates {r['pcie_floor_s']:.3f} s; the offload stage "
                   f"{r['offload_floor_ratio']:.2f}x its D2H floor")
         if "floor_parts_ms" in r:

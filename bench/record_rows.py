@@ -46,7 +46,7 @@ def record_step(results: list[dict], extra: dict, args) -> None:
             rec.add(case, "work_floor_ms_per_transition", r["work_floor_ms_per_transition"], "ms")
             rec.add(case, "work_floor_ratio", r["work_floor_ratio"], "x")
         if "pcie_floor_s" in r:
-            rec.add(case, "offload_gb", r["offload_gb"], "GB")
+            rec.add(case, "offload_gb", stages["perf/offload_gb"], "GB")
             rec.add(case, "pcie_floor_s", r["pcie_floor_s"], "s")
             rec.add(case, "offload_floor_ratio", r["offload_floor_ratio"], "x")
         rec.add(case, "peak_memory", r["peak_gb"], "GB")

@@ -364,6 +364,6 @@ def test_the_first_step_decides_before_its_actor_offload(monkeypatch, fits):
     assert offloads == ([] if fits else ["actor"])  # fits: no offload, so no onload next step
     assert trainer.offloaded is (None if fits else host)
     if not fits:  # what the step reports as moved: the host copies' bytes
-        assert trainer.offload_gb == 12 / 1e9
+        assert trainer.colocate.metrics(trainer.offloaded)["perf/offload_gb"] == 12 / 1e9
     loop.Trainer._offload_after_train(trainer, None)  # a later step follows the decision
     assert len(offloads) == (0 if fits else 2)

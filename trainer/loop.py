@@ -86,7 +86,6 @@ class Trainer(TrainerState):
         self.optimizer = build_optimizer(self.model, cfg)
         self.ema = build_ema(self.model, cfg)
         self.offloaded = None
-        self.offload_gb = 0.0  # the actor's host copies of the last offload
         self.state_stream = (torch.cuda.Stream(self.device) if self.device.type == "cuda"
                              and cfg.fsdp.overlap_state_onload else None)
         self.auto_micro_batch: int | None = None  # train.micro_batch_size=auto, once resolved
@@ -318,7 +317,6 @@ class Trainer(TrainerState):
         if self.colocate.actor_offload:
             with self.timer.stage("offload"):
                 self.offloaded = offload_actor(self.model, self.optimizer)
-            self.offload_gb = self.offloaded.nbytes / 1e9
 
     def train_step(self, rollout_id: int) -> dict[str, float]:
         t0, compiles_before = time.perf_counter(), compile_events()
@@ -344,9 +342,7 @@ class Trainer(TrainerState):
             state_onload.wait()  # a stage without an optimizer step must not leave it pending
         metrics.update(call_with_recovery(self, "weight sync", self.sync_weights, collective=True))
         self._offload_after_train(actor_footprint(self.device) if first_measure else None)
-        metrics.update(self.colocate.metrics())
-        if self.offloaded is not None:
-            metrics["perf/offload_gb"] = self.offload_gb
+        metrics.update(self.colocate.metrics(self.offloaded))
         self.profile.after(rollout_id)
         step_time = time.perf_counter() - t0
         times = self.timer.pop()

@@ -75,8 +75,13 @@ class OffloadPolicy:
             log.info("offload_policy=as_needed: actor and engine do not fit together (%s): "
                      "colocate offloads kept", footprint.describe())
 
-    def metrics(self) -> dict[str, float]:
-        return {"perf/offload_active": float(self.engine_release or self.actor_offload)}
+    def metrics(self, offloaded=None) -> dict[str, float]:
+        """Whether the offloads run; with this step's ``offloaded`` actor (an OffloadState),
+        the bytes it moved each way over PCIe."""
+        out = {"perf/offload_active": float(self.engine_release or self.actor_offload)}
+        if offloaded is not None:
+            out["perf/offload_gb"] = offloaded.nbytes / 1e9
+        return out
 
 
 def actor_footprint(device: torch.device) -> tuple[int, int]:

@@ -1,6 +1,6 @@
-"""bench/bench_optimizer.py compares optimizer implementations as the same step: on the CPU,
-each of its variants (floors.optimizer_step) takes the clipped AdamW step the actor's fused
-path takes."""
+"""The step benches' floors, on the CPU: each optimizer variant bench/bench_optimizer.py times
+(floors.optimizer_step) takes the clipped AdamW step the actor's fused path takes, and
+bench_step.py gives an offloading row its PCIe floor."""
 from __future__ import annotations
 
 import sys
@@ -41,3 +41,19 @@ def test_each_variant_takes_the_actors_step(variant):
 def test_an_unknown_variant_is_refused():
     with pytest.raises(ValueError, match="unknown optimizer variant 'sgd'"):
         optimizer_step("sgd", [torch.zeros(2, requires_grad=True)])
+
+
+def test_offloading_rows_get_their_pcie_floor(monkeypatch):
+    """bench_step.py: a row whose actor was offloaded gets the out-and-back time of the bytes
+    it moved at the measured copy rates; a row that did not offload gets nothing."""
+    import bench_step
+
+    monkeypatch.setattr(bench_step, "pcie_gb_per_s", lambda: {"d2h": 50.0, "h2d": 25.0})
+    moved = {"stage_times": {"perf/offload_gb": 10.0, "perf/offload_time": 0.3}}
+    resident = {"stage_times": {"perf/offload_active": 0.0}}
+    extra = bench_step.add_pcie_floor([moved, resident])
+    assert extra == {"pcie_gb_per_s": {"d2h": 50.0, "h2d": 25.0}}
+    assert moved["pcie_floor_s"] == pytest.approx(10 / 50 + 10 / 25)
+    assert moved["offload_floor_ratio"] == pytest.approx(0.3 / (10 / 50))
+    assert "pcie_floor_s" not in resident
+    assert bench_step.add_pcie_floor([resident]) == {}
