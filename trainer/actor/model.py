@@ -19,6 +19,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     apply_activation_checkpointing as _apply_ac, checkpoint_wrapper)
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from trainer.actor.grad_copy_in import install as install_flat_copy_in
 from trainer.config import Config
 from trainer.dtypes import TORCH_DTYPES
 from trainer.lora_init import load_lora_init
@@ -128,6 +129,7 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], cfg: Config) -> nn.Mod
             kwargs["ignored_params"] = frozen
     if cfg.fsdp.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
+    install_flat_copy_in()  # one rank's gradient copy-in without chunk_cat's host table
     for block in blocks if block_units(cfg) else []:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
