@@ -129,7 +129,7 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], cfg: Config) -> nn.Mod
             kwargs["ignored_params"] = frozen
     if cfg.fsdp.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    install_flat_copy_in()  # one rank's gradient copy-in without chunk_cat's host table
+    install_flat_copy_in()  # one rank: gradients copied flat, not through _chunk_cat (slow)
     for block in blocks if block_units(cfg) else []:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
