@@ -79,7 +79,7 @@ def test_a_one_rank_fsdp_backward_goes_through_the_flat_copy(tmp_path, monkeypat
         fully_shard(model[0], mp_policy=mp)
         fully_shard(model, mp_policy=mp)
         _loss(model, x).backward()
-        got = [p.grad.full_tensor() for p in model.parameters()]
+        got = [p.grad.full_tensor().cpu() for p in model.parameters()]
     assert sorted(calls) == [2, 2]  # each unit's weight and bias, one copy-in each
     for g, w in zip(got, want):  # bf16 compute against the fp32 reference
         torch.testing.assert_close(g, w, atol=3e-2, rtol=3e-2)
