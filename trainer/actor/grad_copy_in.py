@@ -37,7 +37,7 @@ def flat_copy_in(tensors: list[torch.Tensor], out: torch.Tensor) -> bool:
     for t in tensors:
         views.append(flat[start:start + t.numel()].view(t.shape))
         start += t.numel()
-    torch._foreach_copy_(views, list(tensors))
+    torch._foreach_copy_(views, tensors)
     return True
 
 
