@@ -356,3 +356,22 @@ def test_the_update_queues_its_gpu_work_without_waiting_for_it(adapter, batch, t
         monkeypatch.setattr(update.DeviceSkips, "step", _strict(update.DeviceSkips.step))
         out = update.train_on(trainer, on_gpu, adv, rollout_id=4)
         assert out["train/optimizer_steps"] == 2.0 and out["train/optimizer_skips"] == 0.0
+
+
+def test_train_mode_is_set_only_where_a_module_is_not_training():
+    """``ensure_train_mode`` (the update's start): nothing is set while every module trains
+    (``train()`` costs the host milliseconds on the actor); one module in eval mode, however
+    deep, puts the whole model back in training mode."""
+    from torch import nn
+
+    from trainer.actor.model import ensure_train_mode
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Dropout(0.5), nn.Linear(2, 2)))
+    calls = []
+    real_train = model.train
+    model.train = lambda mode=True: calls.append(mode) or real_train(mode)
+    ensure_train_mode(model)
+    assert calls == []
+    model[1][0].eval()
+    ensure_train_mode(model)
+    assert calls == [True] and all(m.training for m in model.modules())

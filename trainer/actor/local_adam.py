@@ -18,7 +18,8 @@ from torch.optim.adam import adam
 from torch.optim.optimizer import _default_to_fused_or_foreach
 
 
-def _local(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+def local_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each DTensor's local shard (plain tensors as they are)."""
     # the attribute, not to_local(): that is an autograd Function call per tensor
     return [t._local_tensor if isinstance(t, DTensor) else t for t in tensors]
 
@@ -33,7 +34,7 @@ def scale_gradients(params: list[torch.Tensor], coef: torch.Tensor) -> None:
     """Every gradient of ``params`` times ``coef``, in place on its local shard."""
     grads = [p.grad for p in params if p.grad is not None]
     if grads:
-        torch._foreach_mul_(_local(grads), coef)
+        torch._foreach_mul_(local_tensors(grads), coef)
 
 
 def step_adam_on_local_shards(optimizer: torch.optim.Optimizer,
@@ -74,7 +75,7 @@ def _hooked_local_step(optimizer: torch.optim.Optimizer,
         foreach = group["foreach"]
         if foreach is None and not group["fused"]:  # the choice step() makes on DTensors
             _, foreach = _default_to_fused_or_foreach(lists[0], group["differentiable"])
-        local = [_local(ts) for ts in lists]
+        local = [local_tensors(ts) for ts in lists]
         grad_scale = getattr(optimizer, "grad_scale", None)
         if clip_coef is not None:
             if group["fused"] and grad_scale is None:

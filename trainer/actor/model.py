@@ -10,6 +10,7 @@ while the forward gathers bf16. A LoRA actor's frozen base is loaded in the comp
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from trainer.actor.grad_copy_in import install as install_flat_copy_in
+from trainer.actor.one_rank_unshard import install as install_flat_unshard
 from trainer.config import Config
 from trainer.dtypes import TORCH_DTYPES
 from trainer.lora_init import load_lora_init
@@ -130,6 +132,7 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], cfg: Config) -> nn.Mod
     if cfg.fsdp.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     install_flat_copy_in()  # one rank: gradients copied flat, not through _chunk_cat (slow)
+    install_flat_unshard()  # one rank: parameters cast in one foreach copy, not one by one
     for block in blocks if block_units(cfg) else []:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
@@ -313,12 +316,32 @@ def reshard_gathered(model: nn.Module) -> None:
             module.reshard()
 
 
+_MODULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _module_list(model: nn.Module) -> list[nn.Module]:
+    """``model.modules()`` as a list, kept per model (the actor's tree is fixed once built;
+    walking its thousand modules costs the host about a millisecond each time)."""
+    modules = _MODULES.get(model)
+    if modules is None:
+        modules = _MODULES[model] = list(model.modules())
+    return modules
+
+
+def ensure_train_mode(model: nn.Module) -> None:
+    """``model.train()`` unless every module is in training mode already: ``train()`` sets
+    the flag through ``nn.Module.__setattr__`` on each of the actor's modules, milliseconds of
+    host time at the start of every train stage while the GPU waits."""
+    if not all(m.training for m in _module_list(model)):
+        model.train()
+
+
 def reduce_each_backward(model: nn.Module, reduce: bool) -> None:
     """Whether each backward reduces its gradients and frees the gathered parameters (FSDP2's
     default, ``reduce=True``), or leaves both unsharded for the next micro-batch, its gradients
     accumulated in the reduce dtype (``fsdp.accumulate_unsharded``: the update turns this off
     for all but its last micro-batch)."""
-    for module in model.modules():
+    for module in _module_list(model):
         if isinstance(module, FSDPModule):
             module.set_requires_gradient_sync(reduce, recurse=False)
             module.set_reshard_after_backward(reduce, recurse=False)

@@ -15,10 +15,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from trainer.actor.local_adam import scale_gradients, step_adam_on_local_shards
+from trainer.actor.local_adam import local_tensors, scale_gradients, step_adam_on_local_shards
 from trainer.actor.micro_batch import resolve_micro_batch
 from trainer.actor.micro_step import forward_backward
-from trainer.actor.model import accumulate_unsharded, lr_at_step, reduce_each_backward
+from trainer.actor.model import (accumulate_unsharded, ensure_train_mode, lr_at_step,
+                                 reduce_each_backward)
 from trainer.actor.replay import plan_updates, replay_log_probs
 from trainer.profiling import nvtx_range
 from trainer.rewards.advantages import micro_batch_scale
@@ -62,11 +63,12 @@ def grad_norm_and_clip_coef(params: list[torch.Tensor],
     """(total norm, clip coefficient min(1, max_norm / norm)) of the gradients, as
     ``clip_grad_norm_`` computes them, on the local shards: one fused norm over plain tensors
     and one all-reduce per sharded mesh dimension. Dispatching every small LoRA gradient
-    through DTensor costs more host time than the GPU work it launches."""
+    through DTensor (``to_local()`` too: an autograd Function call per gradient) costs more
+    host time than the GPU work it launches."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(()), torch.ones(())
-    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    local = local_tensors(grads)
     norms = torch._foreach_norm(local, 2.0)
     total_sq = torch.stack([n.float() for n in norms]).square().sum()
     if isinstance(grads[0], DTensor):
@@ -196,12 +198,14 @@ def run_updates(trainer, selected, scales, pi_old, steps, params):
     sums: dict[str, list[torch.Tensor]] = {}
     grad_norms, skip_flags = [], []
     accumulate = accumulate_unsharded(trainer.cfg)
+    reducing = True  # FSDP2's default; an update of one micro-batch never changes it
     try:
         for u, micro_batches in enumerate(selected):
             last = len(micro_batches) - 1
             for m, (mb, adv) in enumerate(micro_batches):
                 if accumulate and last and m in (0, last):  # switch only where it changes
-                    reduce_each_backward(trainer.model, m == last)
+                    reducing = m == last
+                    reduce_each_backward(trainer.model, reducing)
                 stats = forward_backward(trainer, mb, adv, scales[u][m], pi_old[u][m])
                 if u == 0:
                     sums.setdefault("first_update_ratio_mean", []).append(stats["ratio_mean"])
@@ -211,7 +215,7 @@ def run_updates(trainer, selected, scales, pi_old, steps, params):
             grad_norms.append(gn)
             skip_flags.append(skipped.to(gn.device))
     finally:  # FSDP2's defaults again, for whatever runs the model next
-        if accumulate:
+        if not reducing:
             reduce_each_backward(trainer.model, True)
     return sums, grad_norms, skip_flags
 
@@ -231,7 +235,7 @@ def train_on(trainer, batch, advantages: torch.Tensor, rollout_id: int) -> dict[
         # No rank has any advantage signal: every update would be a zero-gradient step.
         return {**base, "train/optimizer_steps": 0.0,
                 "train/optimizer_skips": float(len(plan.updates))}
-    trainer.model.train()
+    ensure_train_mode(trainer.model)
     # everything that copies between host and device, before any GPU work is queued
     # (select_micro_batches says why)
     selected = select_micro_batches(trainer, batch, advantages, plan)
