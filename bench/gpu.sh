@@ -138,7 +138,8 @@ step_nsys() {
     TAIL=8 step "nsys_$rev" "${NSYS_SECS:-200}" "${nsys:-nsys}" profile \
       --capture-range=cudaProfilerApi --capture-range-end=stop -t cuda,nvtx -o "/tmp/step_$rev" \
       --force-overwrite true python3 "$dir/bench/bench_step.py" --layers 8 $model --modes lora \
-      --rollouts 4 --out "/tmp/nsys_$rev.json" --set logging.profile_steps=2:4
+      --rollouts 4 --out "/tmp/nsys_$rev.json" --set logging.profile_steps=2:4 \
+      --label "nsys-profiled-"
     [ -n "${DRY_RUN:-}" ] && continue
     "$nsys" stats --report nvtx_sum --format csv -o "$OUT/nvtx_$rev" "/tmp/step_$rev.nsys-rep" \
       > /dev/null 2>&1
