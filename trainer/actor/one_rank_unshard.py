@@ -25,6 +25,13 @@ import re
 
 import torch
 
+try:  # FSDP2's internals, which the replacement calls as torch's own method does
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, TrainingState
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState, alloc_storage
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+except ImportError:  # a torch without them: install() leaves FSDP2 as it is
+    FSDPParamGroup = None
+
 log = logging.getLogger("trainer")
 
 # sha256 of torch's wait_for_unshard (from its ``def`` on, comments and whitespace removed):
@@ -42,8 +49,6 @@ def source_fingerprint(source: str) -> str:
 def flat_unshard_copy(fsdp_params: list, device: torch.device) -> None:
     """Every parameter's local shard cast into its unsharded storage (allocated as torch's
     one-rank branch allocates it), by one foreach copy."""
-    from torch.distributed.fsdp._fully_shard._fsdp_param import alloc_storage
-
     outs, shards = [], []
     for fsdp_param in fsdp_params:
         shard = fsdp_param._sharded_param_data
@@ -60,9 +65,6 @@ def flat_unshard_copy(fsdp_params: list, device: torch.device) -> None:
 
 
 def _flat_eligible(group) -> bool:
-    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
-    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
-
     if isinstance(group.mesh_info, FSDPMeshInfo) and group._all_gather_process_group.size() != 1:
         return False
     if torch._C._are_functorch_transforms_active():
@@ -75,8 +77,6 @@ def _flat_eligible(group) -> bool:
 def _wait_for_unshard(self) -> None:
     if not self._all_gather_result or not _flat_eligible(self):
         return _torch_wait_for_unshard(self)
-    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-
     if self._training_state == TrainingState.FORWARD:
         previous = self.comm_ctx.all_gather_state
         if previous:
@@ -92,17 +92,8 @@ def _wait_for_unshard(self) -> None:
     self._all_gather_result = None
 
 
-def _param_group_class():
-    try:
-        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-    except ImportError:
-        return None
-    return FSDPParamGroup
-
-
 def installed() -> bool:
-    cls = _param_group_class()
-    return cls is not None and cls.wait_for_unshard is _wait_for_unshard
+    return FSDPParamGroup is not None and FSDPParamGroup.wait_for_unshard is _wait_for_unshard
 
 
 def install() -> bool:
@@ -111,8 +102,7 @@ def install() -> bool:
     global _torch_wait_for_unshard
     if installed():
         return True
-    cls = _param_group_class()
-    original = getattr(cls, "wait_for_unshard", None)
+    original = getattr(FSDPParamGroup, "wait_for_unshard", None)
     try:
         known = source_fingerprint(inspect.getsource(original)) in _KNOWN_SOURCES
     except (TypeError, OSError, ValueError):
@@ -122,5 +112,5 @@ def install() -> bool:
                  "from: kept as is")
         return False
     _torch_wait_for_unshard = original
-    cls.wait_for_unshard = _wait_for_unshard
+    FSDPParamGroup.wait_for_unshard = _wait_for_unshard
     return True
