@@ -228,17 +228,23 @@ class Trainer(TrainerState):
         updates; pi_old frozen before the first optimizer step."""
         return train_on(self, batch, advantages, rollout_id)
 
+    def _collective_needed(self) -> bool:
+        """More than one rank to agree with (a one-rank group's all-reduce returns its input:
+        a collective launch and a host read for nothing at every train stage)."""
+        return self.distributed and self.world > 1
+
     def _all_ranks_degenerate(self, advantages: torch.Tensor) -> bool:
-        flag = torch.tensor([float(advantages.abs().max() > 0)], dtype=torch.float64,
-                            device=self._coll_device() if self.distributed else "cpu")
-        if self.distributed:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        has_signal = bool(advantages.abs().max() > 0)
+        if not self._collective_needed():
+            return not has_signal
+        flag = torch.tensor([float(has_signal)], dtype=torch.float64, device=self._coll_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item() == 0)
 
     def _assert_microbatch_count_aligned(self, count: int) -> None:
         """Every rank must run the same number of FSDP collectives: MAX all-reduce, then
         error instead of deadlock."""
-        if not self.distributed:
+        if not self._collective_needed():
             return
         t = torch.tensor([count, -count], dtype=torch.int64, device=self._coll_device())
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
