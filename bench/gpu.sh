@@ -14,7 +14,7 @@
 #                                        nsys     two-step Nsight captures (REVS="after before")
 #                                                 and the train stages' GPU idle gaps
 #                                        profile  torch.profiler of one train stage + its floor
-#                                                 (bench/profile_train.py: GPU busy, idle gaps)
+#                                                 (bench/profile_train.py: GPU busy, idle gaps, host lead)
 #                                        attention  the LoRA row with torch's attention pick and
 #                                                 with each of $BACKENDS (diffusers' names,
 #                                                 default _native_efficient), same call

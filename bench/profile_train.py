@@ -11,7 +11,9 @@ rows (the floor, and what the pi_old anchor forward could cost at best).
 
 Writes, per capture: ``<name>.txt`` (wall time, GPU span, GPU busy = union of kernel
 intervals, the kernel table) and for the train stage ``gaps.txt`` (every GPU idle gap over
-0.3 ms with the CPU ranges open at that moment) and ``train.json.gz`` (the Chrome trace).
+0.3 ms with the CPU ranges open at that moment), ``host_lead.txt`` (``bench/host_lead.py``:
+how far the host runs ahead of the GPU, window by window) and ``train.json.gz`` (the Chrome
+trace).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import bench_step  # noqa: E402
 import floors  # noqa: E402
+import host_lead  # noqa: E402
 import trainer.loop as loop_module  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 
@@ -115,7 +118,9 @@ def profile_train_stage(args, out: Path) -> None:
         gpu_summary(prof, "train", start.elapsed_time(end), out)
         trace = out / "train.json"
         prof.export_chrome_trace(str(trace))
-        (out / "gaps.txt").write_text("\n".join(idle_gaps(json.loads(trace.read_text()))))
+        traced_events = json.loads(trace.read_text())
+        (out / "gaps.txt").write_text("\n".join(idle_gaps(traced_events)))
+        (out / "host_lead.txt").write_text(host_lead.report(traced_events))
         with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
             shutil.copyfileobj(src, dst)
         trace.unlink()

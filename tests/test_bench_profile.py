@@ -72,3 +72,50 @@ def test_nsys_gaps_attributes_each_idle_gap_to_the_open_range(tmp_path):
     # API time inside the gaps, clipped to them: the sync's 1.0 ms before 6.0, the launch 0.2
     assert "1.00  cudaStreamSynchronize" in text and "0.20  cudaLaunchKernel" in text
     assert nsys_gaps.report(tmp_path / "cap.sqlite", "rollout", 100, 5).startswith("no NVTX")
+
+
+def _host_lead_trace() -> dict:
+    """A train stage in miniature (times in us): a compiled forward whose two kernels start
+    1000 us after their launches (the host ahead), a post-backward callback and an optimizer
+    step with the GPU idle, then a compiled call whose kernel starts at once (the host behind)."""
+    def op(ts, dur, name, cat="cpu_op"):
+        return {"ph": "X", "cat": cat, "ts": ts, "dur": dur, "name": name}
+
+    def launch(ts, corr):
+        return {**op(ts, 5, "cuLaunchKernelEx", "cuda_driver"), "args": {"correlation": corr}}
+
+    def kernel(ts, dur, corr):
+        return {**op(ts, dur, "k", "kernel"), "args": {"correlation": corr}}
+
+    return {"traceEvents": [
+        op(0, 50, "TorchDynamo Cache Lookup"), op(50, 2100, "Torch-Compiled Region: 0/0"),
+        launch(100, 1), launch(2100, 2), kernel(1100, 2000, 1), kernel(3100, 1500, 2),
+        op(5000, 3000, "FSDP::root_post_backward_callback"),
+        op(8200, 500, "Optimizer.step#AdamW.step"), op(8250, 50, "aten::_fused_adamw_"),
+        op(8900, 30, "TorchDynamo Cache Lookup"), op(8930, 200, "Torch-Compiled Region: 0/0"),
+        launch(9000, 3), kernel(9010, 990, 3),
+    ]}
+
+
+def test_host_lead_reports_the_lead_busy_share_and_the_idle_update_boundary():
+    import host_lead
+    text = host_lead.report(_host_lead_trace(), window_ms=5.0)
+    lines = text.splitlines()
+    assert lines[0] == "trace: 10.0 ms, 3 GPU events"
+    # window 0-5 ms: 3.5 ms of kernels, two launches each 1.0 ms ahead of its kernel
+    assert lines[2].split("|")[1].strip() == "70.0 %"
+    assert lines[2].split("|")[3].strip() == "1.00 /  1.00"
+    # window 5-10 ms: 0.99 ms of kernels; its one launch only 0.01 ms ahead
+    assert lines[3].split("|")[1].strip() == "19.8 %" and "0.01 /  0.01" in lines[3]
+    # the median call (the longer of two): 2.1 ms of host time holding both launches
+    assert "Torch-Compiled Region: 0/0 | 2 | 2.10 | 2 | 0.01" in text
+    assert "guard evaluation (TorchDynamo Cache Lookup): 2 calls, median 0.050 ms, 0.1 ms" in text
+    # from the callback (5.0 ms) to the next compiled call (8.93 ms), no kernel runs; the
+    # optimizer step is listed, its nested fused call is not a top-level op
+    assert "update boundary 1: 3.9 ms of host time, GPU idle 3.9 ms of it" in text
+    assert "Optimizer.step#AdamW.step" in text and "_fused_adamw_" not in text
+
+
+def test_host_lead_says_when_the_trace_has_no_gpu_work():
+    import host_lead
+    assert host_lead.report({"traceEvents": []}).startswith("no GPU work")
