@@ -304,3 +304,46 @@ def test_noise_streams_are_distinct_and_stable():
     assert noise.stream_seed(1, "a", "x_T") != noise.stream_seed(2, "a", "x_T")
     draw = noise.gaussian(["a", "b"], "x_T", (3, 5), seed=1, dtype=torch.float64)
     assert draw.shape == (2, 3, 5) and draw.dtype == torch.float64
+
+
+def test_select_moves_the_row_index_to_each_device_once():
+    """Indexing a device tensor with a host index copies the index inside every index op
+    (a host-blocking copy on CUDA); select copies it once per device, so no index op gets an
+    index from another device, and takes the same rows from each field."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from trainer.models.batch import RolloutBatch
+
+    meta = torch.device("meta")
+    batch = RolloutBatch(
+        prompts=list("abcd"), sample_ids=list("ABCD"), group_index=torch.tensor([0, 0, 1, 1]),
+        sde_indices=[0, 2], latents=torch.empty(4, 2, 5, 3, device=meta),
+        next_latents=torch.empty(4, 2, 5, 3, device=meta),
+        sigmas=torch.arange(8.0).view(4, 2), sigmas_next=torch.arange(8.0).view(4, 2) / 2,
+        log_probs=torch.empty(4, 2, device=meta),
+        conditions={"embeds": torch.empty(4, 7, 3, device=meta), "mask": torch.ones(4, 7)},
+        height=8, width=8, eta=0.7, sde_type="sde")
+
+    class IndexOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.devices: list[tuple[str, str]] = []  # (indexed tensor's, index's) per index op
+            self.copies_to_meta = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.ops.aten.index.Tensor:
+                self.devices.append((args[0].device.type, args[1][0].device.type))
+            if func is torch.ops.aten._to_copy.default and kwargs.get("device") == meta:
+                self.copies_to_meta += 1
+            return func(*args, **kwargs)
+
+    with IndexOps() as ops:
+        part = batch.select([3, 1])
+    assert sorted(ops.devices) == [("cpu", "cpu")] * 4 + [("meta", "meta")] * 4
+    assert ops.copies_to_meta == 1
+    assert part.prompts == ["d", "b"] and part.group_index.tolist() == [1, 0]
+    assert torch.equal(part.sigmas, batch.sigmas[[3, 1]])
+    assert torch.equal(part.conditions["mask"], batch.conditions["mask"][[3, 1]])
+    assert part.latents.device == meta and part.latents.shape == (2, 2, 5, 3)
+    assert part.conditions["embeds"].shape == (2, 7, 3)

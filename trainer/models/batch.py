@@ -57,22 +57,31 @@ class RolloutBatch:
         """Rows ``idx`` of every batch-first field (a micro-batch or a rank's slice)."""
         idx_t = torch.as_tensor(idx, dtype=torch.long)
         rows = idx_t.tolist()
+        # the index goes to each device once: indexing a GPU tensor with a host index copies
+        # the index (a host-blocking copy) for every tensor indexed
+        on_device: dict[torch.device, torch.Tensor] = {}
+
+        def take(t: torch.Tensor) -> torch.Tensor:
+            if t.device not in on_device:
+                on_device[t.device] = idx_t.to(t.device)
+            return t[on_device[t.device]]
+
         return RolloutBatch(
             prompts=[self.prompts[i] for i in rows],
             sample_ids=[self.sample_ids[i] for i in rows],
-            group_index=self.group_index[idx_t],
+            group_index=take(self.group_index),
             sde_indices=list(self.sde_indices),
-            latents=self.latents[idx_t],
-            next_latents=self.next_latents[idx_t],
-            sigmas=self.sigmas[idx_t],
-            sigmas_next=self.sigmas_next[idx_t],
-            log_probs=self.log_probs[idx_t],
-            conditions={k: v[idx_t] for k, v in self.conditions.items()},
+            latents=take(self.latents),
+            next_latents=take(self.next_latents),
+            sigmas=take(self.sigmas),
+            sigmas_next=take(self.sigmas_next),
+            log_probs=take(self.log_probs),
+            conditions={k: take(v) for k, v in self.conditions.items()},
             height=self.height,
             width=self.width,
             eta=self.eta,
             sde_type=self.sde_type,
-            images=None if self.images is None else self.images[idx_t],
+            images=None if self.images is None else take(self.images),
             metadata=[self.metadata[i] for i in rows] if self.metadata else [],
             policy_version=self.policy_version,
             rollout_id=self.rollout_id,
