@@ -52,6 +52,4 @@ def stand_in_trainer(adapter, cfg, model):
     return SimpleNamespace(
         cfg=cfg, adapter=adapter, model=model, optimizer=optimizer, lr_steps=0,
         device=torch.device("cpu"), meter=ComputeMeter(), outside=ComputeMeter(),
-        auto_micro_batch=None, ema=None,
-        _assert_microbatch_count_aligned=lambda n: None,
-        _all_ranks_degenerate=lambda adv: bool(adv.abs().max() == 0))
+        auto_micro_batch=None, ema=None)

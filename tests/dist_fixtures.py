@@ -60,3 +60,17 @@ def run_on_gloo_ranks(check: Callable[[], None], world: int = 2) -> None:
     """``check`` (a module-level function: spawn pickles it by name) on each of ``world`` gloo
     ranks; raises when any rank fails."""
     mp.spawn(_gloo_rank, args=(world, free_port(), check), nprocs=world, join=True)
+
+
+def count_calls(monkeypatch, module, name: str) -> list[int]:
+    """Route ``module.name`` through a wrapper that records the length of each call's first
+    argument (the parameters or tensors that call handled); returns that record."""
+    calls: list[int] = []
+    real = getattr(module, name)
+
+    def counted(first, *args, **kwargs):
+        calls.append(len(first))
+        return real(first, *args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls

@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
-from dist_fixtures import one_rank_group
+from dist_fixtures import count_calls, one_rank_group
 from trainer.actor import grad_copy_in
 
 
@@ -61,14 +61,7 @@ def test_the_wrapper_copies_one_rank_flat_and_leaves_more_ranks_to_torch():
 
 def test_a_one_rank_fsdp_backward_goes_through_the_flat_copy(tmp_path, monkeypatch):
     assert grad_copy_in.install()
-    calls = []
-
-    def counted(tensors, out):
-        calls.append(len(tensors))
-        return flat(tensors, out)
-
-    flat = grad_copy_in.flat_copy_in
-    monkeypatch.setattr(grad_copy_in, "flat_copy_in", counted)
+    calls = count_calls(monkeypatch, grad_copy_in, "flat_copy_in")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
     reference = [p.detach().clone().requires_grad_() for p in model.parameters()]

@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-from dist_fixtures import one_rank_group
+from dist_fixtures import count_calls, one_rank_group
 from trainer.actor import one_rank_unshard
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
@@ -56,14 +56,7 @@ def _compare_with_torch(tmp_path, monkeypatch, torch_method, device: str) -> Non
         (tmp_path / name).mkdir()
     with one_rank_group(tmp_path / "torch"):
         want = _train_twice(_model(device), device)
-    calls = []
-
-    def counted(fsdp_params, dev):
-        calls.append(len(fsdp_params))
-        return real(fsdp_params, dev)
-
-    real = one_rank_unshard.flat_unshard_copy
-    monkeypatch.setattr(one_rank_unshard, "flat_unshard_copy", counted)
+    calls = count_calls(monkeypatch, one_rank_unshard, "flat_unshard_copy")
     monkeypatch.setattr(FSDPParamGroup, "wait_for_unshard", one_rank_unshard._wait_for_unshard)
     with one_rank_group(tmp_path / "flat"):
         got = _train_twice(_model(device), device)

@@ -228,30 +228,6 @@ class Trainer(TrainerState):
         updates; pi_old frozen before the first optimizer step."""
         return train_on(self, batch, advantages, rollout_id)
 
-    def _collective_needed(self) -> bool:
-        """More than one rank to agree with (a one-rank group's all-reduce returns its input:
-        a collective launch and a host read for nothing at every train stage)."""
-        return self.distributed and self.world > 1
-
-    def _all_ranks_degenerate(self, advantages: torch.Tensor) -> bool:
-        has_signal = bool(advantages.abs().max() > 0)
-        if not self._collective_needed():
-            return not has_signal
-        flag = torch.tensor([float(has_signal)], dtype=torch.float64, device=self._coll_device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item() == 0)
-
-    def _assert_microbatch_count_aligned(self, count: int) -> None:
-        """Every rank must run the same number of FSDP collectives: MAX all-reduce, then
-        error instead of deadlock."""
-        if not self._collective_needed():
-            return
-        t = torch.tensor([count, -count], dtype=torch.int64, device=self._coll_device())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        if int(t[0]) != count or -int(t[1]) != count:
-            raise RuntimeError(f"rank {self.rank} has {count} micro-batches but ranks range "
-                               f"{-int(t[1])}..{int(t[0])}: refusing to deadlock")
-
     def _coll_device(self) -> torch.device:
         return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
 

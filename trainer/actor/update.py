@@ -21,6 +21,7 @@ from trainer.actor.micro_step import forward_backward
 from trainer.actor.model import (accumulate_unsharded, ensure_train_mode, lr_at_step,
                                  reduce_each_backward)
 from trainer.actor.replay import plan_updates, replay_log_probs
+from trainer.collectives import any_rank, require_same_on_all_ranks
 from trainer.profiling import nvtx_range
 from trainer.rewards.advantages import micro_batch_scale
 
@@ -228,10 +229,10 @@ def train_on(trainer, batch, advantages: torch.Tensor, rollout_id: int) -> dict[
     micro = resolve_micro_batch(trainer, batch, advantages, per_update)
     gen = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + rollout_id)
     plan = plan_updates(len(batch), cfg.train.num_updates_per_batch, micro, generator=gen)
-    trainer._assert_microbatch_count_aligned(plan.num_micro_batches)
+    require_same_on_all_ranks(plan.num_micro_batches, "micro-batches")
     base = {"train/num_microbatches": float(plan.num_micro_batches),
             "train/micro_batch_size": float(micro)}
-    if trainer._all_ranks_degenerate(advantages):
+    if not any_rank(bool(advantages.abs().max() > 0)):
         # No rank has any advantage signal: every update would be a zero-gradient step.
         return {**base, "train/optimizer_steps": 0.0,
                 "train/optimizer_skips": float(len(plan.updates))}
