@@ -14,7 +14,7 @@ Python and launch overheads count):
 - forward only: the 12 transformer forwards back to back (the floor of any sampler);
 - diffusers loop: the same forwards stepped by FlowMatchEulerDiscreteScheduler.step with bf16
   latents, as QwenImagePipeline does (no trajectory, no log-prob: the baseline);
-- engine denoise: ``trainer.engine.sampler.denoise`` (kernels.sde_step at every step, SDE at
+- engine denoise: ``trainer.engine.embedded.sampler.denoise`` (kernels.sde_step at every step, SDE at
   the 3 indices, trajectory + log-prob recorded, fp32 state) with noise already on the device;
 - engine generate: ``EngineCore.generate`` on a request built by the adapter: request checks,
   x_T and step noise by the driver's CPU recipe (per sample id), denoise, a stand-in decode
@@ -42,8 +42,8 @@ from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DMod
 from torch import nn  # noqa: E402
 
 import flowgrpo_kernels as kernels  # noqa: E402
-from trainer.engine.core import EngineCore  # noqa: E402
-from trainer.engine.sampler import denoise  # noqa: E402
+from trainer.engine.embedded.core import EngineCore  # noqa: E402
+from trainer.engine.embedded.sampler import denoise  # noqa: E402
 from trainer.models.base import GenerativeModelAdapter  # noqa: E402
 from bench.results import Recorder  # noqa: E402
 

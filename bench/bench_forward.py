@@ -1,5 +1,5 @@
 """The Qwen-Image transformer's compiled forward and forward + backward, with the trainer's fast
-paths (trainer/models/qwen_fast_paths.py) and with diffusers' own code, each in its own process.
+paths (trainer/patches/diffusers_qwen_fast_paths.py) and with diffusers' own code, each in its own process.
 
     python bench/bench_forward.py --model-dir /tmp/bench_qwen8       # H200: ~3 minutes
     python bench/bench_forward.py --tiny --layers 2 --repeats 2      # checks the script runs
@@ -31,7 +31,7 @@ def measure(path: str, args) -> dict:
     """One path's figures, in this process."""
     from floors import _median_ms, floor_step, lora_transformer, text_tokens
 
-    from trainer.models.qwen_fast_paths import install_fast_paths
+    from trainer.patches.diffusers_qwen_fast_paths import install_fast_paths
 
     tokens = text_tokens(args.model_dir)
     adapter, model = lora_transformer(args.model_dir, args.rank, compiled=True)

@@ -45,7 +45,7 @@ import triton.testing  # noqa: E402
 import flowgrpo_kernels as kernels  # noqa: E402
 from bench.results import Recorder, device_name  # noqa: E402
 from flowgrpo_kernels import sde_triton  # noqa: E402
-from trainer.dtypes import RUN_DTYPES, TORCH_DTYPES  # noqa: E402
+from trainer.utils.dtypes import RUN_DTYPES, TORCH_DTYPES  # noqa: E402
 
 SHAPES = ((8, 36_864), (32, 262_144), (64, 1_048_576))
 DTYPES = {name: TORCH_DTYPES[name] for name in RUN_DTYPES}

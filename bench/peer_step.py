@@ -26,7 +26,7 @@ from peft import LoraConfig, get_peft_model  # noqa: E402
 
 from flowgrpo_kernels.sde_reference import sde_log_prob_ref, sde_step_ref  # noqa: E402
 from record_rows import record_peer  # noqa: E402
-from trainer.models.qwen_fast_paths import install_fast_paths  # noqa: E402
+from trainer.patches.diffusers_qwen_fast_paths import install_fast_paths  # noqa: E402
 from trainer.models.qwen_image import QwenImageAdapter  # noqa: E402
 from trainer.rewards.jpeg import jpeg_kilobytes  # noqa: E402
 
@@ -124,7 +124,7 @@ def run_peer(model_dir: str, *, micro_batch: int, updates: int, rollouts: int,
              samples: int = 8) -> dict:
     loop = PeerLoop(model_dir)
     # stock diffusers, as the reference runs it: the adapter that loaded the model installs
-    # the trainer's faster paths (trainer/models/qwen_fast_paths.py), process-wide
+    # the trainer's faster paths (trainer/patches/diffusers_qwen_fast_paths.py), process-wide
     install_fast_paths(False)
     torch.cuda.reset_peak_memory_stats()
     times = [loop.step([f"a photo of a red panda number {r} in a teacup"] * samples, seed=r,

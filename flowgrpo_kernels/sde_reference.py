@@ -55,7 +55,7 @@ import math
 
 import torch
 
-SDE_TYPES = ("sde", "dance", "cps", "ode")  # trainer.sampling.SDE_TYPES plus the ODE step
+SDE_TYPES = ("sde", "dance", "cps", "ode")  # trainer.config.sampling.SDE_TYPES plus the ODE step
 SIGMA_ONE = ("refuse", "clamp_to_next")
 LOG_PROB_FORMS = ("gaussian", "squared_residual")
 KL_FORMS = ("gaussian", "reference")

@@ -76,7 +76,7 @@ class FixtureAdapter(GenerativeModelAdapter):
                          device: str | torch.device = "cpu") -> nn.Module:
         from diffusers import QwenImageTransformer2DModel
 
-        from trainer.models.qwen_fast_paths import install_fast_paths
+        from trainer.patches.diffusers_qwen_fast_paths import install_fast_paths
 
         install_fast_paths()  # as QwenImageAdapter loads the same transformer
         return QwenImageTransformer2DModel.from_pretrained(

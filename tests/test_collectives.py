@@ -1,4 +1,4 @@
-"""``trainer.collectives``: across two gloo ranks each agreement combines what every rank
+"""``trainer.utils.collectives``: across two gloo ranks each agreement combines what every rank
 holds; in a one-rank process group each answers from the rank's own value without a
 collective (the train stage asks two of them every step)."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch.distributed as dist
 
 from dist_fixtures import one_rank_group, run_on_gloo_ranks
-from trainer.collectives import (all_ranks_ok, any_rank, broadcast_from_rank0,
+from trainer.utils.collectives import (all_ranks_ok, any_rank, broadcast_from_rank0,
                                  failures_by_rank, require_same_on_all_ranks)
 
 

@@ -221,7 +221,7 @@ def test_engine_merge_round_trip_restores_the_base_bit_for_bit(model_dir, adapte
 def test_bf16_merge_rounds_base_plus_fp32_delta_once():
     from peft import LoraConfig, get_peft_model
 
-    from trainer.engine.lora_merge import LoraMerger
+    from trainer.engine.embedded.lora_merge import LoraMerger
 
     torch.manual_seed(0)
     model = get_peft_model(torch.nn.Sequential(torch.nn.Linear(16, 8)).to(torch.bfloat16),

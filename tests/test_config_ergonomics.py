@@ -7,8 +7,9 @@ import dataclasses
 
 import pytest
 
-from trainer.config import Config, ConfigError, _field_types, _type_name, cli_flag, load_config
-from trainer.config_cli import default_text
+from trainer.config import Config, ConfigError, cli_flag, load_config
+from trainer.config.sections import _field_types, _type_name
+from trainer.config.overrides import default_text
 from trainer.launch import parse_args, resolve
 from trainer.preflight import preflight
 

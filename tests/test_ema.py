@@ -11,7 +11,7 @@ from torch import nn
 from trainer.config import load_config
 from trainer.ema import ParameterEMA, ema_model_tensors
 from trainer.evaluation import eval_sampling, eval_weights
-from trainer.sampling import SamplingConfig
+from trainer.config.sampling import SamplingConfig
 
 
 def _model(seed=0) -> nn.Module:

@@ -10,7 +10,7 @@ import flowgrpo_kernels as kernels
 from engine_fixtures import (ADAPTER_PATH, FixtureAdapter, build_fixture_model_dir,
                              make_request)
 from trainer.engine import EngineStateError, RequestError, launch_embedded_engine
-from trainer.engine.request import parse_generate_request
+from trainer.engine.embedded.request import parse_generate_request
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 

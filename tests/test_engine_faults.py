@@ -13,7 +13,7 @@ import torch
 
 from engine_fixtures import ADAPTER_PATH, FixtureAdapter, build_fixture_model_dir, make_request
 from trainer.engine import launch_embedded_engine
-from trainer.engine.client import EngineError, EngineUnavailableError
+from trainer.engine.embedded.client import EngineError, EngineUnavailableError
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc,
               pytest.mark.usefixtures("torch_single_thread")]

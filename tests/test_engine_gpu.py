@@ -106,7 +106,7 @@ def test_the_sampler_loop_never_waits_for_the_gpu():
     """The engine's denoise loop (ODE and SDE steps, the fused kernels, the recorded
     trajectory) runs in torch's sync-debug "error" mode: nothing in it makes the host wait
     for the GPU, so the host queues the steps ahead of it. Control: a host read raises."""
-    from trainer.engine.sampler import denoise
+    from trainer.engine.embedded.sampler import denoise
 
     x = torch.randn(4, 256, 64, device="cuda")
     noise = torch.randn(4, 256, 64, device="cuda")

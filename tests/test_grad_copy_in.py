@@ -1,4 +1,4 @@
-"""FSDP2's one-rank gradient copy-in (trainer/actor/grad_copy_in.py) gives torch's bytes."""
+"""FSDP2's one-rank gradient copy-in (trainer/patches/fsdp_grad_copy_in.py) gives torch's bytes."""
 from __future__ import annotations
 
 import math
@@ -10,7 +10,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
 from dist_fixtures import count_calls, one_rank_group
-from trainer.actor import grad_copy_in
+from trainer.patches import fsdp_grad_copy_in as grad_copy_in
 
 
 def _grads(dtype: torch.dtype, device: str = "cpu") -> list[torch.Tensor]:

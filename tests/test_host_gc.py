@@ -1,4 +1,4 @@
-"""train.gc: Python's collection kept out of the train stage (trainer/host_gc.py)."""
+"""train.gc: Python's collection kept out of the train stage (trainer/utils/host_gc.py)."""
 from __future__ import annotations
 
 import gc
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from test_train_loop import make_trainer  # noqa: F401  (fixture)
-from trainer.host_gc import HostGarbageCollection, resolve_gc_mode
+from trainer.utils.host_gc import HostGarbageCollection, resolve_gc_mode
 
 
 class _Cycle:
@@ -74,7 +74,7 @@ def test_trainer_collects_during_the_rollout_and_trains_the_same(make_trainer, m
             trainer.train_step(r)
         weights[mode] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
         if mode == "rollout":
-            assert trainer.host_gc.collections == 2 and trainer.host_gc.frozen
+            assert trainer.utils.host_gc.collections == 2 and trainer.utils.host_gc.frozen
         trainer.close()
         assert gc.isenabled() and gc.get_freeze_count() == 0
     assert seen == [True, True, False, False]

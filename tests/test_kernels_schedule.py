@@ -41,7 +41,7 @@ def test_denoise_checks_its_schedule_before_any_forward():
     """The engine's sampler checks the whole schedule on the host up front (its steps then
     skip validation, which with sigma tensors syncs): a bad step late in the schedule fails
     before the first velocity call."""
-    from trainer.engine.sampler import denoise
+    from trainer.engine.embedded.sampler import denoise
 
     calls = []
 

@@ -1,4 +1,4 @@
-"""FSDP2's one-rank unshard (trainer/actor/one_rank_unshard.py): the same parameters, forwards
+"""FSDP2's one-rank unshard (trainer/patches/fsdp_one_rank_unshard.py): the same parameters, forwards
 and gradients as torch's method, through one foreach copy per parameter group."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
 from dist_fixtures import count_calls, one_rank_group
-from trainer.actor import one_rank_unshard
+from trainer.patches import fsdp_one_rank_unshard as one_rank_unshard
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 

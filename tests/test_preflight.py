@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from trainer.config import ConfigError, RECIPES_DIR, load_config
-from trainer.preflight import (fraction_window, local_sample_count, preflight,
-                               static_sde_indices, trainable_indices_upper_bound)
+from trainer.config.sampling import fraction_window
+from trainer.preflight import (local_sample_count, preflight, static_sde_indices,
+                               trainable_indices_upper_bound)
 
 REPO = Path(__file__).resolve().parents[1]
 

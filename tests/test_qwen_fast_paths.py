@@ -1,4 +1,4 @@
-"""trainer/models/qwen_fast_paths.py: the same values as diffusers' own Qwen-Image code, with
+"""trainer/patches/diffusers_qwen_fast_paths.py: the same values as diffusers' own Qwen-Image code, with
 no host copy at each forward and no complex tensor inside a compiled block.
 
 Oracle: diffusers' functions themselves (``install_fast_paths(False)`` puts them back)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.models.qwen_fast_paths import install_fast_paths, rotate_real, text_seq_len_from_mask
+from trainer.patches.diffusers_qwen_fast_paths import install_fast_paths, rotate_real, text_seq_len_from_mask
 from trainer.models.qwen_image import QwenImageAdapter
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")

@@ -10,7 +10,7 @@ import torch
 
 from trainer.config import ConfigError, load_config
 from trainer.preflight import preflight
-from trainer.preflight_imports import check_imports
+from trainer.preflight.imports import check_imports
 from trainer.rewards import build_reward_manager_from_config, clear_reward_manager_cache
 from trainer.rewards.advantages import compute_advantages
 from trainer.rewards.base import RewardScorer

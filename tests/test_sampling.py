@@ -1,4 +1,4 @@
-"""trainer.sampling.SamplingConfig: one owner of the sampling keys, the SDE types and the steps."""
+"""trainer.config.sampling.SamplingConfig: one owner of the sampling keys, the SDE types and the steps."""
 from __future__ import annotations
 
 import json
@@ -8,10 +8,10 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from trainer import sampling as sampling_mod  # noqa: E402
+from trainer.config import sampling as sampling_mod  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.preflight import preflight  # noqa: E402
-from trainer.sampling import SamplingConfig, SamplingError  # noqa: E402
+from trainer.config.sampling import SamplingConfig, SamplingError  # noqa: E402
 
 
 def test_every_step_mode_noises_all_and_trains_the_reference_fraction():
@@ -79,7 +79,7 @@ def test_kernel_options_map_the_cps_form():
 def test_one_list_of_sde_types():
     """Preflight, the request schema, the engine's request parser and the kernels agree."""
     import flowgrpo_kernels.sde_reference as ref
-    from trainer.engine import request
+    from trainer.engine.embedded import request
     from trainer.models import schema
 
     assert request.SDE_TYPES is sampling_mod.SDE_TYPES
@@ -96,7 +96,7 @@ def test_one_list_of_sde_types():
 def test_a_cps_config_that_passes_preflight_is_served_by_the_engine():
     """The old failure: preflight accepted cps and the request schema refused it."""
     from engine_fixtures import HEIGHT, WIDTH, FixtureAdapter  # no model files needed here
-    from trainer.engine.request import parse_generate_request
+    from trainer.engine.embedded.request import parse_generate_request
 
     table = {"sde_type": "cps", "sde_indices": [2, 3], "sde_pool": [1, 2, 3],
              "num_inference_steps": 6, "cps_log_prob": "reference"}

@@ -17,9 +17,9 @@ import torch
 from sglang_fixtures import (require_sglang, restore_torch_reductions, serve_sglang,
                              trainer_overrides)
 
-from trainer.engine.sglang_client import SGLangEngineClient
-from trainer.engine.sglang_rollout import sample_seed, stock_problems
-from trainer.engine.sglang_sync import (SGLangSyncError, SGLangWeightSync, serialize_payload,
+from trainer.engine.sglang.client import SGLangEngineClient
+from trainer.engine.sglang.rollout import sample_seed, stock_problems
+from trainer.engine.sglang.sync import (SGLangSyncError, SGLangWeightSync, serialize_payload,
                                         tensor_sha256)
 
 require_sglang()
@@ -118,7 +118,7 @@ def test_payload_reads_back_through_sglang_deserializer():
     from sglang.srt.utils import MultiprocessingSerializer
     from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
-    from trainer.engine.sglang_sync import flattened_bucket
+    from trainer.engine.sglang.sync import flattened_bucket
 
     strategy = torch.multiprocessing.get_sharing_strategy()
     torch.multiprocessing.set_sharing_strategy("file_system")
@@ -228,7 +228,7 @@ def test_payload_labelled_with_gpu_uuid(server, adapter, monkeypatch):
     whose UUID is its own (prefix and case normalised) and refuses when none is."""
     from sglang.multimodal_gen.runtime.post_training import gpu_worker_post_training_mixin as mixin
 
-    from trainer.engine import sglang_sync
+    from trainer.engine.sglang import sync as sglang_sync
 
     monkeypatch.setattr(sglang_sync, "gpu_uuid", lambda device: "GPU-00ab-CD")
     monkeypatch.setattr(mixin.current_platform, "get_device_uuid", lambda index: "00ab-cd")

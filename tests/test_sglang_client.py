@@ -164,7 +164,7 @@ def _sglang_output(steps: int, seed: int, *, env: bool = True) -> dict:
 def test_sglang_answers_map_onto_our_schema():
     """[T+1] chains sliced into SDE pairs, [T] log-probs picked, [T+1] timesteps cut to T,
     pos_cond_kwargs renamed (and padded) per family, float images -> uint8."""
-    from trainer.engine.sglang_rollout import (SGLangResponseError, to_schema_response,
+    from trainer.engine.sglang.rollout import (SGLangResponseError, to_schema_response,
                                                to_sglang_requests)
 
     steps, sde = 5, [1, 3]

@@ -1,4 +1,4 @@
-"""trainer.engine.sglang_extension loaded into SGLang's own rollout path (sglang==0.5.23) by
+"""trainer.engine.sglang.extension loaded into SGLang's own rollout path (sglang==0.5.23) by
 SGLang's hook registry, on CPU: the driver's sigmas (through SGLang's timestep stage), x_T and
 step noise, ``dance``, kernels.sde_step as the sampler; inert for stock requests.
 tests/sglang_fixtures.py says what is SGLang's code."""
@@ -15,7 +15,7 @@ import torch
 
 from sglang_fixtures import require_sglang, serve_sglang, trainer_overrides
 
-from trainer.engine.sglang_client import SGLangEngineClient
+from trainer.engine.sglang.client import SGLangEngineClient
 
 require_sglang()
 
@@ -31,7 +31,7 @@ def server(tiny_model_dir):
     with serve_sglang(tiny_model_dir("qwen_image")) as srv:
         from sglang.multimodal_gen.runtime.platforms.plugins import HookRegistry
 
-        from trainer.engine import sglang_extension
+        from trainer.engine.sglang import extension as sglang_extension
 
         sglang_extension.register()  # what SGLang's loader calls for SGLANG_PLUGINS=flowgrpo
         HookRegistry.apply_hooks()
@@ -56,7 +56,7 @@ def _request(adapter, sampling_extra, sde_indices, sigmas=None):
 def test_entry_point_names_the_plugin():
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
     target = meta["project"]["entry-points"]["sglang.multimodal_gen.plugins"]["flowgrpo"]
-    assert target == "trainer.engine.sglang_extension:register"
+    assert target == "trainer.engine.sglang.extension:register"
 
 
 def test_dance_with_driver_noise_is_our_sampler(server):

@@ -15,8 +15,8 @@ import torch
 
 from sglang_fixtures import require_sglang, serve_sglang, trainer_overrides
 
-from trainer.engine.sglang_client import SGLangEngineClient
-from trainer.engine.sglang_sync import SGLangSyncError, SGLangWeightSync
+from trainer.engine.sglang.client import SGLangEngineClient
+from trainer.engine.sglang.sync import SGLangSyncError, SGLangWeightSync
 
 require_sglang()
 
@@ -40,7 +40,7 @@ def test_merge_is_sglangs_bit_for_bit(dtype):
     rounding): the bytes are equal, so the checker can compare SHA-256 values."""
     from sglang.multimodal_gen.runtime.layers.lora import linear as sglang_lora
 
-    from trainer.engine.sglang_lora import MERGE_CHUNK_BYTES, merged_weight
+    from trainer.engine.sglang.lora import MERGE_CHUNK_BYTES, merged_weight
 
     assert MERGE_CHUNK_BYTES == sglang_lora.LORA_MERGE_CHUNK_BYTES
     gen = torch.Generator().manual_seed(0)
@@ -115,7 +115,7 @@ def test_adapter_sync_is_merged_into_sglangs_base_snapshot(server, synced):
 def test_wrong_merge_expectation_fails_the_sync(server, synced, monkeypatch):
     """The check is real: an expectation computed with another scale does not match what
     SGLang merged, and the version does not advance."""
-    from trainer.engine import sglang_lora
+    from trainer.engine.sglang import lora as sglang_lora
 
     sender = synced[0]
     before = sender.client.committed_version
@@ -142,7 +142,7 @@ def test_unverifiable_adapter_syncs_are_refused(server, synced):
 
 
 def test_pair_buckets_never_split_a_layer():
-    from trainer.engine.sglang_lora import pair_buckets
+    from trainer.engine.sglang.lora import pair_buckets
 
     pairs = {f"l{i}": (torch.zeros(4, 8), torch.zeros(8, 4)) for i in range(5)}
     buckets = list(pair_buckets(pairs, 300))  # 256 bytes a pair: one pair per bucket

@@ -29,7 +29,7 @@ import sys
 from trainer.config import (Config, ConfigError, dump_toml, field_help, flag_table,
                             load_config)
 from trainer.preflight import preflight
-from trainer.preflight_imports import check_imports
+from trainer.preflight.imports import check_imports
 from trainer.rundir import RunDirError, RunDirLock, claim_run_dir
 from trainer.watchdog import TrainingStalledError
 
@@ -199,7 +199,7 @@ def rank_main(argv: list[str]) -> int:
 def _claim_on_rank0(cfg: Config, rank: int):
     """Rank 0 locks the run dir and applies --resume/--overwrite; every rank gets its
     verdict (the lock, or None, and the resulting config)."""
-    from trainer.collectives import broadcast_from_rank0
+    from trainer.utils.collectives import broadcast_from_rank0
     lock, load, error = None, None, None
     if rank == 0:
         try:
@@ -220,6 +220,6 @@ def _claim_on_rank0(cfg: Config, rank: int):
 def _known_failures() -> tuple[type[BaseException], ...]:
     """Failures whose message says everything: reported in one line, exit code 1."""
     from trainer.checkpoint import CheckpointError, ContractMismatchError
-    from trainer.engine.client import EngineError
+    from trainer.engine.embedded.client import EngineError
     return (RunDirError, CheckpointError, ContractMismatchError, EngineError,
             TrainingStalledError)

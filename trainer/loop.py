@@ -29,9 +29,9 @@ from trainer.config import DEFAULT_SAMPLING, Config, write_resolved
 from trainer.ema import build_ema
 from trainer.engine import launch_embedded_engine
 from trainer.engine.recovery import call_with_recovery
-from trainer.engine.sglang_sync import connect_sglang
+from trainer.engine.sglang.sync import connect_sglang
 from trainer.evaluation import eval_sampling, eval_weights
-from trainer.host_gc import HostGarbageCollection, resolve_gc_mode
+from trainer.utils.host_gc import HostGarbageCollection, resolve_gc_mode
 from trainer.metrics import MetricsLogger, step_metrics
 from trainer.models.compile import compile_events, compile_wanted
 from trainer.profiling import ComputeMeter, ProfileWindow, StageTimer, add_times, nvtx_range
@@ -41,7 +41,7 @@ from trainer.rewards import build_reward_manager_from_config, compute_advantages
 from trainer.rollout import RolloutDriver
 from trainer.state import TrainerState
 from trainer.toy import weights_dir
-from trainer.values import import_dotpath
+from trainer.utils.values import import_dotpath
 from trainer.visuals import captioned_grid, captions, log_pictures
 from trainer.watchdog import check_progress
 

@@ -20,10 +20,10 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     apply_activation_checkpointing as _apply_ac, checkpoint_wrapper)
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from trainer.actor.grad_copy_in import install as install_flat_copy_in
-from trainer.actor.one_rank_unshard import install as install_flat_unshard
+from trainer.patches.fsdp_grad_copy_in import install as install_flat_copy_in
+from trainer.patches.fsdp_one_rank_unshard import install as install_flat_unshard
 from trainer.config import Config
-from trainer.dtypes import TORCH_DTYPES
+from trainer.utils.dtypes import TORCH_DTYPES
 from trainer.lora_init import load_lora_init
 from trainer.models.base import GenerativeModelAdapter
 from trainer.models.compile import compile_blocks, compile_wanted

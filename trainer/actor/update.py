@@ -21,7 +21,7 @@ from trainer.actor.micro_step import forward_backward
 from trainer.actor.model import (accumulate_unsharded, ensure_train_mode, lr_at_step,
                                  reduce_each_backward)
 from trainer.actor.replay import plan_updates, replay_log_probs
-from trainer.collectives import any_rank, require_same_on_all_ranks
+from trainer.utils.collectives import any_rank, require_same_on_all_ranks
 from trainer.profiling import nvtx_range
 from trainer.rewards.advantages import micro_batch_scale
 

@@ -28,7 +28,7 @@ import torch
 
 from ipc.protocol import manifest_hash
 from trainer.actor.model import strip_wrapper_names
-from trainer.dtypes import TORCH_DTYPES
+from trainer.utils.dtypes import TORCH_DTYPES
 from trainer.actor.sync import sync_payload
 
 # The base hash samples 16 x 64 KiB per weight file instead of reading every byte: a 40 GB

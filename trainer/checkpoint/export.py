@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from trainer.checkpoint import layout
 from trainer.checkpoint.contract import base_model_hash, lora_scaling
 from trainer.checkpoint.diffusers_lora import verify_diffusers_lora, write_diffusers_lora
-from trainer.dtypes import TORCH_DTYPES
+from trainer.utils.dtypes import TORCH_DTYPES
 from trainer.ema import ema_model_tensors
 
 FORMS = ("merged", "adapter", "full")

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
 
-from trainer.fsio import fsync_dir  # noqa: F401  (re-exported)
+from trainer.utils.fsio import fsync_dir  # noqa: F401  (re-exported)
 
 log = logging.getLogger("trainer.checkpoint")
 

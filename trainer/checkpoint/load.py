@@ -36,7 +36,7 @@ from trainer.checkpoint.contract import (ContractMismatchError, adapter_contract
                                          contract_mismatches, sampling_fingerprint)
 from trainer.checkpoint.rng import read_rng
 from trainer.checkpoint.shards import read_shards
-from trainer.collectives import broadcast_from_rank0
+from trainer.utils.collectives import broadcast_from_rank0
 
 log = logging.getLogger("trainer.checkpoint")
 

@@ -42,7 +42,7 @@ from trainer.checkpoint.contract import adapter_contract, sampling_fingerprint, 
     weight_sync_manifest
 from trainer.checkpoint.rng import write_rng
 from trainer.checkpoint.shards import write_shards
-from trainer.collectives import all_ranks_ok, broadcast_from_rank0, failures_by_rank
+from trainer.utils.collectives import all_ranks_ok, broadcast_from_rank0, failures_by_rank
 
 log = logging.getLogger("trainer.checkpoint")
 

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
 
 from trainer.actor.model import strip_wrapper_names
 from trainer.checkpoint.layout import CheckpointError
-from trainer.collectives import distributed
+from trainer.utils.collectives import distributed
 
 
 @contextlib.contextmanager

@@ -6,11 +6,11 @@ Both clients answer the same calls (generate, checksum, version, release, resume
 update_weights_from_disk, close) with the same response schema (trainer/models/schema.py).
 See trainer/engine/README.md.
 """
-from trainer.engine.client import EngineClient, EngineError
-from trainer.engine.core import EngineStateError
-from trainer.engine.process import launch_embedded_engine
-from trainer.engine.request import RequestError
-from trainer.engine.sglang_client import EngineRequestError, SGLangEngineClient
+from trainer.engine.embedded.client import EngineClient, EngineError
+from trainer.engine.embedded.core import EngineStateError
+from trainer.engine.embedded.process import launch_embedded_engine
+from trainer.engine.embedded.request import RequestError
+from trainer.engine.sglang.client import EngineRequestError, SGLangEngineClient
 
 __all__ = ["EngineClient", "EngineError", "EngineRequestError", "EngineStateError", "RequestError",
            "SGLangEngineClient", "launch_embedded_engine"]

@@ -10,7 +10,7 @@ is caught, and so is (world 1 only, see below) a ``WeightSyncError`` while the e
 process is dead or stopped (the transfer timed out because the engine did); then every rank
 takes part in the same steps:
 
-1. Agreement: each rank contributes a success flag (``trainer.collectives``: an all-reduce MIN
+1. Agreement: each rank contributes a success flag (``trainer.utils.collectives``: an all-reduce MIN
    of one number); when any rank failed, the failures' messages are all-gathered, so
    every rank knows which ranks failed and why.
 2. Budget: restarting the failed engines must stay within ``rollout.engine_max_restarts``
@@ -48,8 +48,8 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from ipc import WeightSyncError
-from trainer.collectives import all_ranks_ok, failures_by_rank
-from trainer.engine.client import EngineError, EngineUnavailableError
+from trainer.utils.collectives import all_ranks_ok, failures_by_rank
+from trainer.engine.embedded.client import EngineError, EngineUnavailableError
 
 log = logging.getLogger("trainer")
 

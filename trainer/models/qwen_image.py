@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from trainer.models.diffusers_base import PackedLatentsAdapter, images_to_uint8
-from trainer.models.qwen_fast_paths import install_fast_paths
+from trainer.patches.diffusers_qwen_fast_paths import install_fast_paths
 
 # diffusers and transformers are imported inside the methods that need them, so importing
 # the adapter class (as the config checks do) imports neither: trainer/models/diffusers_base.py.

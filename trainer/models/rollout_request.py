@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import torch
 
 from trainer.models import noise
-from trainer.sampling import SamplingConfig
-from trainer.values import is_int
+from trainer.config.sampling import SamplingConfig
+from trainer.utils.values import is_int
 
 if TYPE_CHECKING:  # for annotations only: base imports this module, so never at run time
     from trainer.models.base import GenerativeModelAdapter

@@ -14,7 +14,7 @@ only, so ``json.dumps`` works as is)::
     num_inference_steps             int         N, every step is run
     guidance_scale                  float       1.0, or > 1: CFG against the empty prompt
     rollout                         True
-    rollout_sde_type                "sde" | "dance" | "cps" (trainer.sampling.SDE_TYPES)
+    rollout_sde_type                "sde" | "dance" | "cps" (trainer.config.sampling.SDE_TYPES)
     rollout_noise_level             float       eta
     rollout_sde_step_indices        list[int]   the S SDE steps (sorted, unique, in [0, N))
     rollout_return_dit_trajectory   True
@@ -76,7 +76,7 @@ from safetensors.torch import save as save_safetensors
 from trainer.models.batch import RolloutBatch
 from trainer.models.guidance import NEGATIVE_PREFIX
 from trainer.models.rollout_request import build_request  # noqa: F401  (the request half)
-from trainer.values import is_int
+from trainer.utils.values import is_int
 
 if TYPE_CHECKING:  # for annotations only: base imports this module, so never at run time
     from trainer.models.base import GenerativeModelAdapter

@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 import torch
 from torch import nn
 
-from trainer.values import import_dotpath as load_object  # noqa: F401  (scorers' name for it)
+from trainer.utils.values import import_dotpath as load_object  # noqa: F401  (scorers' name for it)
 
 # Media a scorer can ask for. Only images exist in the t2i path; a scorer that needs another
 # track (video, audio) is refused when the manager is built, not in the middle of a rollout.

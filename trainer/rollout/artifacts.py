@@ -47,7 +47,7 @@ from safetensors.torch import load_file, save
 from safetensors import safe_open
 
 from trainer.models.base import RolloutBatch
-from trainer.fsio import fsync_dir
+from trainer.utils.fsio import fsync_dir
 
 SIDECAR_FORMAT = "flowgrpo-sidecar/1"
 _ROLLOUT_DIR = re.compile(r"^rollout_(\d+)$")

@@ -38,7 +38,7 @@ from trainer.profiling import add_times, nvtx_range
 from trainer.rollout.artifacts import (prune_stale_artifacts, rollout_dir, sampling_fingerprint,
                                        write_group_images, write_group_sidecar)
 from trainer.models.batch import concat_batches
-from trainer.sampling import SAMPLE_ID_MODES, SamplingConfig
+from trainer.config.sampling import SAMPLE_ID_MODES, SamplingConfig
 
 
 def _problem_list(title: str, problems: list[str]) -> ValueError:
@@ -51,7 +51,7 @@ class RolloutDriver:
     Args:
         adapter: the model family's adapter (builds requests, validates and packs responses).
         engines: ``EngineClient`` / ``SGLangEngineClient`` instances (one per GPU of this rank).
-        sampling: the --sampling-config dict (validated as a trainer.sampling.SamplingConfig).
+        sampling: the --sampling-config dict (validated as a trainer.config.sampling.SamplingConfig).
         seed: --generation-seed (the driver's x_T recipe seed).
         task: generation task, the artifact subdirectory (e.g. "t2i").
         artifact_root: where sidecars and PNGs go; None writes nothing.

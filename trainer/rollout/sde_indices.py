@@ -1,6 +1,6 @@
 """Which denoising steps get SDE noise in one rollout: ``resolve_sde_indices``.
 
-The rules live in ``trainer.sampling.SamplingConfig`` (one owner for every sampling key); this
+The rules live in ``trainer.config.sampling.SamplingConfig`` (one owner for every sampling key); this
 is the rollout-side entry point. The resolved set decides where the engine injects noise; the
 trained subset (``SamplingConfig.trained_steps``) is what the actor replays.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from trainer.sampling import SamplingConfig, SamplingError
+from trainer.config.sampling import SamplingConfig, SamplingError
 
 
 def resolve_sde_indices(sampling: "Mapping[str, Any] | SamplingConfig", *,

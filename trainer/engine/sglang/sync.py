@@ -1,0 +1,377 @@
+"""Weight sync into a stock SGLang diffusion server, in SGLang's own payload format.
+
+Facts of the released API (sglang 0.5.23) this module is written against:
+
+- ``POST /update_weights_from_tensor`` takes JSON ``{"serialized_named_tensors": [one payload
+  per TP worker], "payload_gpu_uuids": [GPU UUID each payload was exported from] | null,
+  "load_format": "flattened_bucket" | null, "target_modules": ["transformer"],
+  "weight_update_mode": "lora_merge" | null, "lora_alpha", "lora_rank"}``. A payload is the
+  base64 of a ``ForkingPickler`` pickle (torch's multiprocessing reductions: CUDA IPC handles
+  with the device given by GPU UUID; shared memory for CPU tensors), read back by a restricted
+  unpickler (torch rebuild functions, builtins, ``types.SimpleNamespace``...). A
+  ``flattened_bucket`` payload is ``{"flattened_tensor": uint8 [bytes], "metadata": [entries
+  with name, shape, dtype, start_idx, end_idx, numel]}``, keyed by module name
+  (``{"transformer": bucket}``: a bare dict would be read as a module -> payload map).
+- ``POST /update_weights_from_tensor_checker`` with ``{"target_module", "expected_named_tensors_
+  sha256": {name: hex}}`` compares SHA-256 of ``str(dtype)``, ``repr(tuple(shape))`` and the raw
+  bytes of each live tensor; 200 only when every one matches.
+- ``POST /update_weights_from_disk`` ``{"model_path", "target_modules"}`` reloads
+  ``<model_path>/<module>/*.safetensors``.
+- There is no weight version on the server: the trainer keeps it (``client.committed_version``
+  is set only after a verified sync).
+
+The checker needs the server's parameter names to equal the names we send (true for SGLang's
+diffusers backend; a native DiT that fuses parameters maps names on load and then cannot be
+checked by name). ``lora_merge`` updates (adapter sync mode) are checked too: the merged
+weights' SHA-256 are computed as SGLang merges (trainer/engine/sglang/lora.py).
+"""
+from __future__ import annotations
+
+import base64
+import copyreg
+import hashlib
+import io
+import time
+from dataclasses import dataclass, field
+from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Iterable
+
+import torch
+import torch.multiprocessing  # noqa: F401  (registers torch's reductions)
+from safetensors.torch import save_file
+from torch.multiprocessing import reductions
+
+from trainer.engine.embedded.client import EngineError
+from trainer.engine.sglang.client import SGLangEngineClient
+from trainer.engine.sglang.lora import LoraBases, lora_layer, lora_pairs, pair_buckets
+from trainer.engine.sglang.rollout import CONDITION_MAP, stock_problems
+
+TARGET_MODULE = "transformer"
+_PEFT_PREFIX = "base_model.model."
+
+
+class SGLangSyncError(EngineError):
+    """A weight sync into SGLang failed or could not be verified; the served weights are stale."""
+
+
+@dataclass
+class SGLangSyncStats:
+    """What one sync moved (the fields the loop's metrics read)."""
+
+    seconds: float = 0.0
+    bytes: int = 0
+    tensors: int = 0
+    checksum: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    """The digest SGLang's tensor-update checker computes for one tensor."""
+    t = t.detach().cpu().contiguous()
+    h = hashlib.sha256()
+    h.update(str(t.dtype).encode("utf-8"))
+    h.update(repr(tuple(t.shape)).encode("utf-8"))
+    h.update(t.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def gpu_uuid(device: torch.device) -> str | None:
+    """The UUID SGLang matches payloads by (None for a CPU tensor: an unlabeled payload)."""
+    if device.type != "cuda":
+        return None
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def _reduce_tensor_by_uuid(t: torch.Tensor):
+    """torch's reduction, with a CUDA tensor's device index replaced by its GPU UUID: SGLang's
+    receiver maps the UUID back to its own device index (process-local indices differ)."""
+    # a process that also hosts SGLang's receiver (in-process tests) has torch's reducer
+    # replaced by SGLang's patch, which assumes CUDA tensors: reduce with the original
+    reduce = getattr(reductions, "_reduce_tensor_original", reductions.reduce_tensor)
+    rebuild, args = reduce(t)
+    if t.is_cuda:
+        args = (*args[:6], gpu_uuid(t.device), *args[7:])  # arg 6 is the device index
+    return rebuild, args
+
+
+def serialize_payload(obj: Any) -> str:
+    """base64(ForkingPickler pickle) of ``obj``, as SGLang's MultiprocessingSerializer reads it."""
+    buf = io.BytesIO()
+    pickler = ForkingPickler(buf)
+    pickler.dispatch_table = copyreg.dispatch_table.copy()
+    pickler.dispatch_table.update(ForkingPickler._extra_reducers)
+    pickler.dispatch_table[torch.Tensor] = _reduce_tensor_by_uuid
+    pickler.dispatch_table[torch.nn.Parameter] = _reduce_tensor_by_uuid
+    pickler.dump(obj)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def flattened_bucket(named: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    """SGLang's ``flattened_bucket`` payload: every tensor's bytes in one uint8 tensor."""
+    metadata, parts, offset = [], [], 0
+    for name, t in named:
+        flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        metadata.append(SimpleNamespace(name=name, shape=list(t.shape), dtype=str(t.dtype),
+                                        start_idx=offset, end_idx=offset + flat.numel(),
+                                        numel=flat.numel()))
+        parts.append(flat)
+        offset += flat.numel()
+    return {"flattened_tensor": torch.cat(parts), "metadata": metadata}
+
+
+def _materialize(t: Any) -> torch.Tensor:
+    """A plain tensor from a tensor, a DTensor or an ``ipc.LazyTensor``."""
+    if hasattr(t, "full_tensor"):
+        t = t.full_tensor()
+    return t.detach()
+
+
+def _split_lora(payload: Iterable[tuple[str, Any]]
+                ) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
+    """(plain, LoRA) tensors under the served module's names: the peft prefix and
+    ``.base_layer`` dropped from plain names. Tensors stay unmaterialized (lazy/sharded)."""
+    plain, lora = [], []
+    for name, t in payload:
+        name = name.removeprefix(_PEFT_PREFIX)
+        if lora_layer(name) is not None:
+            lora.append((name, t))
+        else:
+            plain.append((name.replace(".base_layer.", "."), t))
+    return plain, lora
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+
+def _buckets(named: Iterable[tuple[str, Any]], bucket_bytes: int, dtype: torch.dtype | None):
+    bucket, size = [], 0
+    for name, t in named:
+        t = _cast(_materialize(t), dtype)
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+class SGLangWeightSync:
+    """Pushes the actor's weights into one SGLang server and verifies them there.
+
+    ``transport``: "tensor" (``/update_weights_from_tensor``, flattened buckets of at most
+    ``bucket_bytes``) or "disk" (write ``<disk_dir>/transformer/model.safetensors`` and call
+    ``/update_weights_from_disk``). ``dtype``: floating tensors are sent in the server's
+    dtype (the checker hashes dtype and bytes as the server holds them). ``lora``:
+    ``(alpha, rank)`` for payloads with LoRA tensors (the adapter sync mode, and the first,
+    full sync of a peft model): those go as ``lora_merge`` updates, a layer's A and B always in
+    one request. Every update is checked with ``/update_weights_from_tensor_checker`` (plain
+    tensors by their bytes, a ``lora_merge`` by the merged weights it must leave, computed from
+    the base weights this sender sent); only then does ``client.committed_version`` advance,
+    so a rollout from unverified weights fails the driver's check.
+    """
+
+    self_verifying = True  # the loop need not compare checksums itself
+
+    def __init__(self, client: Any, *, transport: str = "tensor", bucket_bytes: int = 512 << 20,
+                 disk_dir: str | Path | None = None, lora: tuple[float, int] | None = None,
+                 target_module: str = TARGET_MODULE, dtype: torch.dtype | None = None) -> None:
+        problems = []
+        if transport not in ("tensor", "disk"):
+            problems.append(f"transport must be 'tensor' or 'disk', got {transport!r}")
+        if transport == "disk" and disk_dir is None:
+            problems.append("the 'disk' transport needs disk_dir (a directory the server can read)")
+        if transport == "disk" and lora is not None:
+            problems.append("the 'disk' transport writes full weights: use sync mode full or merge")
+        if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+            problems.append(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
+        if problems:
+            raise ValueError("SGLangWeightSync: " + "; ".join(problems))
+        self.client, self.transport, self.bucket_bytes = client, transport, bucket_bytes
+        self.disk_dir = None if disk_dir is None else Path(disk_dir)
+        self.lora, self.target_module, self.dtype = lora, target_module, dtype
+        self.lora_bases = LoraBases()
+
+    def close(self) -> None:
+        """Drop the kept LoRA base weights (the sender holds no other resource)."""
+        self.lora_bases.weights.clear()
+
+    # ---- one sync ---------------------------------------------------------------------------
+    def sync(self, version: int, payload: Iterable[tuple[str, Any]], *, mode: str = "full"
+             ) -> SGLangSyncStats:
+        """Send ``payload`` ((name, tensor) in the engine's names) as weight version ``version``."""
+        start = time.perf_counter()
+        plain, lora = _split_lora(payload)
+        if lora and self.lora is None:
+            raise SGLangSyncError("the payload holds LoRA tensors but no lora=(alpha, rank)")
+        if mode == "adapter" and not lora:
+            raise SGLangSyncError(f"weight version {version}: an adapter-mode sync without LoRA "
+                                  "tensors")
+        if not plain and not lora:
+            raise SGLangSyncError(f"weight version {version}: the payload holds no tensors")
+        stats = SGLangSyncStats()
+        lora_layers = {lora_layer(n)[0] for n, _ in lora}
+        if plain:
+            self._sync_plain(version, plain, lora_layers, stats)
+        stats.timings["write"] = time.perf_counter() - start
+        if lora:
+            self._sync_lora(version, lora, stats)
+        stats.timings["verify"] = time.perf_counter() - start - stats.timings["write"]
+        self.client.committed_version = int(version)
+        stats.seconds = time.perf_counter() - start
+        return stats
+
+    def _sync_plain(self, version: int, named: list[tuple[str, Any]], lora_layers: set[str],
+                    stats: SGLangSyncStats) -> None:
+        """A plain update, checked; the base weights of ``lora_layers`` are kept (the server
+        merges every later adapter into exactly these bytes)."""
+        if self.transport == "disk":
+            tensors = {n: t.contiguous() for bucket in _buckets(named, 1 << 62, self.dtype)
+                       for n, t in bucket}
+            self._write_and_reload(tensors)
+            buckets: Iterable[list[tuple[str, torch.Tensor]]] = [list(tensors.items())]
+        else:
+            buckets = _buckets(named, self.bucket_bytes, self.dtype)
+        digests = {}
+        for bucket in buckets:
+            if self.transport == "tensor":
+                self._post_bucket(bucket, False)
+            for n, t in bucket:
+                digests[n] = tensor_sha256(t)
+                if n.endswith(".weight") and n[:-len(".weight")] in lora_layers:
+                    self.lora_bases.keep(n[:-len(".weight")], t)
+            stats.tensors += len(bucket)
+            stats.bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+        try:
+            self._check(digests, version)
+        except SGLangSyncError as exc:
+            if not lora_layers:
+                raise
+            raise SGLangSyncError(f"{exc} (a server that merged an adapter before keeps its "
+                                  "linear weights under '.base_layer.' and merges into the base "
+                                  "it first saw: restart the SGLang server before the full sync "
+                                  "of a new or resumed adapter run)") from None
+
+    def _sync_lora(self, version: int, named: list[tuple[str, Any]],
+                   stats: SGLangSyncStats) -> None:
+        """``lora_merge`` updates, a layer's pair never split, then the merged weights checked."""
+        try:
+            pairs = lora_pairs((n, _cast(_materialize(t), self.dtype)) for n, t in named)
+        except ValueError as exc:
+            raise SGLangSyncError(f"weight version {version}: {exc}") from None
+        alpha = self.lora[0]
+        digests: dict[str, str] = {}
+        for bucket in pair_buckets(pairs, self.bucket_bytes):
+            try:
+                expected = self.lora_bases.manifest(bucket, alpha, tensor_sha256)
+            except KeyError as exc:
+                raise SGLangSyncError(f"weight version {version}: {exc.args[0]} (the first sync "
+                                      "of an adapter run sends the full model)") from None
+            named_bucket = [(f"{layer}.lora_{k}.weight", t) for layer, ab in bucket
+                            for k, t in zip("AB", ab)]
+            self._post_bucket(named_bucket, True)
+            digests.update(expected)
+            stats.tensors += len(named_bucket)
+            stats.bytes += sum(t.numel() * t.element_size() for _, t in named_bucket)
+        self._check(digests, version)
+
+    def _post_bucket(self, bucket: list[tuple[str, torch.Tensor]], lora_merge: bool) -> None:
+        flat = flattened_bucket(bucket)
+        body: dict[str, Any] = {
+            # a dict payload maps module name -> that module's payload
+            "serialized_named_tensors": [serialize_payload({self.target_module: flat})],
+            "payload_gpu_uuids": None,
+            "load_format": "flattened_bucket",
+            "target_modules": [self.target_module],
+        }
+        uuid = gpu_uuid(flat["flattened_tensor"].device)
+        if uuid is not None:
+            body["payload_gpu_uuids"] = [uuid]
+        if lora_merge:
+            alpha, rank = self.lora
+            body.update(weight_update_mode="lora_merge", lora_alpha=alpha, lora_rank=rank)
+        self._post("/update_weights_from_tensor", body)
+        # the handles in the payload point at flat's memory: it must outlive the call (it does:
+        # the call is synchronous and SGLang copies into its own parameters)
+        del flat
+
+    def _write_and_reload(self, tensors: dict[str, torch.Tensor]) -> None:
+        module_dir = self.disk_dir / self.target_module
+        module_dir.mkdir(parents=True, exist_ok=True)
+        tmp = module_dir / "model.safetensors.tmp"
+        save_file({n: t.cpu() for n, t in tensors.items()}, str(tmp))
+        tmp.replace(module_dir / "model.safetensors")
+        self._post("/update_weights_from_disk", {"model_path": str(self.disk_dir),
+                                                 "target_modules": [self.target_module]})
+
+    def _check(self, digests: dict[str, str], version: int) -> None:
+        try:
+            self._post("/update_weights_from_tensor_checker",
+                       {"target_module": self.target_module,
+                        "expected_named_tensors_sha256": digests})
+        except SGLangSyncError as exc:
+            raise SGLangSyncError(f"weight version {version} is not what the server holds: "
+                                  f"{exc}") from None
+
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            reply = self.client._call("POST", path, body)
+        except EngineError as exc:
+            raise SGLangSyncError(f"{path}: {exc}") from None
+        except ValueError as exc:  # EngineRequestError: SGLang answered 4xx with its message
+            raise SGLangSyncError(f"{path}: {exc}") from None
+        if not isinstance(reply, dict) or reply.get("success") is not True:
+            raise SGLangSyncError(f"{path} answered {reply!r}")
+        return reply
+
+
+# ---- the trainer's hooks ---------------------------------------------------------------------
+def sglang_config_problems(cfg: Any) -> list[str]:
+    """Preflight: why ``cfg`` cannot train on its SGLang servers ([] when it can)."""
+    r = cfg.rollout
+    problems = [f"rollout.sampling: {p}" for p in
+                stock_problems(r.sampling or {}, extension=bool(r.sglang_extension))]
+    if r.sglang_weight_sync not in ("tensor", "disk"):
+        problems.append(f"rollout.sglang_weight_sync must be 'tensor' or 'disk', "
+                        f"got {r.sglang_weight_sync!r}")
+    elif r.sglang_weight_sync == "disk" and cfg.sync_mode == "adapter":
+        problems.append("rollout.sglang_weight_sync='disk' reloads full weights: LoRA adapter "
+                        "sync mode needs 'tensor' (SGLang's lora_merge), or drop adapter_mode")
+    alpha = cfg.lora.alpha or cfg.lora.rank
+    if cfg.sync_mode == "adapter" and float(alpha) != int(alpha):
+        problems.append(f"lora.alpha={cfg.lora.alpha!r}: SGLang's lora_merge takes an integer "
+                        "lora_alpha")
+    conc = r.sglang_concurrency
+    if isinstance(conc, bool) or not isinstance(conc, int) or conc < 1:
+        problems.append(f"rollout.sglang_concurrency must be a positive integer, got {conc!r}")
+    return problems
+
+
+def connect_sglang(cfg: Any, rank: int, run_dir: str | Path, adapter: Any
+                   ) -> tuple[Any, SGLangWeightSync]:
+    """(client, sender) for this rank's SGLang server: an SGLang run always has a sender, so
+    the server can never keep serving the base weights while the actor trains. The loop's
+    first sync (at construction) fails, and with it the run, if the server cannot take one."""
+    r = cfg.rollout
+    problems = sglang_config_problems(cfg)
+    family = getattr(adapter, "family", None)
+    if family not in CONDITION_MAP:
+        problems.append(f"model family {family!r}: the SGLang client maps the denoising env of "
+                        f"{sorted(CONDITION_MAP)} only (trainer/engine/README.md)")
+    if problems:
+        raise ValueError("engine 'sglang':\n  - " + "\n  - ".join(problems))
+    client = SGLangEngineClient(r.sglang_urls[rank], embedded=False,
+                                concurrency=r.sglang_concurrency,
+                                extension=bool(r.sglang_extension))
+    lora = None
+    if cfg.sync_mode == "adapter":
+        lora = (cfg.lora.alpha or cfg.lora.rank, cfg.lora.rank)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(r.engine_dtype)
+    sender = SGLangWeightSync(client, transport=r.sglang_weight_sync, dtype=dtype,
+                              bucket_bytes=cfg.weight_sync.bucket_size_mb << 20,
+                              disk_dir=Path(run_dir) / "sglang_weights" / f"rank{rank}", lora=lora)
+    return client, sender

@@ -1,0 +1,86 @@
+"""Preflight rules of the data (prompt files, evaluation, EMA), reliability (engine deadlines
+and restarts, resume) and logging sections. Torch-free, like every preflight module."""
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+from trainer.data.prompt_files import PromptFileError, overlap_problems, read_numbered
+from trainer.evaluation import eval_sampling
+from trainer.preflight.checker import Checker, flagged
+from trainer.config.sampling import SamplingConfig
+
+EVAL_MODES: tuple[str, ...] = ("sde", "ode")
+
+
+def check_data(c: Checker) -> None:
+    d, s = c.cfg.data, c.cfg.rollout.sampling
+    if not d.prompt_data:
+        c.error(f"{flagged('data.prompt_data')} is required")
+    if d.eval_prompt_data:
+        c.at_least("data.n_samples_per_eval_prompt", d.n_samples_per_eval_prompt, 1)
+        c.at_least("data.eval_interval", d.eval_interval, 1)
+        if d.eval_max_prompts is not None:
+            c.at_least("data.eval_max_prompts", d.eval_max_prompts, 1)
+        if c.one_of("data.eval_mode", d.eval_mode, EVAL_MODES):
+            _, problems = SamplingConfig.check(eval_sampling(c.cfg))
+            for problem in problems:
+                c.error(f"eval sampling (data.eval_mode={d.eval_mode!r}, data.eval_sde_indices, "
+                        f"data.eval_num_inference_steps, data.eval_guidance_scale over "
+                        f"rollout.sampling): {problem}")
+    e = c.cfg.ema
+    if e.enabled:
+        if not 0.0 <= e.decay < 1.0:
+            c.error(f"{flagged('ema.decay')}={e.decay} must be in [0, 1)")
+        c.at_least("ema.update_interval", e.update_interval, 1)
+    if c.check_paths:
+        check_prompt_files(c)
+        if c.cfg.checkpoint.load and not Path(c.cfg.checkpoint.load).is_dir():
+            c.error(f"{flagged('checkpoint.load')}={c.cfg.checkpoint.load!r} is not a directory")
+
+
+def check_prompt_files(c: Checker) -> None:
+    """Open and parse the prompt files (every bad line as file:line) and refuse eval prompts
+    that are also training prompts: both would otherwise surface after the model loads."""
+    d, parsed = c.cfg.data, {}
+    for name in ("prompt_data", "eval_prompt_data"):
+        v = getattr(d, name)
+        if not v or v.startswith("toy:"):
+            continue
+        if not Path(v).is_file():
+            c.error(f"{flagged('data.' + name)}={v!r} is not a file")
+            continue
+        try:
+            parsed[name] = read_numbered(v)
+        except PromptFileError as exc:
+            c.errors += [f"{flagged('data.' + name)}: {p}" for p in exc.problems[:20]]
+            if len(exc.problems) > 20:
+                c.error(f"{flagged('data.' + name)}: ... and {len(exc.problems) - 20} more")
+    if len(parsed) == 2:
+        for problem in overlap_problems(parsed["prompt_data"], parsed["eval_prompt_data"]):
+            c.error(f"{flagged('data.eval_prompt_data')}: {problem}")
+
+
+def check_reliability(c: Checker) -> None:
+    r, t, ck = c.cfg.rollout, c.cfg.train, c.cfg.checkpoint
+    for name in ("engine_timeout_floor_s", "engine_timeout_per_sample_s"):
+        v = getattr(r, name)
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            c.error(f"{flagged('rollout.' + name)}={v!r} must be > 0")
+    c.at_least("rollout.engine_max_restarts", r.engine_max_restarts, 0)
+    c.at_least("train.max_rollouts_without_step", t.max_rollouts_without_step, 0)
+    if ck.resume and ck.overwrite:
+        c.error(f"{flagged('checkpoint.resume')} and {flagged('checkpoint.overwrite')} contradict "
+                f"each other: pass one")
+
+
+def check_logging(c: Checker) -> None:
+    lg, ck = c.cfg.logging, c.cfg.checkpoint
+    c.at_least("logging.log_interval", lg.log_interval, 1)
+    c.at_least("checkpoint.save_interval", ck.save_interval, -1, " (-1: never save)")
+    if lg.profile_steps is not None:
+        m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", str(lg.profile_steps))
+        if not m or int(m.group(1)) >= int(m.group(2)):
+            c.error(f"{flagged('logging.profile_steps')}={lg.profile_steps!r} must be 'A:B' with "
+                    f"0 <= A < B")
