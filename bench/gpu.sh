@@ -31,7 +31,7 @@
 #                                      each bench script's smoke case; ONLY=tests, ONLY=offload or
 #                                      ONLY=smoke runs one third (three calls: all of it passes the
 #                                      10 minutes)
-#   bash bench/gpu.sh toy-sweep        toy learning curves of a sweep file (SWEEP=bench/sweeps/...)
+#   bash bench/gpu.sh toy-sweep        toy learning curves of a sweep file (SWEEP=lab/sweeps/...)
 #   bash bench/gpu.sh --list           every purpose and the commands it runs (no GPU needed)
 #   DRY_RUN=1 bash bench/gpu.sh P      print purpose P's commands without running anything
 # The exit status is non-zero when any command failed. Needs the carried wheels in .whl
@@ -192,9 +192,11 @@ purpose_gpu-tests() {
 }
 
 purpose_toy-sweep() {
-  local sweep=${SWEEP:-bench/sweeps/toy_around-the-recipe.txt}
+  # the sweeps are the lab's (lab/README.md); lab/toy on the path for the scorers they name
+  local sweep=${SWEEP:-lab/sweeps/toy_around-the-recipe.txt}
   local name; name=$(basename "$sweep" .txt)
-  TAIL=20 step "toy_sweep_$name" "${SECS:-560}" python3 bench/bench_toy_learning.py \
+  TAIL=20 step "toy_sweep_$name" "${SECS:-560}" env PYTHONPATH="lab/toy:${PYTHONPATH:-$PWD}" \
+    python3 bench/bench_toy_learning.py \
     --variants-file "$sweep" --rollouts "${ROLLOUTS:-100}" --eval-every 20 --eval-prompts 256 \
     --noise-seeds 7 99 --parallel 12 --device cuda --out "$LOGS/$name.json"
 }

@@ -37,6 +37,22 @@ class Headline:
 
 
 HEADLINES = (
+    # the main job (python -m trainer launch --config toy) on a 2-core CPU, one case per seed
+    # triple (train, rollout, generation) of bench "toy_main_job"
+    *(Headline(f"the main job (`--config toy`), seeds (train, rollout, generation) {seeds}: "
+               "held-out eval reward at rollout 0 / 100 / the gain",
+               (("toy_main_job", f"toy-seeds-{case}", "eval_reward_start"),
+                ("toy_main_job", f"toy-seeds-{case}", "eval_reward_at_100"),
+                ("toy_main_job", f"toy-seeds-{case}", "eval_gain_at_100")), note, device="cpu")
+      for seeds, case, note in (("0, 42, 1234 (the default)", "0-42-1234", "2 CPU cores"),
+                                ("1, 43, 7", "1-43-7", ""), ("2, 44, 99", "2-44-99", ""))),
+    Headline("same, default seeds: change of the colour / count / position components",
+             (("toy_main_job", "toy-seeds-0-42-1234", "eval_color_change"),
+              ("toy_main_job", "toy-seeds-0-42-1234", "eval_count_change"),
+              ("toy_main_job", "toy-seeds-0-42-1234", "eval_position_change")), device="cpu"),
+    Headline("same, default seeds: wall time of the whole run",
+             (("toy_main_job", "toy-seeds-0-42-1234", "wall_s"),), "alone on 2 CPU cores",
+             device="cpu"),
     Headline("one training step, 8-layer Qwen-Image-shaped model, 8 x 384², LoRA / full, "
              "recipe defaults",
              (("bench_step", "qwen8l-lora", "step_s"), ("bench_step", "qwen8l-full", "step_s"))),

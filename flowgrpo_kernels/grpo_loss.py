@@ -1,8 +1,8 @@
 """Clipped GRPO objective over a [B, S] (sample, SDE step) matrix of log-probs.
 
 Plain torch by design: the matrix is a few hundred elements (batch x trained SDE steps) and the
-call happens once per micro-batch next to a transformer forward+backward of ~100 ms, so a fused
-kernel could save only a few tens of microseconds of launches; autograd through these ops is
+call happens once per micro-batch next to a transformer forward+backward that takes orders of
+magnitude longer, so a fused kernel could save only a few launches; autograd through these ops is
 also the readable reference. Everything is computed in fp32 (float64 if the inputs are float64).
 """
 from __future__ import annotations

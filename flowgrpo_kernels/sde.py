@@ -275,10 +275,11 @@ def _fast_resolve(named, sigma, sigma_next, *, eta, sde_type: str, backend: str,
     """The resolved backend when the call is valid, found with a few attribute reads; None
     sends it to ``check_step_inputs``, which lists every problem.
 
-    NOTE: ``check_step_inputs`` measured 33 us per call (validate=False) on the 2-core CI box
-    and the sigma-value report ~700 us with a sync for tensors; the 8 x 36,864 fwd+bwd target is
-    50 us. This path accepts exactly what the full check accepts (tests/test_kernels_sde.py
-    drives both with every bad input) and builds no message.
+    NOTE: ``check_step_inputs`` costs a large share of the 8 x 36,864 fwd+bwd time target per
+    call, and its sigma-value report a host sync for tensors (figures:
+    bench/reports/2026-12-04_cpu-h200_comment-figures.md). This path accepts exactly what the full
+    check accepts (tests/test_kernels_sde.py drives both with every bad input) and builds no
+    message.
     """
     if sde_type not in SDE_TYPES or backend not in BACKENDS or type(eta) not in (float, int):
         return None

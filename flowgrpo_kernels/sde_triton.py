@@ -85,10 +85,11 @@ def reduction_config(n: int, block: int | None = None, tiles: int = 1,
     A tile is 16 KiB of each input: 4096 fp32 or 8192 bf16/fp16 elements, 64 bytes per thread
     and tensor at 8 warps. It depends on (N, storage dtype) only, both the same for the engine's
     record and the actor's replay, so the bitwise contract holds.
-    NOTE: with a 4096-element tile for every dtype, fp32 reached 97% of the copy ceiling at
-    64 x 1,048,576 but bf16 only 45% in the same 0.21 ms: the time was set by the 16,384
-    programs' latency chain (sigma load, coefficients, data loads, partial store, acq_rel
-    atomic), not by bytes; half the bytes per program in bf16 left the memory system idle.
+    NOTE: with a 4096-element tile for every dtype, bf16 reached a far smaller share of the copy
+    ceiling than fp32 in the same time: the time was set by the programs' latency chain (sigma
+    load, coefficients, data loads, partial store, acq_rel atomic), not by bytes; half the bytes
+    per program in bf16 left the memory system idle (figures:
+    bench/reports/2026-12-04_cpu-h200_comment-figures.md).
     ``bench/bench_kernels.py --sweep`` times alternatives on the device.
     """
     block = block or min(16384 // elem_size, max(16, triton.next_power_of_2(n)))
@@ -111,8 +112,8 @@ def _launch_elementwise(kernel, key: tuple, n: int, batch: int, args: tuple, con
     """Launch on a ``(cdiv(N, BLOCK), B)`` grid with the fastest (BLOCK, num_warps) for ``key``.
 
     NOTE: this replaces ``triton.autotune``, whose per-call dispatch (argument dicts, dtype
-    strings, knob look-ups) measured 57 us against 4.7 us for a ``torch.empty`` on the 2-core CI
-    box: an order of magnitude more than the launch budget of the 8 x 36,864 case. Here a cached
+    strings, knob look-ups) costs more than the whole launch budget of the 8 x 36,864 case
+    (figures: bench/reports/2026-12-04_cpu-h200_comment-figures.md). Here a cached
     call costs one dict look-up. The first call per key times every candidate (the kernels are
     idempotent), so warm a shape up before capturing it in a CUDA graph.
     """
@@ -447,8 +448,9 @@ def sde_log_prob(x, v, prev, sigma, sigma_next, params: StepParams,
                  config: ReductionConfig | None = None) -> torch.Tensor:
     """log_prob [B]; through the autograd.Function only when a gradient can reach ``v``.
 
-    NOTE: ``Function.apply`` measured 13 us on the 2-core CI box (the whole 8 x 36,864 forward
-    budget is ~25 us); the engine and no-grad replays (old-policy log-probs) skip it."""
+    NOTE: ``Function.apply`` alone costs about half the 8 x 36,864 forward's time budget
+    (figures: bench/reports/2026-12-04_cpu-h200_comment-figures.md); the engine and no-grad
+    replays (old-policy log-probs) skip it."""
     if v.requires_grad and torch.is_grad_enabled():
         return _SDELogProb.apply(x, v, prev, sigma, sigma_next, params, config)
     return log_prob_forward(x, v, prev, sigma, sigma_next, params, config)

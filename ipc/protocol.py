@@ -254,7 +254,7 @@ class Timeout(Exception):
 
 
 # NOTE: a pipe poll wakes as soon as data arrives; the slice only bounds how often the peer's
-# pid is checked (≈ 20 µs per check), so it costs no latency on the happy path.
+# pid is checked (a cheap check), so it costs no latency on the happy path.
 _POLL_SLICE_S = 0.05
 
 

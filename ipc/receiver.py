@@ -387,8 +387,9 @@ class WeightReceiver:
 
     def _watch(self, idx: np.ndarray) -> tuple[list, list]:
         """(tensor objects, expected data pointers) of a manifest, cached per manifest.
-        NOTE: one data_ptr() per tensor and sync (1,440 tensors: 0.26 ms on the dev box; a
-        `map(Tensor.data_ptr, ...)` is no faster)."""
+        NOTE: one data_ptr() per tensor and sync, cached because it adds up over an adapter's
+        tensors (`map(Tensor.data_ptr, ...)` is no faster; figures:
+        bench/reports/2026-12-04_cpu-h200_comment-figures.md)."""
         key = id(idx)
         hit = self._watched.get(key)
         if hit is None or hit[0] is not idx:

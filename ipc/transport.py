@@ -224,9 +224,9 @@ class IpcEvent:
                 self.ptr = 0
 
 
-# time.sleep(20e-6) sleeps ~60-80 µs on Linux (timer slack), which the end of every wait
-# would pay (bench/reports/2026-11-29_h200_code-choices.md). Waits spin
-# (yielding the GIL) for this long before they start sleeping: a sync's waits are a few ms.
+# A short time.sleep oversleeps on Linux (timer slack), which the end of every wait would pay
+# (bench/reports/2026-11-29_h200_code-choices.md). Waits spin (yielding the GIL) for this long
+# before they start sleeping: it covers a sync's waits.
 _SPIN_S = 0.02
 
 

@@ -3,10 +3,11 @@
 - Offline Hugging Face hubs for every test: nothing may be downloaded, and a missing local
   file must fail instead of silently fetching (or silently returning a broken tokenizer).
 - ``tiny_model_dir``: session-cached tiny random model directories (tests/tiny_models.py).
-- ``torch_single_thread``: one intra-op thread for the duration of a test. NOTE: measured on the
-  shared 2-core machine under load, a tiny FLUX forward took 0.8 s with 2 threads and 0.02 s
-  with 1 (OpenMP workers spinning against other processes); tiny models gain nothing from
-  intra-op parallelism.
+- ``torch_single_thread``: one intra-op thread for the duration of a test. NOTE: on a shared
+  machine under load, OpenMP workers spinning against other processes made a tiny forward far
+  slower with two threads than with one (figures:
+  bench/reports/2026-12-04_cpu-h200_comment-figures.md); tiny models gain nothing from intra-op
+  parallelism.
 """
 from __future__ import annotations
 

@@ -174,7 +174,7 @@ def test_gpu_sh_lists_every_purpose_with_commands_that_resolve():
     assert proc.returncode == 0, proc.stderr
     listed = re.findall(r"^(\S+):$", proc.stdout, flags=re.M)
     assert listed == ["kernels", "ipc", "engine", "step", "multigpu", "gpu-tests", "toy-sweep"]
-    files = set(re.findall(r"(?:bench|tests)/[\w./]+\.(?:py|txt)", proc.stdout))
+    files = set(re.findall(r"(?:bench|tests|lab)/[\w./-]+\.(?:py|txt)", proc.stdout))
     missing = [f for f in files if not (REPO / f).exists()]
     assert missing == [] and files
     gpu_tests = proc.stdout.split("gpu-tests:")[1].split("toy-sweep:")[0]

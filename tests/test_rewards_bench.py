@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-# NOTE: tiny models run ~10x faster on one thread on the shared 2-core box (conftest).
+# NOTE: tiny models run faster on one thread on a shared machine (conftest).
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -23,7 +23,7 @@ from trainer.rewards.preprocess import (resize_like_pil, transform_from_hf_proce
 open_clip = pytest.importorskip("open_clip")
 transformers = pytest.importorskip("transformers")
 
-# NOTE: tiny models run ~10x faster on one thread on the shared 2-core box (conftest).
+# NOTE: tiny models run faster on one thread on a shared machine (conftest).
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
 IMAGE = 32  # the tiny towers' input size: scoring images of this size makes resize a no-op

@@ -5,7 +5,7 @@
 writes ``root/<family>/`` as ``save_pretrained`` lays out a real checkpoint (model_index.json,
 transformer/, vae/, scheduler/, text_encoder*/, tokenizer*/), so tests load it through the
 real from_pretrained path. Use the session-cached ``tiny_model_dir`` fixture of conftest.py
-rather than calling this per test (a build costs ~1-3 s of CPU).
+rather than calling this per test (each build costs seconds of CPU).
 
 Every dimension is the smallest the architecture accepts; what is kept real is what loading
 and shape logic depend on: real tokenizer vocabularies (CLIP's BPE from open_clip's bundled

@@ -133,8 +133,9 @@ class Trainer(TrainerState):
         cfg = self.cfg
         self.sender = None
         if self.device.type == "cpu":
-            # NOTE: trainer and engine time-share the cores; measured on the 2-core box, a
-            # tiny forward ran 40x slower with both processes spinning 2 OpenMP threads each.
+            # NOTE: trainer and engine time-share the cores; with both processes spinning
+            # OpenMP threads over all of them, a tiny forward ran many times slower (figures:
+            # bench/reports/2026-12-04_cpu-h200_comment-figures.md).
             threads = max(1, (os.cpu_count() or 2) // (2 * self.world))
             torch.set_num_threads(threads)
             os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by the engine process

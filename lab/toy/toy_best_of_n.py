@@ -1,6 +1,6 @@
 """Does the toy model learn a reward component from its own best samples? Best-of-N fine-tuning.
 
-    python bench/toy_best_of_n.py --select count [--rounds 5] [--groups 192] [--out FILE.json]
+    python lab/toy/toy_best_of_n.py --select count [--rounds 5] [--groups 192] [--out FILE.json]
 
 The most direct supervised use of the signal a group-relative policy gradient sees: each round
 samples ``--groups`` train prompts x ``--k`` images from the current model, keeps each group's
@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: trainer, bench
 
-from results import Recorder  # noqa: E402
+from bench.results import Recorder  # noqa: E402
 from toy_diagnostics import print_and_save  # noqa: E402
 from trainer.toy import world  # noqa: E402
 from trainer.toy.adapter import ToyAdapter  # noqa: E402

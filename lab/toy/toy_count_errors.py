@@ -1,7 +1,7 @@
 """What the toy model gets wrong about count: per asked count, blobs found minus asked, and
 the colour's total area in the groups that come out short.
 
-    python bench/toy_count_errors.py [--model DIR] [--prompts 256] [--out FILE.json]
+    python lab/toy/toy_count_errors.py [--model DIR] [--prompts 256] [--out FILE.json]
 
 Samples one image per held-out prompt with the eval's sampler (ODE, 10 steps, seed 0) and
 reads the blobs as the reward does. ``area_per_object`` is the group colour's total blob area

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: trainer
 
 from trainer.toy.adapter import ToyAdapter  # noqa: E402
 from trainer.toy.evaluate import sample_images  # noqa: E402

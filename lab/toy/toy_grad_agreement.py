@@ -1,6 +1,6 @@
 """Does a toy reward component's policy gradient point the same way in two halves of a batch?
 
-    python bench/toy_grad_agreement.py [--groups 64] [--out FILE.json] [--set KEY=VALUE ...]
+    python lab/toy/toy_grad_agreement.py [--groups 64] [--out FILE.json] [--set KEY=VALUE ...]
 
 One rollout of the toy recipe (``--groups`` prompts x the recipe's group size, its sampler)
 is scored; for each component alone, its group advantages are computed as the recipe

@@ -1,8 +1,8 @@
 """How much each toy reward component varies inside a group: the signal GRPO can learn from.
 
-    python bench/toy_group_spread.py [--model DIR] [--prompts 96] [--group 8] [--eta 0.7]
-                                     [--sde-steps 4 | --noisy-steps 0,2] [--shared-init]
-                                     [--out FILE.json]
+    python lab/toy/toy_group_spread.py [--model DIR] [--prompts 96] [--group 8] [--eta 0.7]
+                                       [--sde-steps 4 | --noisy-steps 0,2] [--shared-init]
+                                       [--out FILE.json]
 
 Samples ``--group`` images per train prompt the way the toy recipe's rollouts do (10 Euler
 steps; the SDE with ``--eta`` at the first ``--sde-steps`` steps, sigma 1 clamped to the next

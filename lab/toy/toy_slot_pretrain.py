@@ -1,6 +1,6 @@
 """Experiment: continue the toy model's pretraining in a world where count is a place.
 
-    python bench/toy_slot_pretrain.py --out DIR --init trainer/toy/weights --steps 600 \
+    python lab/toy/toy_slot_pretrain.py --out DIR --init trainer/toy/weights --steps 600 \
         --batch 256 --threads 2 --warmup 50 --lr 5e-4 --ema 0.99 --caption-noise 0.4
 
 Runs ``python -m trainer.toy.pretrain`` (same options) with the renderer's placement replaced
@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: trainer
 
 from trainer.toy import world  # noqa: E402
 

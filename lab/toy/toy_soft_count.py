@@ -6,7 +6,7 @@ costs a fraction of an object instead of nothing (under the floor) or a whole on
 so the score moves smoothly as fragments grow or shrink. Merged objects still count as one, and
 the smallest rendered objects (about 10 px) count as less than one: a rendered scene can score
 under 1.
-Used by ``bench/sweeps/toy_soft-count.txt`` (run with ``bench`` on PYTHONPATH) to ask whether
+Used by ``lab/sweeps/toy_soft-count.txt`` (run with ``lab/toy`` on PYTHONPATH) to ask whether
 the policy gradient follows a count signal that is smooth in the image; the shipped recipe
 does not use it.
 """

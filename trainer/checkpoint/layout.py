@@ -11,8 +11,8 @@
 Design choices:
 
 * COMMITTED is a JSON list of every file of the checkpoint with its size and a content
-  checksum (xxh3-128 when the ``xxhash`` package is installed, else sha256: xxh3 adds a few
-  per cent to a save, sha256 15-25 %), written through a temporary file and an atomic rename.
+  checksum (xxh3-128 when the ``xxhash`` package is installed, else sha256, which adds several
+  times more to a save), written through a temporary file and an atomic rename.
   Discovery trusts an iteration only if its marker parses and every listed file is still
   there with that size; loading (``resolve_checkpoint``) also recomputes the checksums and
   parses the JSON sidecars and the DCP metadata, and falls back to the next older iteration,

@@ -18,10 +18,9 @@ Recipe ``RECIPE`` (the name travels in the rollout request so that both ends agr
 
 Why a CPU generator: torch's CUDA generator (Philox) and CPU generator (MT19937) give different
 numbers for one seed, so drawing on the device would make the latents depend on where a
-candidate was generated. NOTE: measured on the 2-core CI machine, one draw of a Qwen-Image 384²
-latent (16×48×48 = 36,864 values) costs 0.29 ms and the hash 2 µs; a group of 8 with 3 SDE
-steps needs 32 draws, ≈ 9 ms against ≈ 340 ms of transformer forwards on the H200 (engines
-should draw a step's noise for the whole batch at once and copy it with one transfer).
+candidate was generated. NOTE: the host draws of a group cost a small fraction of its
+transformer forwards (figures: bench/reports/2026-12-04_cpu-h200_comment-figures.md); engines
+should draw a step's noise for the whole batch at once and copy it with one transfer.
 """
 from __future__ import annotations
 

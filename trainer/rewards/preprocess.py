@@ -10,10 +10,10 @@ batched torch op there: resize the shortest edge
 
 Agreement with the libraries (tests check it): within one uint8 level per pixel (PIL works in
 fixed point), on either resize path.
-NOTE: measured on the shared 2-core CPU box (one thread, under load), 384x384 -> 224x224
-bicubic AA: PIL 15-18 ms per image, torch float32 14-19 ms, torch uint8 channels-last 4 ms; so
-on the CPU the resize runs on uint8 channels-last (torch's PIL-compatible fast path), on CUDA
-in float32 (there is no uint8 bicubic kernel there).
+NOTE: on the CPU torch's uint8 channels-last bicubic resize (its PIL-compatible fast path) was
+several times faster than PIL and than float32 (figures:
+bench/reports/2026-12-04_cpu-h200_comment-figures.md), so on the CPU the resize runs on uint8
+channels-last, on CUDA in float32 (there is no uint8 bicubic kernel there).
 """
 from __future__ import annotations
 

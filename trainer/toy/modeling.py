@@ -36,10 +36,9 @@ PAD, UNK, BOS, EOS = "[PAD]", "[UNK]", "[BOS]", "[EOS]"
 SPECIAL_TOKENS = (PAD, UNK, BOS, EOS)
 MAX_PROMPT_TOKENS = 12     # longest prompt: 8 words + BOS + EOS
 
-# NOTE: measured on the 2-core CPU, one thread, batch 32, train step / forward: patch 2, width
-# 96, 4 blocks (256 tokens) 1407 / 424 ms; patch 4, width 96, 4 blocks (64 tokens) 322 / 103
-# ms; patch 4, width 128, 6 blocks 735 / 240 ms. Patch 4 x width 96 x 4 blocks (1.3 M params)
-# is the one that pretrains within the budget and leaves RL rollouts cheap on a CPU.
+# Patch 4 x width 96 x 4 blocks (1.3 M params, 64 tokens) is the size that pretrains within the
+# budget and leaves RL rollouts cheap on a CPU; the step times of the sizes compared are in
+# bench/reports/2026-12-04_cpu-h200_comment-figures.md.
 DEFAULT_TRANSFORMER: dict[str, Any] = dict(
     sample_size=32, patch_size=4, in_channels=3, out_channels=3, num_layers=4,
     attention_head_dim=32, num_attention_heads=3, pos_embed_max_size=8,

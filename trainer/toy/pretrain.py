@@ -17,12 +17,13 @@ and toy_config.json records ``"stopped_early": true`` with the steps reached.
 What is saved is an exponential moving average of the weights (``--ema``), the usual choice
 for diffusion models: the raw weights of a short, high-learning-rate run sample worse.
 
-On a GPU (``--device cuda``) rendering in the training process would cost ~0.4 ms per image
-(90 ms per batch of 256) next to a model step of a few ms: ``--render-workers N`` renders each
-batch in N processes. The main process still draws every prompt, caption
-corruption and a per-image render seed from the one numpy stream, so the batches are the same
-for any N >= 1 (but not the same as N = 0's, which renders from that stream itself: the shipped
-weights were made so). Noise and sigma come from a CPU torch generator on every device.
+On a GPU (``--device cuda``) rendering a batch in the training process would take many times
+as long as a model step (figures: bench/reports/2026-12-04_cpu-h200_comment-figures.md):
+``--render-workers N`` renders each batch in N processes. The main process still draws every
+prompt, caption corruption and a per-image render seed from the one numpy stream, so the
+batches are the same for any N >= 1 (but not the same as N = 0's, which renders from that
+stream itself: the shipped weights were made so). Noise and sigma come from a CPU torch
+generator on every device.
 """
 from __future__ import annotations
 

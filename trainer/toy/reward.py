@@ -65,11 +65,11 @@ class ToyCompositionScorer(RewardScorer):
 
     Args:
         min_blob_fraction: blobs smaller than this share of the image are noise (0.006 is
-            6 px at 32x32; the smallest rendered object measured 10 px over 512 renders).
+            6 px at 32x32, under the smallest rendered object).
         max_color_distance: RGB distance beyond which a pixel is background even if a palette
-            colour is its nearest. NOTE: measured on 64 decoded Gaussian-noise images, with a
-            5 px minimum, 90 kept 1.5 noise blobs per image and 70 kept 0.08; rendered truth
-            (colour jitter +-12) scores 1.0 either way.
+            colour is its nearest: low enough that decoded noise yields almost no blobs, high
+            enough that rendered truth (colour jitter +-12) scores 1.0 (figures:
+            bench/reports/2026-12-04_cpu-h200_comment-figures.md).
         position_margin: pixels by which centroids must be apart along the relation's axis.
         device: where to score (default: the images' device).
     """

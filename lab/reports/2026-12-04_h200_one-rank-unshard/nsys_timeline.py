@@ -16,7 +16,7 @@ import sqlite3
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
 import nsys_gaps as gaps  # noqa: E402  (bench/nsys_gaps.py)
 
 

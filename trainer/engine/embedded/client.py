@@ -7,7 +7,8 @@ disk round trip and without serialisation. CUDA tensors received that way still 
 engine's memory; ``generate`` clones them into the trainer's own allocation (a few MB,
 device-to-device) and drops the IPC references at once, so the engine can release its memory
 while the actor trains on the rollout (otherwise the engine's blocks stay pinned until the
-batch dies, and each rebuilt handle costs ~0.94 ms to release: notes/cuda-ipc-facts.md).
+batch dies, and each rebuilt handle costs time to release:
+bench/reports/2026-12-04_cpu-h200_comment-figures.md).
 
 Deadlines: a spawned engine's calls may carry a deadline of ``floor_s + per_image_s x
 images requested`` (``launch_embedded_engine``'s ``call_timeout_*``; the trainer sets them

@@ -12,10 +12,10 @@ come from the same code. The loop is kept lean for the GPU:
 - outputs are preallocated once (``trajectory`` [B, S, 2, *latent], ``log_probs`` [B, S]) and
   filled with device copies;
 - step noise is requested lazily (``noise_fn(step)``) inside the loop, so drawing it on the host
-  (the driver's CPU recipe, ~0.3 ms per candidate and step) overlaps the forwards the host has
-  already queued on the device instead of adding up before the loop starts;
+  (the driver's CPU recipe) overlaps the forwards the host has already queued on the device
+  instead of adding up before the loop starts;
 - no CUDA graph: the host already queues the loop ahead of the GPU, so replaying the compiled
-  forward from a graph saves about 3 % of it, while the graph would tie the loop to fixed
+  forward from a graph saves little of it, while the graph would tie the loop to fixed
   input and weight buffers (weight sync and the LoRA merge write in place) and keep a memory
   pool of its own (``bench/reports/2026-12-03_h200_clip-fold-and-graphs/``).
 

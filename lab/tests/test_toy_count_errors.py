@@ -1,12 +1,7 @@
-"""bench/toy_count_errors.py: the count error table and the area ratios it reports."""
+"""lab/toy/toy_count_errors.py: the count error table and the area ratios it reports."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-
-from toy_count_errors import count_errors  # noqa: E402
+from toy_count_errors import count_errors
 
 
 def _spec(*groups):

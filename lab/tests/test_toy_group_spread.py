@@ -1,14 +1,9 @@
-"""bench/toy_group_spread.py: the within-group spread arithmetic and one tiny real run."""
+"""lab/toy/toy_group_spread.py: the within-group spread arithmetic and one tiny real run."""
 import json
-import sys
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-
-import toy_group_spread  # noqa: E402
+import toy_group_spread
 
 
 def test_spread_is_the_mean_within_group_std_per_component():

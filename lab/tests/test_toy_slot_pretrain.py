@@ -1,15 +1,10 @@
-"""bench/toy_slot_pretrain.py: object k of a group is drawn in cell k of its region."""
+"""lab/toy/toy_slot_pretrain.py: object k of a group is drawn in cell k of its region."""
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-
-from toy_slot_pretrain import CELLS, slot_place  # noqa: E402
-from trainer.toy import world  # noqa: E402
+from toy_slot_pretrain import CELLS, slot_place
+from trainer.toy import world
 
 
 def test_slot_place_puts_object_k_in_cell_k_of_its_region():

@@ -1,4 +1,4 @@
-"""bench/toy_best_of_n.py: the per-group pick, and a one-round run on the shipped toy model
+"""lab/toy/toy_best_of_n.py: the per-group pick, and a one-round run on the shipped toy model
 (the kept images score at least the sampled mean on the selected component, every component
 evaluated before and after, rows written, bad sizes refused)."""
 from __future__ import annotations
@@ -6,15 +6,11 @@ from __future__ import annotations
 import csv
 import json
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-
-import toy_best_of_n as bon  # noqa: E402
+import toy_best_of_n as bon
 
 
 def test_best_of_groups_picks_each_groups_best_or_a_member():

@@ -1,17 +1,13 @@
-"""bench/toy_grad_agreement.py: its cosine, and a run on the shipped toy model with two groups
+"""lab/toy/toy_grad_agreement.py: its cosine, and a run on the shipped toy model with two groups
 (every component's figures present, cosines in [-1, 1], finite norms, bad --groups refused)."""
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-
-import toy_grad_agreement as tga  # noqa: E402
+import toy_grad_agreement as tga
 
 
 def test_cosine_matches_torch():

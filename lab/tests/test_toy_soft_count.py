@@ -1,17 +1,11 @@
-"""bench/toy_soft_count.py: the experiment scorer's soft count, and its hard components equal
+"""lab/toy/toy_soft_count.py: the experiment scorer's soft count, and its hard components equal
 to the shipped scorer's."""
-import sys
-from pathlib import Path
-
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-
-import toy_soft_count  # noqa: E402
-from trainer.toy import world  # noqa: E402
-from trainer.toy.reward import ToyCompositionScorer  # noqa: E402
+import toy_soft_count
+from trainer.toy import world
+from trainer.toy.reward import ToyCompositionScorer
 
 SPEC = {"objects": [{"count": 2, "color": "red", "shape": "circle"}], "relation": None}
 
