@@ -51,6 +51,9 @@ BUILTIN_SCORERS: dict[str, str] = {
     "imagereward": "trainer.rewards.imagereward.ImageRewardScorer",
     "vlm_judge": "trainer.rewards.vlm_judge.VLMJudgeScorer",
     "geneval": "trainer.rewards.geneval.GenEvalScorer",
+    "geneval_server": "trainer.rewards.flowgrpo_server.GenEvalServerScorer",
+    "deqa": "trainer.rewards.flowgrpo_server.DeQAServerScorer",
+    "unifiedreward_server": "trainer.rewards.flowgrpo_server.UnifiedRewardServerScorer",
     "toy": "trainer.toy.reward.ToyCompositionScorer",
 }
 RESERVED_KEYS = ("path", "weight", "model_path", "required", "options")
