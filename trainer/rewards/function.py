@@ -207,7 +207,7 @@ def dummy_batch_problems(scorer: FunctionScorer, *, height: int = 64, width: int
     try:
         out = scorer.score(images, prompts, metadata)
     except RewardError as exc:
-        return [f"{where}: {exc}"]
+        return [f"{where}: {exc} (wanted {WANTED})"]
     except Exception as exc:  # the user's code: any failure is reported, not raised
         return [f"{where} raised {type(exc).__name__}: {exc} (prompts {prompts}, metadata "
                 f"{metadata}; wanted {WANTED})"]
