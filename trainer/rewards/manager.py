@@ -10,7 +10,12 @@ Runtimes:
   weights are never loaded locally.
 
 A custom reward function (``custom_reward_path``) runs in-process next to the scorer in every
-runtime, so a remote PickScore and a local rule-based term can be combined.
+runtime, so a remote PickScore and a local rule-based term can be combined; it may be written
+in our form or the Flow-GRPO reference's, and every call into it has a deadline
+(``reward.custom_timeout_s``): ``trainer.rewards.function``.
+
+With any component weight given, every component the scorers produce needs one (0 included):
+one left out would weigh nothing without a word.
 
 Managers are cached per configuration: building one twice with the same arguments returns the
 same object, so a model is loaded once per process, not once per rollout.
