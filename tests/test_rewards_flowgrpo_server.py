@@ -113,7 +113,7 @@ def test_deqa_scores_through_the_reference_protocol_in_batches(serve):
     scorer = DeQAServerScorer(endpoint=server.url, batch_size=2)
     out = scorer.score(images(), [f"p{i}" for i in range(B)], [{}] * B)
     expected = torch.tensor([0, 60, 120, 180, 240]) / 255
-    torch.testing.assert_close(out["deqa"], expected.float(), atol=2 / 255, rtol=0)
+    torch.testing.assert_close(out["deqa"], expected.double(), atol=2 / 255, rtol=0)
     assert [len(r["images"]) for r in server.requests] == [2, 2, 1]
     assert set(server.requests[0]) == {"images"}
 

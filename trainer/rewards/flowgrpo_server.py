@@ -199,7 +199,7 @@ class FlowGRPOServerScorer(RewardScorer):
                                            [metadata[i] for i in rows]))
             values[rows] = _numbers(reply, self.reply_key, len(rows),
                                     f"{type(self).__name__} {self.endpoint}")
-        return {self.components[0]: torch.tensor(values, dtype=torch.float32)}
+        return {self.components[0]: torch.from_numpy(values)}  # fp64: the manager checks the range
 
 
 class DeQAServerScorer(FlowGRPOServerScorer):

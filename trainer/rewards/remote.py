@@ -192,8 +192,9 @@ class RemoteScorer(RewardScorer):
             if bad:
                 problems.append(f"{name!r}: non-numeric values at {bad[:5]}")
                 continue
+            # fp64: the manager refuses a value beyond fp32's range instead of an inf
             out[name] = torch.tensor([math.nan if v is None else float(v) for v in values],
-                                     dtype=torch.float32)
+                                     dtype=torch.float64)
         if problems:
             raise RemoteRewardError(f"{self.endpoint}: bad reply: " + "; ".join(problems))
         return out
