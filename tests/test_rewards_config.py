@@ -172,6 +172,9 @@ def test_static_stage_names_each_problem(sets, expected):
      "endpoint='localhost:8000' is not an http(s) URL"),
     (['reward.scorers={"geneval": {"detector": "test_rewards_config.no_detector"}}'],
      "geneval detector 'test_rewards_config.no_detector'"),
+    (['reward.scorers={"geneval": {}}'],
+     "geneval needs detector = \"pkg.mod.make_detector\": no PyPI package we know ships a COCO "
+     "detector's weights in its wheel"),
     (['reward.scorers={"toy": {"weight": 2}}', 'reward.component_weights={"color": 1}',
       "reward.required_components=[]"],
      "component 'color' is weighed twice"),

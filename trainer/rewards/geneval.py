@@ -18,9 +18,10 @@ size and renormalised; "left of"/"right of" when its x component is below -0.5/a
 ``mode = "partial"``: the fraction of requirements that pass (a denser signal for RL).
 A sample without ``include`` metadata scores NaN.
 
-No detector works out of the box: no package on PyPI ships a COCO detector's weights inside
-its wheel (ultralytics, torchvision's detection models, mmdetection and the open-vocabulary
-detectors all download weights at first use, which a run here never does). Two ways in: the
+No detector works out of the box: we found no PyPI package that ships a COCO detector's
+weights inside its wheel (ultralytics, yolov5, torchvision's detection models, effdet,
+mmdetection and the open-vocabulary detectors all download weights at first use, which a run
+here never does). Two ways in: the
 Flow-GRPO reference's GenEval server (Mask2Former + CLIP colours) through the
 ``geneval_server`` scorer (``trainer.rewards.flowgrpo_server``), or a detector of your own:
 
@@ -40,9 +41,10 @@ import torch
 from trainer.rewards.base import RewardError, RewardScorer, load_object
 
 RELATIONS = ("left of", "right of", "above", "below")
-NO_DETECTOR = ("geneval needs detector = \"pkg.mod.make_detector\": no PyPI package ships a "
-               "COCO detector's weights in its wheel, so none works out of the box; or use "
-               "[reward.scorers.geneval_server], the Flow-GRPO reference's GenEval server")
+NO_DETECTOR = ("geneval needs detector = \"pkg.mod.make_detector\": no PyPI package we know "
+               "ships a COCO detector's weights in its wheel (they download them), so none "
+               "works out of the box; or use [reward.scorers.geneval_server], the Flow-GRPO "
+               "reference's GenEval server")
 MODES = ("strict", "partial")
 
 
