@@ -24,3 +24,15 @@ def huge(images, prompts, metadata):
 def strings(images, prompts, metadata):
     """Numbers as text, as a reward parsing a judge's reply might forget to convert."""
     return ["0.5"] * len(prompts)
+
+
+_CALLS = {"n": 0}
+
+
+def hangs_after_preflight(images, prompts, metadata):
+    """Answers preflight's dummy call, then hangs in the run (a reward that hangs sometimes).
+    Preflight and the single rank share one process, hence the call count."""
+    _CALLS["n"] += 1
+    if _CALLS["n"] > 1:
+        RELEASE.wait(3600)
+    return [0.0] * len(prompts)

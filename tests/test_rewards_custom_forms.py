@@ -202,3 +202,32 @@ def test_the_config_deadline_reaches_the_manager(release_hung_rewards):
     with pytest.raises(ConfigError, match=r"custom_timeout_s=0(\.0)? must be > 0"):
         check_imports(tiny("reward.custom_reward_path=fault_rewards.hangs",
                            "reward.custom_timeout_s=0"))
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_run_whose_reward_hangs_exits_1_naming_it(tmp_path):
+    """Through the CLI on the toy recipe: the reward answers preflight, then hangs in the first
+    rollout; the run stops at the deadline with one line, not silence or a traceback."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "trainer", "launch", "--config", "toy",
+           "--set", f"logging.run_dir={tmp_path / 'run'}", "--set", "data.eval_prompt_data=none",
+           "--set", "logging.progress=false", "--set", "logging.tensorboard=false",
+           "--set", "rollout.rollout_batch_size=2", "--set", "train.num_rollouts=1",
+           "--set", "reward.scorer_path=none", "--set", "reward.required_components=[]",
+           "--set", "reward.component_weights={}",
+           "--set", "reward.custom_reward_path=fault_rewards.hangs_after_preflight",
+           "--set", "reward.custom_timeout_s=3"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]),
+               HF_HUB_OFFLINE="1")
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "error: rank 0: custom reward fault_rewards.hangs_after_preflight did not return " \
+           "within 3 s (reward.custom_timeout_s)" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert time.monotonic() - start < 240
