@@ -58,6 +58,20 @@ def multi_factory():
 multi_factory.components = ("words", "chars")
 
 
+def star_args(*args):
+    return [float(args[0].dtype == torch.uint8)] * len(args[1])
+
+
+def uint8_factory():
+    def _fn(images, prompts, metadata):
+        return images.float().mean(dim=(1, 2, 3))
+
+    return _fn
+
+
+uint8_factory.image_layout = "uint8_bhwc"
+
+
 # ---- shapes that preflight must refuse, each in one line --------------------------------------
 def two_args(images, prompts):
     return [0.0] * len(prompts)
@@ -120,6 +134,15 @@ def test_factory_taking_device_and_a_declared_dict_of_components():
                                  custom_reward_path=here("multi_factory"))
     scores, _ = multi.score(IMAGES, PROMPTS, META)
     assert scores["words"].tolist() == [2, 2, 2, 3] and scores["chars"].tolist() == [5, 5, 8, 9]
+
+
+def test_image_layout_is_the_functions_choice_and_star_args_is_a_batch_function():
+    for name, expected in (("uint8_factory", IMAGES.float().mean(dim=(1, 2, 3))),
+                           ("star_args", torch.ones(B))):
+        clear_reward_manager_cache()
+        manager = build_reward_manager(scorer_path=None, model_path=None, runtime="cpu",
+                                       custom_reward_path=here(name))
+        torch.testing.assert_close(manager.score(IMAGES, PROMPTS, META)[0][name], expected)
 
 
 def test_preflight_runs_the_reference_factory_on_a_dummy_batch():

@@ -33,7 +33,9 @@ RewardError names the function and the deadline. Python cannot stop the hung thr
 stops instead, which is the point: a reward that hangs must not hang the run forever.
 
 Preflight (``dummy_batch_problems``) calls every custom reward on a batch of two grey images
-before any model loads, so a wrong signature or return is one error naming the form wanted.
+before any model loads, so a wrong signature or return is one error naming the form wanted. A
+factory is therefore called twice: once in preflight (``device`` "cpu"), once when the rank
+builds its reward manager (the rollout device).
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ import torch
 
 from trainer.rewards.base import RewardError, RewardScorer, load_object, to_component_tensor
 
-LAYOUTS = ("uint8_bhwc", "float_bchw")
+LAYOUTS = {"uint8_bhwc": "uint8 [B, H, W, 3]", "float_bchw": "float32 [B, 3, H, W] in [0, 1]"}
 DEFAULT_TIMEOUT_S = 600.0
 WANTED = ("fn(images, prompts, metadata) -> B numbers | {component: B numbers} | (either, "
           "info dict), or a factory fn() / fn(device) returning such a function")
@@ -82,6 +84,9 @@ def _required_positional(fn: Callable[..., Any]) -> list[str] | None:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return None  # a builtin without a signature: taken as a batch function
+    params = list(params)
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return None  # fn(*args) takes a batch as well as nothing: taken as a batch function
     return [p.name for p in params if p.default is p.empty
             and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
@@ -203,7 +208,7 @@ def dummy_batch_problems(scorer: FunctionScorer, *, height: int = 64, width: int
     metadata = [dict(r.get("metadata") or {}) for r in records] or [{} for _ in prompts]
     images = torch.full((len(prompts), height, width, 3), 128, dtype=torch.uint8)
     where = (f"reward.custom_reward_path: {scorer.name} called on a dummy batch of "
-             f"{len(prompts)} (images uint8 [B, H, W, 3] given as {scorer.image_layout})")
+             f"{len(prompts)} (images {LAYOUTS[scorer.image_layout]})")
     try:
         out = scorer.score(images, prompts, metadata)
     except RewardError as exc:
