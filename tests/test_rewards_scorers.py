@@ -165,7 +165,7 @@ def test_clipscore_own_weight_is_settable_and_cannot_pass_for_the_mixing_weight(
     table = json.dumps({"model_path": tiny_clip_dir, "weight": 100})
     with pytest.raises(ConfigError) as err:
         check_imports(load_config("tiny", base + [f'reward.scorers={{"clipscore": {table}}}']))
-    assert "reward.scorers.clipscore.weight is the scorer's mixing weight here, but " \
+    assert "reward.scorers.clipscore.weight is read as the table's mixing weight, but " \
            "trainer.rewards.clipscore.CLIPScoreScorer also takes a constructor option " \
            "'weight'" in str(err.value)
     table = json.dumps({"model_path": tiny_clip_dir, "weight": 0.5,

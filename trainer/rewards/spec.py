@@ -59,7 +59,8 @@ BUILTIN_SCORERS: dict[str, str] = {
 RESERVED_KEYS = ("path", "weight", "model_path", "required", "options")
 # reserved keys a constructor may also take: set at the top level they mean the reserved thing,
 # so a constructor option of the same name must come through the ``options`` sub-table
-_SHADOWING = ("path", "weight", "required")
+_ROLES = {"path": "scorer's dotpath", "weight": "mixing weight", "required": "required flag"}
+_SHADOWING = tuple(_ROLES)
 _DOTPATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
 _IDENT = re.compile(r"^[A-Za-z_]\w*$")
 
@@ -134,9 +135,9 @@ def shadowing_problems(spec: ScorerSpec, cls: type) -> list[str]:
     ``options`` entry saying what the constructor gets: the user may have meant either."""
     params = inspect.signature(cls).parameters
     clash = [k for k in spec.reserved_set if k in params and k not in spec.options]
-    return [f"{spec.where}.{k} is the scorer's mixing {k} here, but {spec.path} also takes a "
-            f"constructor option {k!r}: say what the constructor gets in {spec.where}.options "
-            f"(e.g. options = {{ {k} = ... }}) and keep {k} = ... for the mixing {k}"
+    return [f"{spec.where}.{k} is read as the table's {_ROLES[k]}, but {spec.path} also takes "
+            f"a constructor option {k!r}: say what the constructor gets in {spec.where}.options "
+            f"(e.g. options = {{ {k} = ... }}) and keep {k} = ... for the {_ROLES[k]}"
             for k in clash]
 
 
