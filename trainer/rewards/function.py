@@ -55,16 +55,18 @@ WANTED = ("fn(images, prompts, metadata) -> B numbers | {component: B numbers} |
 
 def call_with_deadline(fn: Callable[..., Any], args: tuple, timeout_s: float, what: str) -> Any:
     """``fn(*args)`` in a daemon thread; its result, its exception, or a RewardError after
-    ``timeout_s`` naming ``what``. The caller's CUDA device is the thread's too (torch's
-    current device is per thread)."""
+    ``timeout_s`` naming ``what``. The caller's CUDA device and grad mode are the thread's
+    too (torch keeps both per thread)."""
     box: dict[str, Any] = {}
     device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+    grad = torch.is_grad_enabled()
 
     def run() -> None:
         try:
             if device is not None:
                 torch.cuda.set_device(device)
-            box["value"] = fn(*args)
+            with torch.set_grad_enabled(grad):
+                box["value"] = fn(*args)
         except BaseException as exc:  # handed to the caller's thread, raised there
             box["error"] = exc
 
