@@ -21,7 +21,7 @@ A sample without ``include`` metadata scores NaN.
 No detector works out of the box: we found no PyPI package that ships a COCO detector's
 weights inside its wheel (ultralytics, yolov5, torchvision's detection models, effdet,
 mmdetection and the open-vocabulary detectors all download weights at first use, which a run
-here never does). Two ways in: the
+here never does; mediapipe's wheel holds a label map but no detector model). Two ways in: the
 Flow-GRPO reference's GenEval server (Mask2Former + CLIP colours) through the
 ``geneval_server`` scorer (``trainer.rewards.flowgrpo_server``), or a detector of your own:
 
