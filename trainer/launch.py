@@ -221,5 +221,6 @@ def _known_failures() -> tuple[type[BaseException], ...]:
     """Failures whose message says everything: reported in one line, exit code 1."""
     from trainer.checkpoint import CheckpointError, ContractMismatchError
     from trainer.engine.embedded.client import EngineError
+    from trainer.rewards.base import RewardError
     return (RunDirError, CheckpointError, ContractMismatchError, EngineError,
-            TrainingStalledError)
+            TrainingStalledError, RewardError)

@@ -118,7 +118,12 @@ class RewardConfig:
     zero_degenerate_groups: bool = _f(True, "--zero-degenerate-groups",
                                       "Zero groups with reward variance < 1e-6 (the reference "
                                       "does not: false).")
-    timeout_s: float = _f(60.0, "--reward-timeout", "Remote scorer timeout per request.")
+    timeout_s: float = _f(60.0, "--reward-timeout",
+                          "Remote scorer deadline per request attempt (connect, send, whole "
+                          "reply), in seconds.")
+    custom_timeout_s: float = _f(600.0, "--custom-reward-timeout",
+                                 "Deadline of each call into the custom reward function "
+                                 "(and its factory), in seconds.")
     scorers: dict = _f({}, "--reward-scorers",
                        "Several weighted scorers: [reward.scorers.NAME] tables with weight, "
                        "model_path, required, path and the scorer's own options "
