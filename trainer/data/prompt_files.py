@@ -13,7 +13,11 @@ Formats, by suffix:
 * parquet (``.parquet``, ``.pq``): the same fields as columns.
 
 A record is ``{"prompt": str, "metadata": {...}}``; ``task`` and ``sample_id`` are filled in
-(``<file stem>_<i:07d>``, i the record's 0-based position, as before) when absent.
+(``<file stem>_<i:07d>``, i the record's 0-based position, as before) when absent. A line is
+refused when its prompt is not a non-empty string, its metadata not an object, its task not
+a known one, its sample_id not a non-empty string, or its ``<image>`` / ``<video>``
+placeholders do not match its media lists: each problem carries the class ``data inspect``
+reports it under.
 
 A Flow-GRPO dataset folder (``dataset/ocr`` with ``train.txt`` and ``test.txt``,
 ``dataset/geneval`` with ``train_metadata.jsonl`` and ``test_metadata.jsonl``; also
