@@ -42,7 +42,7 @@ from trainer.rollout import RolloutDriver
 from trainer.state import TrainerState
 from trainer.toy import weights_dir
 from trainer.utils.values import import_dotpath
-from trainer.visuals import captioned_grid, captions, log_pictures
+from trainer.visuals import log_pictures, log_samples, pick_samples
 from trainer.watchdog import check_progress
 
 log = logging.getLogger("trainer")
@@ -219,8 +219,9 @@ class Trainer(TrainerState):
         wsum = sum(weights.get(c, 0.0) for c in components) or 1.0
         metrics["reward/mean"] = float(total.mean()) / wsum  # weighted mean, same scale as eval
         k = self.cfg.logging.train_samples if self.rank == 0 else 0
-        self.last_samples = (batch.images[:k].cpu(), batch.prompts[:k],
-                             (total[:k] / wsum).cpu()) if k > 0 else None
+        shown = pick_samples(batch.prompts, k)  # spread over the groups: several prompts
+        self.last_samples = (batch.images[shown].cpu(), [batch.prompts[i] for i in shown],
+                             (total[shown] / wsum).cpu()) if k > 0 else None
         metrics["reward/failed_groups"] = float(len(failed))
         return adv, metrics
 
@@ -395,9 +396,9 @@ class Trainer(TrainerState):
         out = self._reduce_metrics(out)
         if self.rank == 0 and batch.images is not None:
             rewards = (total[:32] / wsum).tolist()
-            grid = captioned_grid(batch.images[:32], captions(batch.prompts[:32], rewards))
-            self.metrics.image(f"{tag}/samples", step, grid,
-                               path=self.run_dir / "eval" / f"{tag}_step{step:05d}.png")
+            log_samples(self.metrics, f"{tag}/samples", step, batch.images[:32],
+                        batch.prompts[:32], rewards,
+                        path=self.run_dir / "eval" / f"{tag}_step{step:05d}.png")
         return out
 
     def eval_over_seeds(self, seeds) -> list[float]:

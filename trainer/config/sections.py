@@ -293,9 +293,11 @@ class WeightSyncConfig:
 @dataclass
 class DataConfig:
     prompt_data: str = _f("toy:train", "--prompt-data",
-                          "Training prompts: JSONL/parquet path, or toy:train.")
+                          "Training prompts: a JSONL, parquet or .txt file, a dataset folder "
+                          "(train + test files), or toy:train (formats: end of --help).")
     eval_prompt_data: str | None = _f("toy:eval", "--eval-prompt-data",
-                                      "Held-out prompts; None disables eval.")
+                                      "Held-out prompts, in the same formats (a dataset "
+                                      "folder's test file); None disables eval.")
     eval_interval: int = _f(5, "--eval-interval", "Eval every N rollouts (and at start/end).")
     n_samples_per_eval_prompt: int = _f(2, "--n-samples-per-eval-prompt", "Eval candidates.")
     eval_max_prompts: int | None = _f(None, "--eval-max-prompts", "Cap on eval prompts.")

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trainer.config import Config, ConfigError
+from trainer.config.hub import download_hint
 from trainer.config.sampling import KL_FORMS, SamplingConfig, fraction_window  # noqa: F401 (re-exported)
 from trainer.preflight.checker import Checker, flagged
 from trainer.preflight.data_rules import (EVAL_MODES, check_data, check_logging,  # noqa: F401 (re-export)
@@ -101,7 +102,8 @@ def _check_model(c: Checker) -> None:
     if not m.model_path:
         c.error(f"{flagged('model.model_path')} is required")
     elif c.check_paths and m.model_path != "toy" and not Path(m.model_path).is_dir():
-        c.error(f"{flagged('model.model_path')}={m.model_path!r} is not a directory")
+        c.error(f"{flagged('model.model_path')}={m.model_path!r} is not a directory"
+                + download_hint(m.model_path))
 
 
 def _check_trainable(c: Checker) -> None:
