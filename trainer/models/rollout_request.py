@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 
+from flowgrpo_kernels.sde_types import undefined_step_problems
 from trainer.models import noise
 from trainer.config.sampling import SamplingConfig
 from trainer.utils.values import is_int
@@ -60,16 +61,13 @@ def _resolve_sde_steps(cfg: SamplingConfig, indices: Any, steps: int,
 
 def _schedule(adapter: "GenerativeModelAdapter", cfg: SamplingConfig, resolved: list[int],
               problems: list[str]) -> torch.Tensor:
-    """The fp32 sigma schedule; 'sde' refuses steps at sigma == 1 unless told to clamp."""
+    """The fp32 sigma schedule; noisy steps where the SDE type has no density are refused
+    (flowgrpo_kernels.sde_types)."""
     steps = cfg.num_inference_steps
     sigmas = adapter.scheduler_sigmas(steps, cfg.height, cfg.width).to(torch.float32)
-    if cfg.sde_type == "sde" and cfg.sigma_one == "refuse":
-        singular = [i for i in resolved if 0 <= i < steps and float(sigmas[i]) >= 1.0]
-        if singular:
-            problems.append(
-                f"sde_type='sde' cannot sample steps {singular} with sigma_one='refuse': "
-                "sigma == 1 there and std_dev_t = eta*sqrt(sigma/(1-sigma)) is singular (use "
-                "later steps, 'dance', or sigma_one='clamp_to_next')")
+    problems += [f"sde_indices: {p}" for p in undefined_step_problems(
+        cfg.sde_type, cfg.eta, resolved, sigmas.tolist(), sigma_one=cfg.sigma_one,
+        log_prob_form=cfg.log_prob_form)]
     return sigmas
 
 
