@@ -267,8 +267,8 @@ class SamplingConfig:
         if row.refuses_sigma_one(self.sigma_one):
             reasons = self._step0_reasons()
             if reasons:
-                problems.append(f"sde_indices: SDE step 0 (sigma == 1) cannot be trained "
-                                f"({'; '.join(reasons)}): {row.sigma_one_problem()} (e.g. sde_pool "
+                problems.append(f"sde_indices: SDE step 0 cannot be trained (sigma == 1; "
+                                f"{'; '.join(reasons)}): {row.sigma_one_problem()} (e.g. sde_pool "
                                 f"[1, 2, 3, 4, 5], or a fraction window starting at or above "
                                 f"1/{steps})")
         last = steps - 1

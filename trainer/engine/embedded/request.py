@@ -1,10 +1,10 @@
 """The engine's own reading of a rollout request: every check, one error listing every problem.
 
-The driver's requests are built and checked by the adapter (``trainer.models.schema``), but the
+The driver's requests are built and checked by the adapter (``trainer.models.wire``), but the
 engine also serves HTTP, where anything may arrive, so it validates independently and turns a
 request into a ``GenerateSpec``. Two request shapes are accepted, both SGLang's field names:
 
-- batched (``trainer.models.schema``): ``prompt`` is a list, one entry per candidate, with
+- batched (``trainer.models.wire``): ``prompt`` is a list, one entry per candidate, with
   ``extra_sampling_params.sample_ids`` of the same length. Answered with one batched response.
 - SGLang's single-prompt form: ``prompt`` is a string and ``num_outputs_per_prompt`` (default
   1, or the number of sample ids) candidates share it. Answered over HTTP with SGLang's list of
