@@ -155,8 +155,8 @@ def _check_trainable(c: Checker) -> None:
 
 
 def _check_sampling(c: Checker) -> None:
-    """Every rule of trainer.config.sampling.SamplingConfig; unknown keys are an error there too (the
-    request builder refuses them, so a warning here would only defer the failure)."""
+    """Every rule of trainer.config.sampling.SamplingConfig, on the config the loader merged
+    (unknown keys were refused there, where they were set), the SDE type's from its table."""
     config, problems = SamplingConfig.check(c.cfg.rollout.sampling)
     for problem in problems:
         c.error(f"rollout.sampling.{problem} (--sampling-config)")
