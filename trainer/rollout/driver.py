@@ -61,7 +61,8 @@ class RolloutDriver:
     """
 
     def __init__(self, adapter: GenerativeModelAdapter, engines: list[Any], *,
-                 sampling: "dict[str, Any] | SamplingConfig", seed: int, task: str, artifact_root: str | None = None,
+                 sampling: "dict[str, Any] | SamplingConfig", seed: int, task: str,
+                 artifact_root: str | None = None,
                  retention: int = 2, wave_size: int | None = None,
                  sample_id_mode: str = "metadata") -> None:
         problems = []
