@@ -198,3 +198,21 @@ def test_every_field_has_a_unique_alias_flag_and_a_docstring():
                          "--weight-sync-wire-dtype": ("weight_sync", "wire_dtype")}.items():
         assert table[flag] == target
     assert "--fsdp-trainable-mode" in field_help()
+
+
+def test_a_later_layer_mends_an_earlier_sampling_table():
+    """The loader stores each layer's sampling keys unchecked; preflight judges the final
+    config (a table's step 0 is fine once a later --set clamps it)."""
+    from trainer.preflight import preflight
+
+    recipe = "tiny"
+    cfg = load_config(recipe, overrides=['rollout.sampling={"sde_indices": [0, 2]}',
+                                         "rollout.sampling.sigma_one=clamp_to_next"])
+    assert cfg.rollout.sampling.sde_indices == (0, 2)
+    assert preflight(cfg) == []
+    bad = load_config(recipe, overrides=["rollout.sampling.height=-4"])
+    assert bad.rollout.sampling.height == -4  # kept as given, judged once by preflight
+    with pytest.raises(ConfigError) as info:
+        preflight(bad)
+    assert "rollout.sampling.height must be a positive integer, got -4 (--sampling-config)" \
+        in info.value.problems
