@@ -25,7 +25,7 @@ from trainer.actor.colocate import Footprint, OffloadPolicy, actor_footprint
 from trainer.actor.sync import sync_payload
 from trainer.actor.update import train_on
 from trainer.checkpoint import save_checkpoint
-from trainer.config import DEFAULT_SAMPLING, Config, write_resolved
+from trainer.config import Config, write_resolved
 from trainer.ema import build_ema
 from trainer.engine import launch_embedded_engine
 from trainer.engine.recovery import call_with_recovery
@@ -163,22 +163,22 @@ class Trainer(TrainerState):
             artifact_root=artifact_root if cfg.rollout.write_artifacts and self.rank == 0
             else None, retention=cfg.rollout.artifact_retention_rollouts,
             wave_size=cfg.rollout.wave_size,
-            sample_id_mode=cfg.rollout.sampling.get("sample_id_mode", "metadata"))
+            sample_id_mode=cfg.rollout.sampling.sample_id_mode)
         self.eval_driver = RolloutDriver(
             self.adapter, [self.engine], sampling=eval_sampling(cfg),
             seed=cfg.rollout.generation_seed, task=cfg.model.task, wave_size=cfg.rollout.wave_size,
-            sample_id_mode=cfg.rollout.sampling.get("sample_id_mode", "metadata"))
+            sample_id_mode=cfg.rollout.sampling.sample_id_mode)
 
     def _engine_warmup(self) -> dict | None:
         """The geometry of a training request, compiled before the first rollout."""
         if not compile_wanted(self.cfg.model.compile, self.device):
             return None
         r = self.cfg.rollout
-        return {"height": int(r.sampling.get("height", DEFAULT_SAMPLING["height"])),
-                "width": int(r.sampling.get("width", DEFAULT_SAMPLING["width"])),
+        return {"height": int(r.sampling.height),
+                "width": int(r.sampling.width),
                 # CFG runs the conditional and the empty-prompt halves as one forward
                 "batch": (r.wave_size or 1) * r.n_samples_per_prompt
-                * (2 if float(r.sampling.get("guidance_scale", 1.0)) != 1.0 else 1)}
+                * (2 if float(r.sampling.guidance_scale) != 1.0 else 1)}
 
     def _build_reward(self) -> None:
         r = self.cfg.reward

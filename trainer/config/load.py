@@ -160,8 +160,8 @@ def dump_toml(cfg: Config) -> str:
     which the loader parses for dict/list fields.
     """
     out = []
-    defaults = Config().to_dict()
-    for section, table in cfg.to_dict().items():
+    defaults = Config().to_dict(unset="none")
+    for section, table in cfg.to_dict(unset="none").items():
         out.append(f"[{section}]")
         for k, v in table.items():
             if v is None:

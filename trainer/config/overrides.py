@@ -17,7 +17,8 @@ import json
 import re
 from typing import Any
 
-from trainer.config.sections import Config, _field_types, _sections, _type_name, cli_flag
+from trainer.config.sections import (Config, _field_types, _sections, _type_name, cli_flag,
+                                     is_table, plain, store)
 
 _FACTORS = ("rollout_batch_size", "n_samples_per_prompt")
 _STATED = "_global_batch_size_on_command_line"  # attribute on the Config instance, not a field
@@ -30,7 +31,7 @@ def apply_nested(cfg, section: str, dotted: str, value: Any, where: str,
     if section not in secs or key not in {f.name for f in dataclasses.fields(secs[section])}:
         apply_value(cfg, section, key, None, where, problems)  # names the unknown section / key
         return
-    if not _type_name(_field_types(secs[section])[key]).startswith("dict"):
+    if not is_table(_field_types(secs[section])[key]):
         problems.append(f"{where}: {section}.{key} is not a table; nested keys need one")
         return
     if isinstance(value, str):
@@ -38,7 +39,7 @@ def apply_nested(cfg, section: str, dotted: str, value: Any, where: str,
             value = json.loads(value)
         except json.JSONDecodeError:
             pass  # a plain string value
-    root = json.loads(json.dumps(getattr(getattr(cfg, section), key) or {}))
+    root = json.loads(json.dumps(plain(getattr(getattr(cfg, section), key)) or {}))
     node = root
     for part in path[:-1]:
         if not isinstance(node.get(part, {}), dict):
@@ -46,7 +47,7 @@ def apply_nested(cfg, section: str, dotted: str, value: Any, where: str,
             return
         node = node.setdefault(part, {})
     node[path[-1]] = value
-    setattr(getattr(cfg, section), key, root)
+    store(cfg, section, key, root, where, problems)
 
 
 def follow_batch_factors(cfg, key: str) -> None:
@@ -66,7 +67,7 @@ def default_text(f: dataclasses.Field) -> str:
 
 
 def value_text(value: Any) -> str:
-    return repr(value) if value is None or isinstance(value, str) else json.dumps(value)
+    return repr(value) if value is None or isinstance(value, str) else json.dumps(plain(value))
 
 
 PROMPT_FORMATS = """Prompt data (--prompt-data, --eval-prompt-data), by suffix:
@@ -175,10 +176,6 @@ def apply_value(cfg: Config, section: str, key: str, value: Any, where: str,
     value = _coerce(value, hints[key], where, problems)
     if len(problems) > before:
         return  # a badly typed value is reported, never applied: later checks see the default
-    if section == "rollout" and key == "sampling" and isinstance(value, dict):
-        merged = dict(getattr(cfg.rollout, "sampling"))
-        merged.update(value)  # a partial sampling table overrides keys, not the whole dict
-        value = merged
-    setattr(getattr(cfg, section), key, value)
+    store(cfg, section, key, value, where, problems)  # a typed table: keys over keys
     if where.startswith("--") and section == "rollout":  # flags and --set, not the TOML
         follow_batch_factors(cfg, key)

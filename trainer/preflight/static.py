@@ -74,14 +74,15 @@ _DOTPATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
 
 
 # ---- SDE steps (trainer.config.sampling owns the rules; these names are kept for callers) -------
-def static_sde_indices(sampling: dict[str, Any]) -> list[int]:
+# Step resolution whatever the SDE type: its undefined points are judged by _check_sampling.
+def static_sde_indices(sampling: "dict[str, Any] | SamplingConfig") -> list[int]:
     """The SDE steps resolved without a rollout id (evaluation, or resampling off)."""
-    return SamplingConfig.from_dict({**sampling, "sde_type": "dance"}).static_indices()
+    return SamplingConfig.from_dict(sampling, type_rules=False).static_indices()
 
 
-def trainable_indices_upper_bound(sampling: dict[str, Any]) -> list[int]:
+def trainable_indices_upper_bound(sampling: "dict[str, Any] | SamplingConfig") -> list[int]:
     """Every step at which some rollout (any rollout id) or evaluation could inject SDE noise."""
-    return SamplingConfig.from_dict({**sampling, "sde_type": "dance"}).reachable_noise_steps()
+    return SamplingConfig.from_dict(sampling, type_rules=False).reachable_noise_steps()
 
 
 def local_sample_count(cfg: Config, world_size: int) -> int:
@@ -156,8 +157,8 @@ def _check_trainable(c: Checker) -> None:
 
 
 def _check_sampling(c: Checker) -> None:
-    """Every rule of trainer.config.sampling.SamplingConfig; unknown keys are an error there too (the
-    request builder refuses them, so a warning here would only defer the failure)."""
+    """Every rule of trainer.config.sampling.SamplingConfig, on the config the loader merged
+    (unknown keys were refused there, where they were set), the SDE type's from its table."""
     config, problems = SamplingConfig.check(c.cfg.rollout.sampling)
     for problem in problems:
         c.error(f"rollout.sampling.{problem} (--sampling-config)")

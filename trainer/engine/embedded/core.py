@@ -270,7 +270,7 @@ class EngineCore:
         return x_t, own_noise
 
     def generate(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Serve one rollout request (``trainer.models.schema``); tensors stay on the device."""
+        """Serve one rollout request (``trainer.models.wire``); tensors stay on the device."""
         with self._lock:
             self._check_open("generate")
             spec = parse_generate_request(self.adapter, request)
