@@ -60,10 +60,12 @@ def test_rotation_plan(tmp_path):
     removed = layout.rotate(task, keep=3, new_iteration=6, overwrite=True)
     assert sorted(p.name for p in removed) == ["iter_0000001", "iter_0000002", "iter_0000005",
                                                "iter_0000009"]
-    assert [n for n, _ in layout.iteration_dirs(task)] == [3, 4]
+    # iter_6: the directory about to be written, holding only this process's writer tag
+    assert [n for n, _ in layout.iteration_dirs(task)] == [3, 4, 6]
+    assert [p.name for p in (task / "iter_0000006").iterdir()] == [layout.WRITER_TAG]
     assert not [p for p in task.iterdir() if p.name.startswith(".trash-")]
     layout.rotate(task, keep=0, new_iteration=7)  # keep <= 0 keeps every committed one
-    assert [n for n, _ in layout.iteration_dirs(task)] == [3, 4]
+    assert [n for n, _ in layout.iteration_dirs(task)] == [3, 4, 7]
 
 
 def test_base_model_hash_is_content_not_location(tmp_path):

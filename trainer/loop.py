@@ -25,6 +25,7 @@ from trainer.actor.colocate import Footprint, OffloadPolicy, actor_footprint
 from trainer.actor.sync import sync_payload
 from trainer.actor.update import train_on
 from trainer.checkpoint import save_checkpoint
+from trainer.checkpoint.trained import worth_saving
 from trainer.config import DEFAULT_SAMPLING, Config, write_resolved
 from trainer.ema import build_ema
 from trainer.engine import launch_embedded_engine
@@ -456,6 +457,8 @@ class Trainer(TrainerState):
         """Every save_interval rollouts and at the end; save_interval -1 never saves. A failed
         final save raises (the run ends non-zero: its result is not on disk)."""
         ck = self.cfg.checkpoint
+        if not worth_saving(self, step, is_last):  # untrained: skip, or raise at the end
+            return
         if ck.save_interval < 0:
             return
         if is_last or (ck.save_interval and step % ck.save_interval == 0):

@@ -190,5 +190,5 @@ def log_pictures(trainer, step: int, *, evaluated: bool) -> None:
         trainer.metrics.image("train/samples", step, grid,
                               path=trainer.run_dir / "train_samples" / f"step{step:05d}.png")
     if evaluated:
-        path = write_reward_curve(trainer.run_dir)
-        trainer.metrics.image("reward_curve", step, np.asarray(Image.open(path).convert("RGB")))
+        curve = draw_reward_curve(*reward_series(read_metrics(trainer.run_dir / "metrics.jsonl")))
+        trainer.metrics.image("reward_curve", step, curve, path=trainer.run_dir / "reward_curve.png")
