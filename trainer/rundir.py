@@ -225,19 +225,22 @@ def claim_run_dir(cfg, *, check_only: bool = False):
         cfg = _adopt_recorded_save(cfg)
     ck = cfg.checkpoint
     lock_checkpoint_root(cfg)
+    problems = []
+    found = previous_run(cfg)
+    if found and not (ck.overwrite or ck.resume):
+        problems.append(_refusal(cfg, found))
     newer = _newer_than_explicit_load(cfg)
     if newer and not ck.overwrite:
         from trainer.checkpoint.save import checkpoint_root  # local: torch (see the top)
-        raise RunDirError(f"--load {ck.load} is older than the committed iterations {newer} of "
-                          f"this run's --save {checkpoint_root(cfg)}: saving would replace "
-                          f"them. Pass --overwrite to truncate that timeline, --resume to "
-                          f"continue from the newest, or another --save")
-    found = previous_run(cfg)
-    if found and not (ck.overwrite or ck.resume):
-        raise RunDirError(_refusal(cfg, found))
+        problems.append(f"--load {ck.load} is older than the committed iterations {newer} of "
+                        f"this run's --save {checkpoint_root(cfg)}: saving would replace "
+                        f"them. Pass --overwrite to truncate that timeline, --resume to "
+                        f"continue from the newest, or another --save")
     if ck.resume and found and not ck.load \
             and not any("committed checkpoints" in f for f in found):
-        raise RunDirError(_no_checkpoint_to_resume(cfg, found))
+        problems.append(_no_checkpoint_to_resume(cfg, found))
+    if problems:
+        raise RunDirError("\n".join(problems))
     if check_only:
         return cfg
     if ck.resume:
