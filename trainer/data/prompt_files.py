@@ -14,9 +14,24 @@ Formats, by suffix:
 
 A record is ``{"prompt": str, "metadata": {...}}``; ``task`` and ``sample_id`` are filled in
 (``<file stem>_<i:07d>``, i the record's 0-based position, as before) when absent.
+
+Text files are read as bytes and decoded line by line, so a line that is not UTF-8 is named
+``file:line`` (with the byte's column), like every other bad line, and the rest of the file
+is still checked.
+
+Memory: every rank holds the training prompts. ``open_prompt_file`` (what the loop uses)
+validates JSONL and text files in one streaming pass and keeps only each record's byte offset
+and line number (16 bytes a record); a record is parsed again when it is read, which a rollout
+does for a few groups. Holding every record as dicts cost an order of magnitude more than the
+file itself. Parquet files (row groups, not lines) are still read whole. A file edited after
+the pass is read as it is then; a line that no longer parses raises ``PromptFileError`` naming
+it.
 """
 from __future__ import annotations
 
+import json
+from array import array
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,16 +81,78 @@ def _from_row(row: Any, where: str, problems: list[str]) -> dict | None:
     return {"prompt": prompt, "metadata": meta}
 
 
-def _read_text(path: str, problems: list[str]) -> list[tuple[int, dict]]:
-    out = []
+def _scan(path: str, problems: list[str]) -> Iterator[tuple[int, int, dict]]:
+    """(line number, byte offset, record) of every good record of a text or JSONL file; each
+    bad line goes to ``problems`` as ``file:line``."""
+    text = path.lower().endswith(TEXT_SUFFIXES)
+    offset = 0
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            start, offset = offset, offset + len(raw)
+            record = _parse_line(raw, path, number, text, problems)
+            if record is not None:
+                yield number, start, record
+
+
+def _parse_line(raw: bytes, path: str, number: int, text: bool,
+                problems: list[str]) -> dict | None:
+    where = f"{path}:{number}"
     try:
-        with open(path, encoding="utf-8") as f:
-            for number, text in enumerate(f, start=1):
-                if text.strip():
-                    out.append((number, {"prompt": text.strip(), "metadata": {}}))
+        line = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        problems.append(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})")
-    return out
+        problems.append(f"{where}: not UTF-8 text ({exc.reason}: byte {raw[exc.start]:#04x} at "
+                        f"column {exc.start + 1})")
+        return None
+    if not line.strip():
+        return None
+    if text:
+        return {"prompt": line.strip(), "metadata": {}}
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        problems.append(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})")
+        return None
+    return _from_row(row, where, problems)
+
+
+def _fill_defaults(record: dict, stem: str, index: int) -> dict:
+    record["metadata"].setdefault("task", "t2i")
+    record["metadata"].setdefault("sample_id", f"{stem}_{index:07d}")
+    return record
+
+
+def _collect(path: str, sink: Callable[[int, int, dict], None]) -> None:
+    """Hand every good record (line, byte offset or -1 for parquet, record) to ``sink``;
+    raise one PromptFileError naming every bad line, or the file when it cannot be read or
+    holds no prompt."""
+    problems: list[str] = []
+    count = 0
+    try:
+        if is_parquet(path):
+            for line in read_lines(path):
+                if line.error is not None:
+                    problems.append(f"{line.where}: {line.error}")
+                    continue
+                record = _from_row(line.record, line.where, problems)
+                if record is not None:
+                    sink(line.line, -1, record)
+                    count += 1
+        else:
+            for number, offset, record in _scan(path, problems):
+                sink(number, offset, record)
+                count += 1
+    except OSError as exc:
+        raise PromptFileError([f"{path}: cannot read it ({type(exc).__name__}: {exc})"]) \
+            from None
+    except Exception as exc:  # a damaged parquet file: pyarrow's own errors
+        if not is_parquet(path):
+            raise
+        raise PromptFileError([f"{path}: not a readable parquet file ({cut(str(exc), 200)})"]) \
+            from None
+    if not count and not problems:
+        problems.append(f"{path}: holds no prompt (empty file, or only blank lines)")
+    if problems:
+        raise PromptFileError(problems)
 
 
 def read_prompt_file(path: str | Path) -> list[dict]:
@@ -86,37 +163,55 @@ def read_prompt_file(path: str | Path) -> list[dict]:
 
 def read_numbered(path: str | Path) -> list[tuple[str, dict]]:
     """``read_prompt_file`` with each record's ``file:line``."""
+    path, stem = str(path), Path(path).stem
+    out: list[tuple[str, dict]] = []
+    _collect(path, lambda number, _, record: out.append(
+        (f"{path}:{number}", _fill_defaults(record, stem, len(out)))))
+    return out
+
+
+class PromptRecords(Sequence):
+    """The records of a text or JSONL prompt file, parsed from the file when read (see the
+    module docstring); an index gives a fresh record, a slice a list of them."""
+
+    def __init__(self, path: str, lines: array, offsets: array) -> None:
+        self.path, self._lines, self._offsets = path, lines, offsets
+        self._stem = Path(path).stem
+        self._text = path.lower().endswith(TEXT_SUFFIXES)
+
+    def __len__(self) -> int:
+        return len(self._offsets)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        index = range(len(self))[index]  # negative indices; IndexError past the end
+        with open(self.path, "rb") as f:
+            f.seek(self._offsets[index])
+            raw = f.readline()
+        problems: list[str] = []
+        record = _parse_line(raw, self.path, self._lines[index], self._text, problems)
+        if record is None:
+            raise PromptFileError(problems or [f"{self.path}:{self._lines[index]}: the line "
+                                               f"is blank now (the file changed after it was "
+                                               f"checked)"])
+        return _fill_defaults(record, self._stem, index)
+
+
+def open_prompt_file(path: str | Path) -> Sequence[dict]:
+    """The records of a prompt file for training: checked in one pass (``PromptFileError``
+    naming every bad line), held as line offsets (``PromptRecords``); parquet as a list."""
     path = str(path)
-    problems: list[str] = []
-    numbered: list[tuple[int, dict]] = []
-    try:
-        if path.lower().endswith(TEXT_SUFFIXES):
-            numbered = _read_text(path, problems)
-        else:
-            for line in read_lines(path):
-                if line.error is not None:
-                    problems.append(f"{line.where}: {line.error}")
-                    continue
-                record = _from_row(line.record, line.where, problems)
-                if record is not None:
-                    numbered.append((line.line, record))
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PromptFileError([f"{path}: cannot read it ({type(exc).__name__}: {exc})"]) \
-            from None
-    except Exception as exc:  # a damaged parquet file: pyarrow's own errors
-        if not is_parquet(path):
-            raise
-        raise PromptFileError([f"{path}: not a readable parquet file ({cut(str(exc), 200)})"]) \
-            from None
-    if not numbered and not problems:
-        problems.append(f"{path}: holds no prompt (empty file, or only blank lines)")
-    if problems:
-        raise PromptFileError(problems)
-    stem = Path(path).stem
-    for index, (_, record) in enumerate(numbered):
-        record["metadata"].setdefault("task", "t2i")
-        record["metadata"].setdefault("sample_id", f"{stem}_{index:07d}")
-    return [(f"{path}:{number}", record) for number, record in numbered]
+    if is_parquet(path):
+        return read_prompt_file(path)
+    lines, offsets = array("q"), array("q")
+
+    def keep_offset(number: int, offset: int, _record: dict) -> None:
+        lines.append(number)
+        offsets.append(offset)
+
+    _collect(path, keep_offset)
+    return PromptRecords(path, lines, offsets)
 
 
 def overlap_problems(train: list[tuple[str, dict]], evals: list[tuple[str, dict]]
