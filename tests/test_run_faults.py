@@ -2,6 +2,7 @@
 (end to end through ``python -m trainer launch`` on the toy model) their exit codes."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -439,3 +440,26 @@ def test_launch_with_only_nan_rewards_shorter_than_the_stall_limit_exits_nonzero
     assert "without a single optimizer step" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert layout.committed_iterations(run / "checkpoints" / "t2i") == []
+
+
+def test_the_engine_deadline_counts_images_as_its_help_says():
+    """--engine-timeout-per-sample is "added to the floor per requested image": a batched
+    request of one toy group (8 candidates, one prompt entry each) gets floor + 8 x per-image,
+    and SGLang's single-prompt form counts its num_outputs_per_prompt (issue 49: it counted
+    the one prompt)."""
+    from trainer.config.sections import RolloutConfig
+    from trainer.engine.embedded.client import _PipeTransport
+    cfg = _cfg(Path("unused"))
+    r = cfg.rollout
+    help_text = [f.metadata["doc"] for f in dataclasses.fields(RolloutConfig)
+                 if f.name == "engine_timeout_per_sample_s"][0]
+    assert "per requested image" in help_text
+    pipe = _PipeTransport(None, None, floor_s=r.engine_timeout_floor_s,
+                          per_image_s=r.engine_timeout_per_sample_s)
+    group = {"prompt": ["a red cube"] * r.n_samples_per_prompt}
+    assert pipe.deadline_s("generate", (group,)) == 120.0 + 30.0 * 8   # the toy: 6 minutes
+    single = {"prompt": "a red cube", "num_outputs_per_prompt": 4}
+    assert pipe.deadline_s("generate", (single,)) == 120.0 + 30.0 * 4
+    by_ids = {"prompt": "a red cube", "extra_sampling_params": {"sample_ids": ["a", "b", "c"]}}
+    assert pipe.deadline_s("generate", (by_ids,)) == 120.0 + 30.0 * 3
+    assert pipe.deadline_s("health", ()) == 120.0

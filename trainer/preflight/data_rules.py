@@ -104,6 +104,7 @@ def check_reliability(c: Checker) -> None:
             c.error(f"{flagged('rollout.' + name)}={v!r} must be > 0")
     c.at_least("rollout.engine_max_restarts", r.engine_max_restarts, 0)
     c.at_least("train.max_rollouts_without_step", t.max_rollouts_without_step, 0)
+    c.one_of("checkpoint.base_hash", ck.base_hash, ("sampled", "full"))
     if ck.resume and ck.overwrite:
         c.error(f"{flagged('checkpoint.resume')} and {flagged('checkpoint.overwrite')} contradict "
                 f"each other: pass one")
