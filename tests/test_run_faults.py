@@ -236,8 +236,9 @@ soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
 size = (run / "metrics.jsonl").stat().st_size
 resource.setrlimit(resource.RLIMIT_FSIZE, (size + 40, hard))   # the disk fills mid-line
 m.log(2, {f"train/metric_{i}": float(i) for i in range(20)}, console=False)
-m.image_grid("train/samples", 2, np.random.randint(0, 255, (4, 16, 16, 3), dtype=np.uint8), path=run / "p" / "s.png")
-m.image("eval/samples", 2, np.random.randint(0, 255, (64, 64, 3), dtype=np.uint8), path=run / "eval" / "e.png")
+noise = np.random.default_rng(0).integers(0, 255, (4, 64, 64, 3), dtype=np.uint8)
+m.image_grid("train/samples", 2, noise[:, :16, :16], path=run / "p" / "s.png")
+m.image("eval/samples", 2, noise[0], path=run / "eval" / "e.png")
 resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))        # space again
 m.log(3, {"reward/mean": 0.7}, console=False)
 m.close()

@@ -190,5 +190,7 @@ def log_pictures(trainer, step: int, *, evaluated: bool) -> None:
         trainer.metrics.image("train/samples", step, grid,
                               path=trainer.run_dir / "train_samples" / f"step{step:05d}.png")
     if evaluated:
+        # drawn in memory, written by the logger: a full disk is counted, not fatal
         curve = draw_reward_curve(*reward_series(read_metrics(trainer.run_dir / "metrics.jsonl")))
-        trainer.metrics.image("reward_curve", step, curve, path=trainer.run_dir / "reward_curve.png")
+        trainer.metrics.image("reward_curve", step, curve,
+                              path=trainer.run_dir / "reward_curve.png")

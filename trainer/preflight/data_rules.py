@@ -65,7 +65,7 @@ def check_prompt_files(c: Checker) -> None:
         problems = prompt_length_problems(c.cfg, numbered)
         c.errors += [f"{flagged('data.' + name)}: {p}" for p in problems[:20]]
         if len(problems) > 20:
-            c.error(f"{flagged('data.' + name)}: ... and {len(problems) - 20} more too-long prompts")
+            c.error(f"{flagged('data.' + name)}: ... and {len(problems) - 20} more")
 
 
 def prompt_length_problems(cfg, numbered: list[tuple[str, dict]]) -> list[str]:
