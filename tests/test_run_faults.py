@@ -239,6 +239,7 @@ m.log(2, {f"train/metric_{i}": float(i) for i in range(20)}, console=False)
 noise = np.random.default_rng(0).integers(0, 255, (4, 64, 64, 3), dtype=np.uint8)
 m.image_grid("train/samples", 2, noise[:, :16, :16], path=run / "p" / "s.png")
 m.image("eval/samples", 2, noise[0], path=run / "eval" / "e.png")
+assert not m.write_text("summary.json", json.dumps({"last": {"x": 1.0}}) * 20)
 resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))        # space again
 m.log(3, {"reward/mean": 0.7}, console=False)
 m.close()
@@ -248,7 +249,7 @@ print("survived", flush=True)
 
 def test_a_full_disk_under_the_run_dir_is_counted_and_metrics_lines_stay_whole(tmp_path):
     """RLIMIT_FSIZE stands in for a full disk (a small tmpfs needs root): a metrics line cut
-    short and two pictures fail; the process goes on, metrics.jsonl holds whole lines only,
+    short, two pictures and the summary fail; the process goes on, metrics.jsonl holds whole lines only,
     and the next line carries logging/write_failures (issue 49, bad 7)."""
     run = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-c", _FULL_DISK, str(run)], cwd=ROOT,
@@ -259,7 +260,8 @@ def test_a_full_disk_under_the_run_dir_is_counted_and_metrics_lines_stay_whole(t
     assert text.endswith("\n")
     rows = [json.loads(line) for line in text.splitlines()]
     assert [r["step"] for r in rows] == [1, 3]
-    assert rows[1]["logging/write_failures"] == 3.0
+    assert rows[1]["logging/write_failures"] == 4.0
+    assert not (run / "summary.json").exists() and not list(run.glob(".*.tmp"))
     assert "could not write metrics.jsonl" in proc.stderr and "EFBIG" in proc.stderr
     assert not (run / "p" / "s.png").exists() and not list((run / "p").glob("*tmp*"))
 

@@ -449,8 +449,8 @@ class Trainer(TrainerState):
         progress.close()
         hook.remove()
         history["last"] = last
-        if self.rank == 0:
-            (self.run_dir / "summary.json").write_text(json.dumps(history, indent=2))
+        if self.rank == 0:  # a full disk is logged and counted (trainer.metrics), not fatal
+            self.metrics.write_text("summary.json", json.dumps(history, indent=2))
         return history
 
     def maybe_save(self, step: int, is_last: bool) -> None:

@@ -167,6 +167,21 @@ class MetricsLogger:
         if path is not None:
             self._guarded(f"picture {path.name}", lambda: _save_png(image, path))
 
+    def write_text(self, name: str, text: str) -> bool:
+        """A small file of the run dir (``summary.json``), written whole through a temporary
+        file; a failure is logged and counted like any other write. Returns whether it was."""
+        path = self.run_dir / name
+
+        def write() -> None:
+            tmp = path.with_name(f".{path.name}.tmp")
+            try:
+                tmp.write_text(text)
+                os.replace(tmp, path)
+            except OSError:
+                tmp.unlink(missing_ok=True)
+                raise
+        return self.enabled and self._guarded(name, write)
+
     def close(self) -> None:
         if self._jsonl is not None:
             os.close(self._jsonl)
