@@ -466,3 +466,20 @@ def test_the_engine_deadline_counts_images_as_its_help_says():
     by_ids = {"prompt": "a red cube", "extra_sampling_params": {"sample_ids": ["a", "b", "c"]}}
     assert pipe.deadline_s("generate", (by_ids,)) == 120.0 + 30.0 * 3
     assert pipe.deadline_s("health", ()) == 120.0
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_launch_resume_without_the_earlier_save_continues_from_it(tmp_path):
+    """The first run saved to another root; the relaunch with --resume and no --save
+    continues from that root and keeps saving there; the history is kept (issue 49, bad 2:
+    it started over at step 0 and cleared metrics.jsonl)."""
+    run, root = tmp_path / "run", tmp_path / "elsewhere"
+    first = _launch(run, "--set", "train.num_rollouts=1", "--set", f"checkpoint.save={root}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = _launch(run, "--set", "train.num_rollouts=2", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr and str(root) in resumed.stderr
+    assert _steps(run) == [1, 2]
+    assert [n for n, _ in layout.committed_iterations(root / "t2i")] == [1, 2]
+    assert not (run / "checkpoints" / "t2i").exists()
