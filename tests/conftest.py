@@ -3,6 +3,8 @@
 - Offline Hugging Face hubs for every test: nothing may be downloaded, and a missing local
   file must fail instead of silently fetching (or silently returning a broken tokenizer).
 - ``tiny_model_dir``: session-cached tiny random model directories (tests/tiny_models.py).
+- Under ``CI=true`` a skip for a missing dependency that the README's test command installs
+  fails the run (tests/ci_skips.py); GPU-only skips stay skips.
 - ``torch_single_thread``: one intra-op thread for the duration of a test. NOTE: measured on the
   shared 2-core machine under load, a tiny FLUX forward took 0.8 s with 2 threads and 0.02 s
   with 1 (OpenMP workers spinning against other processes); tiny models gain nothing from
@@ -15,6 +17,8 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+
+from ci_skips import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401 (hooks)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
