@@ -322,3 +322,52 @@ def test_checker_catches_an_update_sglang_skipped(server, adapter):
     with pytest.raises(SGLangSyncError, match="missing 1 tensor"):
         _sender(client).sync(11, renamed)
     assert client.committed_version != 11
+
+
+def _policy_copy(trainer, adapter):
+    """Our diffusers transformer holding the trainer's current weights (a replay model)."""
+    names = trainer._engine_names()
+    model = adapter.load_train_model().eval()
+    model.load_state_dict({names[n]: p.detach().clone() for n, p in
+                           trainer.model.named_parameters()})
+    return model
+
+
+def test_training_run_samples_every_rollout_from_the_weights_it_synced(server, tiny_model_dir,
+                                                                       tmp_path):
+    """A CPU training run through SGLang's stock path: each step's weights go through SGLang's
+    updater into the native DiT and its checker verifies them (the version advances only
+    then), and the next rollout is sampled by them: its recorded log-probs are the new
+    policy's replay, not the old one's."""
+    from trainer.actor.replay import replay_log_probs
+    from trainer.config import load_config
+    from trainer.loop import Trainer
+    from trainer.preflight import preflight
+
+    overrides = trainer_overrides(tiny_model_dir("qwen_image"), server.url, tmp_path)
+    cfg = load_config("tiny", overrides + ["train.num_rollouts=3", "train.lr=2e-2"])
+    preflight(cfg, world_size=1, device="cpu")
+    trainer = Trainer(cfg, rank=0, world=1, device="cpu")
+    adapter = server.adapter
+    try:
+        assert trainer.engine.committed_version == 0
+        for step in range(2):
+            old = _policy_copy(trainer, adapter)
+            seen = len(server.weight_requests)
+            trainer.train_step(step)
+            new = _policy_copy(trainer, adapter)
+            kinds = [type(r).__name__ for r in server.weight_requests[seen:]]
+            assert kinds[-1] == "UpdateWeightFromTensorCheckerReqInput"
+            assert trainer.policy_version == trainer.engine.committed_version == step + 1
+            served = server.served_tensors()
+            assert all(torch.equal(served[n], p)
+                       for n, p in _as_served(new.named_parameters()).items())
+            batch = trainer.rollout(step + 1)
+            assert batch.policy_version == step + 1
+            with torch.no_grad():
+                new_replay = replay_log_probs(adapter, new, batch, backend="torch")
+                old_replay = replay_log_probs(adapter, old, batch, backend="torch")
+            assert float((new_replay - batch.log_probs).abs().max()) < 2e-4
+            assert float((old_replay - batch.log_probs).abs().max()) > 2e-3
+    finally:
+        trainer.close()
