@@ -154,8 +154,10 @@ def _sglang_output(steps: int, seed: int, *, env: bool = True) -> dict:
         tokens = 3 + seed % 2
         # SGLang sends no mask when every token is real (a one-prompt request); test both forms
         mask = torch.ones(tokens, dtype=torch.bool) if seed % 2 else None
+        # the embeddings as SGLang's denoising stage keeps batch.prompt_embeds: a list with
+        # one tensor per text encoder
         out["denoising_env"] = {"image_kwargs": None, "neg_cond_kwargs": None, "guidance": None,
-                                "pos_cond_kwargs": {"encoder_hidden_states": torch.randn(tokens, 6),
+                                "pos_cond_kwargs": {"encoder_hidden_states": [torch.randn(tokens, 6)],
                                                     "encoder_hidden_states_mask": mask,
                                                     "txt_seq_lens": [tokens]}}
     return out
@@ -204,6 +206,12 @@ def test_sglang_answers_map_onto_our_schema():
         to_schema_response(bad, bodies, request)
     text = str(info.value)
     assert "candidate 0 (s0): seed" in text and "expected a list of 1 output, got 2" in text
+    two_encoders = [[_sglang_output(steps, b["seed"])] for b in bodies]
+    pos = two_encoders[0][0]["denoising_env"]["pos_cond_kwargs"]
+    pos["encoder_hidden_states"] = pos["encoder_hidden_states"] * 2
+    with pytest.raises(SGLangResponseError, match="encoder_hidden_states holds "
+                       r"\['Tensor', 'Tensor'\], expected one tensor"):
+        to_schema_response(two_encoders, bodies, request)
     with pytest.raises(ValueError, match="stock SGLang rejects"):
         to_sglang_requests({**request, "extra_sampling_params": {
             **request["extra_sampling_params"], "sigmas": [1.0, 0.0]}})
