@@ -69,6 +69,30 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 #: seconds any one call to the worker may take (a rollout of the tiny model takes a few)
 WORKER_TIMEOUT_S = 300.0
 
+_SG = "sglang.multimodal_gen."
+#: Per family SGLang serves natively: its pipeline class and config class (as ``sglang serve``
+#: resolves them from a model id, which a tiny local directory does not carry).
+NATIVE_PIPELINES = {
+    "qwen_image": (_SG + "runtime.pipelines.qwen_image.QwenImagePipeline",
+                   _SG + "configs.pipeline_configs.qwen_image.QwenImagePipelineConfig"),
+    "sd3": (_SG + "runtime.pipelines.stable_diffusion_3.StableDiffusion3Pipeline",
+            _SG + "configs.pipeline_configs.stablediffusion3.StableDiffusion3PipelineConfig"),
+    "flux": (_SG + "runtime.pipelines.flux.FluxPipeline",
+             _SG + "configs.pipeline_configs.flux.FluxPipelineConfig"),
+}
+
+
+def _attr(dotpath: str):
+    import importlib
+
+    module, _, name = dotpath.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def family_of(model_dir) -> str:
+    """The family of a tiny model directory (tests/tiny_models.py names it after the family)."""
+    return Path(model_dir).name
+
 
 @contextlib.contextmanager
 def _process_state_kept():
@@ -102,14 +126,13 @@ def require_sglang() -> None:
 def _http_modules():
     """What the HTTP process imports from SGLang."""
     with _process_state_kept():
-        from sglang.multimodal_gen.configs.pipeline_configs.qwen_image import (
-            QwenImagePipelineConfig)
         from sglang.multimodal_gen.runtime.entrypoints.post_training import (rollout_api,
                                                                               weights_api)
         # the trainer reads the native DiT's packing table (trainer/engine/sglang/packing.py):
         # imported here first, so its import-time side effects are undone as well
         from sglang.multimodal_gen.runtime.loader import utils  # noqa: F401
-        from sglang.multimodal_gen.runtime.models.dits import qwen_image  # noqa: F401
+        from sglang.multimodal_gen.runtime.models.dits import (flux, qwen_image,  # noqa: F401
+                                                              stablediffusion3)
         from sglang.multimodal_gen.runtime.scheduler_client import async_scheduler_client
         from sglang.multimodal_gen.runtime.server_args import ServerArgs, set_global_server_args
     return locals()
@@ -130,13 +153,16 @@ def restore_torch_reductions() -> None:
 
 
 def server_args(model_dir, modules: dict | None = None):
-    """SGLang's ``ServerArgs`` for the tiny Qwen-Image: the native pipeline class and config
-    (as ``sglang serve --model-path Qwen/Qwen-Image`` resolves them from the model id, which a
-    local tiny directory does not carry), fp32 components (module docstring)."""
+    """SGLang's ``ServerArgs`` for a tiny model: the family's native pipeline class and config
+    (``NATIVE_PIPELINES``), fp32 components (module docstring)."""
     s = modules or _http_modules()
-    args = s["ServerArgs"](model_path=str(model_dir), pipeline_class_name="QwenImagePipeline")
-    args.pipeline_config = s["QwenImagePipelineConfig"](
-        dit_precision="fp32", vae_precision="fp32", text_encoder_precisions=("fp32",))
+    pipeline, config = NATIVE_PIPELINES[family_of(model_dir)]
+    config_cls = _attr(config)
+    args = s["ServerArgs"](model_path=str(model_dir),
+                           pipeline_class_name=pipeline.rpartition(".")[2])
+    encoders = len(config_cls().text_encoder_precisions)
+    args.pipeline_config = config_cls(dit_precision="fp32", vae_precision="fp32",
+                                      text_encoder_precisions=("fp32",) * encoders)
     vae = args.pipeline_config.vae_config
     vae.update_model_arch(json.loads((Path(model_dir) / "vae" / "config.json").read_text()))
     vae.post_init()
@@ -167,7 +193,6 @@ class _Worker:
     def __init__(self, model_dir: str, extension: bool) -> None:
         from sglang.multimodal_gen.runtime.distributed import parallel_state
         from sglang.multimodal_gen.runtime.entrypoints.post_training import io_struct
-        from sglang.multimodal_gen.runtime.pipelines.qwen_image import QwenImagePipeline
         from sglang.multimodal_gen.runtime.pipelines_core.schedule_batch import Req
         from sglang.multimodal_gen.runtime.post_training import (gpu_worker_post_training_mixin,
                                                                   scheduler_post_training_mixin)
@@ -180,7 +205,8 @@ class _Worker:
         set_global_server_args(self.server_args)
         parallel_state.maybe_init_distributed_environment_and_model_parallel(
             1, 1, distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
-        self.pipeline = QwenImagePipeline(model_dir, self.server_args)
+        pipeline_cls = _attr(NATIVE_PIPELINES[family_of(model_dir)][0])
+        self.pipeline = pipeline_cls(model_dir, self.server_args)
         self.Req, self.io = Req, io_struct
 
         class Worker(gpu_worker_post_training_mixin.GPUWorkerPostTrainingMixin):
@@ -356,7 +382,7 @@ def serve_sglang(model_dir, *, weights_api: bool = True, extension: bool = False
     as ``SGLANG_PLUGINS=flowgrpo`` does."""
     import uvicorn
 
-    from trainer.models.qwen_image import QwenImageAdapter
+    from trainer.models import adapter_class
 
     s = _http_modules()
     client = s["async_scheduler_client"]
@@ -371,7 +397,7 @@ def serve_sglang(model_dir, *, weights_api: bool = True, extension: bool = False
     worker = WorkerProcess(model_dir, extension=extension)
     server = None
     try:
-        sglang = SGLangServer("", worker, QwenImageAdapter(str(model_dir)))
+        sglang = SGLangServer("", worker, adapter_class(family_of(model_dir))(str(model_dir)))
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         sglang.url = f"http://127.0.0.1:{sock.getsockname()[1]}"

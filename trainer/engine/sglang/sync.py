@@ -363,11 +363,30 @@ class SGLangWeightSync:
 
 
 # ---- the trainer's hooks ---------------------------------------------------------------------
+def _family_problems(adapter_path: str) -> list[str]:
+    """The model family must be one whose adapter says where SGLang keeps its conditions
+    (``sglang_conditions``) and which native DiT serves it (``sglang_dit``)."""
+    from trainer.models import adapter_class
+
+    try:
+        cls = adapter_class(adapter_path)
+    except ValueError:
+        return []  # the adapter path's own problem is reported by preflight's model checks
+    family = getattr(cls, "family", None)
+    if family_tables(family) is not None and getattr(cls, "sglang_dit", None):
+        return []
+    return [f"model family {family!r}: the SGLang client maps the denoising env of "
+            f"{sglang_families()} only: its adapter names no SGLang rollout mapping "
+            "(sglang_conditions, sglang_dit); trainer/engine/README.md says per family what "
+            "SGLang serves"]
+
+
 def sglang_config_problems(cfg: Any) -> list[str]:
     """Preflight: why ``cfg`` cannot train on its SGLang servers ([] when it can)."""
     r = cfg.rollout
     problems = [f"rollout.sampling: {p}" for p in
                 stock_problems(r.sampling or {}, extension=bool(r.sglang_extension))]
+    problems += _family_problems(cfg.model.adapter_path)
     if r.sglang_weight_sync not in ("tensor", "disk"):
         problems.append(f"rollout.sglang_weight_sync must be 'tensor' or 'disk', "
                         f"got {r.sglang_weight_sync!r}")
@@ -391,10 +410,6 @@ def connect_sglang(cfg: Any, rank: int, run_dir: str | Path, adapter: Any
     first sync (at construction) fails, and with it the run, if the server cannot take one."""
     r = cfg.rollout
     problems = sglang_config_problems(cfg)
-    family = getattr(adapter, "family", None)
-    if family_tables(family) is None:
-        problems.append(f"model family {family!r}: the SGLang client maps the denoising env of "
-                        f"{sglang_families()} only (trainer/engine/README.md)")
     if problems:
         raise ValueError("engine 'sglang':\n  - " + "\n  - ".join(problems))
     client = SGLangEngineClient(r.sglang_urls[rank], embedded=False,
