@@ -10,10 +10,10 @@ from the same checkpoint. Rows (bench/results.csv):
 - ``logp_gap_max``: max |engine log-prob - replay log-prob| over every trained step, the
   cross-implementation gap (SGLang's native DiT vs diffusers, same weights, fp32);
 - ``first_ratio_dev_max``: max |exp(replay - engine) - 1|, the first PPO ratio's distance from 1;
-- ``stock_sync_s_per_gb``: one stock sync (``/update_weights_from_tensor`` + SGLang's checker,
-  SHA-256 of every tensor on both sides) of the tiny DiT, in seconds per GB sent;
-- ``sha256_gbps``: the host SHA-256 rate of this machine, what the stock checker pays per GB on
-  each side (the tiny model's sync is dominated by per-request costs, this is the per-GB one).
+- ``sha256_gbps``: the host SHA-256 rate of this machine, what the stock path's verification
+  pays per GB on each side (sender manifest, SGLang's checker). A sync of the tiny DiT itself is
+  all per-request cost, so it gives no per-GB figure; the stock syncs here only check that the
+  path runs (three verified syncs).
 """
 from __future__ import annotations
 
@@ -53,18 +53,16 @@ def _parity(server, rollouts: int) -> tuple[list[float], list[float]]:
     return gaps, ratios
 
 
-def _stock_sync(server, repeats: int) -> list[float]:
+def _stock_sync(server, repeats: int) -> None:
     from trainer.engine.sglang.client import SGLangEngineClient
     from trainer.engine.sglang.sync import SGLangWeightSync
 
     model = server.adapter.load_train_model()
     sender = SGLangWeightSync(SGLangEngineClient(server.url),
                               served_dit=server.adapter.sglang_dit)
-    per_gb = []
     for version in range(1, repeats + 1):
-        stats = sender.sync(version, model.named_parameters())
-        per_gb.append(stats.seconds / (stats.bytes / 1e9))
-    return per_gb
+        sender.sync(version, model.named_parameters())
+        assert sender.client.committed_version == version
 
 
 def _sha256_gbps(nbytes: int = 256 << 20, repeats: int = 3) -> list[float]:
@@ -92,10 +90,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as root:
         with serve_sglang(build_tiny_model_dir(args.family, root)) as server:
             gaps, ratios = _parity(server, args.rollouts)
-            per_gb = _stock_sync(server, 3)
+            _stock_sync(server, 3)
     rec.add(case, "logp_gap_max", max(gaps), "nats", samples=gaps)
     rec.add(case, "first_ratio_dev_max", max(ratios), "ratio", samples=ratios)
-    rec.add(case, "stock_sync_s_per_gb", sorted(per_gb)[len(per_gb) // 2], "s/GB", samples=per_gb)
     rates = _sha256_gbps()
     rec.add("host-sha256-256mb", "sha256_gbps", sorted(rates)[1], "GB/s", samples=rates)
     for row in rec.rows:
