@@ -1,6 +1,7 @@
-"""SGLang's native pipeline against the trainer's replay, and the stock sync's cost, on a CPU.
+"""SGLang's native pipeline against the trainer's replay, and the stock sync's hash rate, on a CPU
+(CPU-only and needs sglang: not one of gpu.sh's bench_*.py scripts).
 
-    python bench/bench_sglang_native.py [--family qwen_image] [--rollouts 3]
+    python bench/sglang_native_parity.py [--family qwen_image] [--rollouts 3]
 
 Serves a tiny model with SGLang's own native pipeline (tests/sglang_fixtures.py: its native DiT,
 stages, updater and checker; fp32), samples ``--rollouts`` batches of 4 candidates through the
@@ -85,7 +86,7 @@ def main() -> None:
     from tiny_models import build_tiny_model_dir
 
     torch.set_num_threads(1)
-    rec = Recorder("bench_sglang_native", device=device_name("cpu"))
+    rec = Recorder("sglang_native_parity", device=device_name("cpu"))
     case = f"{args.family}-tiny-fp32-32x32-4steps"
     with tempfile.TemporaryDirectory() as root:
         with serve_sglang(build_tiny_model_dir(args.family, root)) as server:
