@@ -314,3 +314,20 @@ def test_corrupted_bucket_is_caught_marks_dirty_and_a_retry_recovers(worker, tra
     expected = _served(params, transport.packing)
     assert _bytes_equal(worker.call("weights"), expected) == []
     assert worker.call("checksum") == stats.checksum
+
+
+def test_a_restarted_trainer_reconnects_and_the_version_carries_over(worker, transport):
+    from trainer.engine.sglang.transport import SGLangTransport
+
+    version = worker.call("state")[0]
+    again = SGLangTransport(_descriptor(worker), bucket_bytes=BUCKET, timeout_s=30.0)
+    try:
+        with pytest.raises(ipc.WeightSyncError) as err:  # the receiver kept its version
+            again.sync(version - 1, _diffusers_params(seed=6).items())
+        assert err.value.stage == "pre-write" and "older than the committed" in str(err.value)
+        params = _diffusers_params(seed=6)
+        again.sync(version + 1, params.items())
+        assert worker.call("state") == (version + 1, False, None)
+        assert _bytes_equal(worker.call("weights"), _served(params, again.packing)) == []
+    finally:
+        again.close()
