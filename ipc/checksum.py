@@ -55,6 +55,13 @@ def words_of(t: torch.Tensor) -> torch.Tensor:
 def lanes_tensor(words: torch.Tensor, first: int = 0) -> torch.Tensor:
     """Lanes of a run of words whose first word has index `first` in its tensor, as an int64
     tensor [2] on the words' device (no host sync, so it can sit in a stream)."""
+    if words.device.type == "cpu":
+        return _lanes_numpy(words, first)
+    return _lanes_torch(words, first)
+
+
+def _lanes_torch(words: torch.Tensor, first: int) -> torch.Tensor:
+    """The definition in int64 torch ops (exact on any device, no reliance on wrap-around)."""
     acc = torch.zeros(2, dtype=torch.int64, device=words.device)
     n = words.numel()
     for lo in range(0, n, _REF_STEP):
@@ -67,6 +74,24 @@ def lanes_tensor(words: torch.Tensor, first: int = 0) -> torch.Tensor:
         acc += torch.stack([v.sum(), iv.sum()])
         acc &= M32
     return acc
+
+
+def _lanes_numpy(words: torch.Tensor, first: int) -> torch.Tensor:
+    """The same lanes on the CPU in numpy's uint32 arithmetic, which wraps mod 2^32 by
+    definition: a few uint32 passes instead of the reference's int64 temporaries (the CPU
+    path is the shared-memory transport's copy and verification)."""
+    a = b = np.uint32(0)
+    mix, shift = np.uint32(MIX), np.uint32(15)
+    n = words.numel()
+    with np.errstate(over="ignore"):
+        for lo in range(0, n, _REF_STEP):
+            u = words[lo:lo + _REF_STEP].numpy().astype(np.uint32)
+            w = (u + np.uint32(1)) * mix
+            v = w ^ (w >> shift)
+            i = np.arange(first + lo, first + lo + u.size, dtype=np.uint64).astype(np.uint32)
+            a = a + v.sum(dtype=np.uint32)
+            b = b + (i * v).sum(dtype=np.uint32)
+    return torch.tensor([int(a), int(b)], dtype=torch.int64)
 
 
 def lanes_of_words(words: torch.Tensor, first: int = 0) -> tuple[int, int]:
