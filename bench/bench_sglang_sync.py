@@ -5,10 +5,10 @@
 
 Paths:
 - extension (trainer/engine/sglang/transport.py): ipc's WeightSender into a WeightReceiver in a
-  spawned process, over /dev/shm. ``copy`` is the sync with verify="fused" (the copy and the
-  checksum the copy computes); ``verify`` is what verify="full" adds (the receiver re-reads
-  every synced byte for its checksum). Note: on the CPU both checksums run through the torch
-  reference, not the GPU's fused kernel.
+  spawned process, over /dev/shm, verify="full". Of each sync's own timings, ``copy`` is the
+  write phase (the copy and the sender's checksum of what it wrote) and ``verify`` the commit
+  phase (the receiver re-reads every synced byte for its checksum, compares, commits). On the
+  CPU the checksums are numpy passes, not the GPU's fused copy kernel.
 - stock (trainer/engine/sglang/sync.py): the transfer is SGLang's payload as the trainer makes
   it (``flattened_bucket`` + ``serialize_payload``: the tensors moved into shared memory and
   pickled with torch's reductions), read back with pickle and copied in place as SGLang's
@@ -65,7 +65,8 @@ def _receiver_host(conn, total_mb: int, verify: str, ready) -> None:
     r.close()
 
 
-def extension_seconds(total_mb: int, verify: str, repeats: int) -> tuple[list[float], int]:
+def extension_seconds(total_mb: int, verify: str, repeats: int
+                      ) -> tuple[dict[str, list[float]], int]:
     ctx = mp.get_context("spawn")
     s_end, r_end = ipc.channel_pair()
     ready, child = ctx.Pipe()
@@ -74,13 +75,15 @@ def extension_seconds(total_mb: int, verify: str, repeats: int) -> tuple[list[fl
     r_end.close()
     ready.recv()
     sender = ipc.WeightSender(s_end, bucket_bytes=64 << 20, timeout_s=600.0)
-    times, nbytes = [], 0
+    times, nbytes = {"sync": [], "write": [], "commit": []}, 0
     try:
         for v in range(1, repeats + 2):
             stats = sender.sync(v, dit_shaped(total_mb, v))
             nbytes = stats.bytes
             if v > 1:  # the first sync opens the memory; later ones are the steady state
-                times.append(stats.seconds)
+                times["sync"].append(stats.seconds)
+                times["write"].append(stats.timings["write"])
+                times["commit"].append(stats.timings["commit"])
     finally:
         sender.close()
         ready.send("done")
@@ -124,13 +127,10 @@ def main() -> None:
         rows.append((case, metric, value))
         return value
 
-    fused, nbytes = extension_seconds(args.mb, "fused", args.repeats)
-    full, _ = extension_seconds(args.mb, "full", args.repeats)
-    copy = add("extension-shm", "copy_s_per_gb", fused, nbytes)
-    total = add("extension-shm", "sync_verified_s_per_gb", full, nbytes)
-    verify = total - copy
-    rec.add("extension-shm", "verify_s_per_gb", verify, "s/GB")
-    rows.append(("extension-shm", "verify_s_per_gb", verify))
+    ext, nbytes = extension_seconds(args.mb, "full", args.repeats)
+    copy = add("extension-shm", "copy_s_per_gb", ext["write"], nbytes)
+    verify = add("extension-shm", "verify_s_per_gb", ext["commit"], nbytes)
+    total = add("extension-shm", "sync_verified_s_per_gb", ext["sync"], nbytes)
 
     tensors = dit_shaped(args.mb, 1)
     stock = stock_seconds(tensors, args.repeats)
