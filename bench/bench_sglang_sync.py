@@ -15,7 +15,8 @@ Paths:
   updater does (in this process: the server's unpickler and HTTP hop are not timed); ``hash`` is
   ``tensor_sha256`` of every tensor on one side (the checker hashes the same on the other), and
   ``hash_sampled`` what trainer/engine/sglang/verify.py's policy hashes in a sampled sync at its
-  default budget, scaled to a 41 GB model (the window is the same bytes whatever the model).
+  default budget at most (budget + 2 of Qwen-Image's largest tensors per side), beside the
+  full hash, both projected onto Qwen-Image's 41 GB with this run's transfer rate.
 
 Prints seconds per GB for each and appends rows to bench/results.csv (bench/results.py).
 """
