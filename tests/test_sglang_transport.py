@@ -115,6 +115,15 @@ def _worker_main(ctl, port: int, receiver_dir: str) -> None:
             ctl.send(_arrays(dit))
         elif op == "checksum":
             ctl.send(r.checksum())
+        elif op == "release":  # SGLang's release of every module, through the hooked move
+            from sglang.multimodal_gen.runtime.managers.memory_managers import (
+                memory_occupation_controller as moc)
+            controller = moc.MemoryOccupationController.__new__(moc.MemoryOccupationController)
+            controller.pipeline = pipeline
+            ptrs = [p.data_ptr() for p in dit.parameters()]
+            result = moc.MemoryOccupationController._move_modules(controller, ["transformer"],
+                                                                   "cpu")
+            ctl.send((result, ptrs == [p.data_ptr() for p in dit.parameters()]))
         elif op == "denoise":  # the extension's hook on SGLang's DenoisingStage.forward
             from sglang.multimodal_gen.runtime.pipelines_core.stages import denoising
             try:
@@ -314,6 +323,14 @@ def test_corrupted_bucket_is_caught_marks_dirty_and_a_retry_recovers(worker, tra
     expected = _served(params, transport.packing)
     assert _bytes_equal(worker.call("weights"), expected) == []
     assert worker.call("checksum") == stats.checksum
+
+
+def test_sglang_memory_release_leaves_the_served_dit_in_transport_memory(worker, transport):
+    assert worker.call("release") == (None, True)
+    version = worker.call("state")[0]
+    params = _diffusers_params(seed=7)
+    transport.sync(version + 1, params.items())  # still writable where SGLang computes
+    assert _bytes_equal(worker.call("weights"), _served(params, transport.packing)) == []
 
 
 def test_a_restarted_trainer_reconnects_and_the_version_carries_over(worker, transport):

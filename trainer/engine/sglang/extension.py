@@ -34,7 +34,10 @@ Weights (trainer/engine/sglang/receiver.py): ``pipelines_core.build_pipeline`` i
 ipc ``WeightReceiver`` on the native DiT of each worker (``FLOWGRPO_WEIGHT_RECEIVER=0`` leaves
 it out), ``http_server.create_app`` adds ``GET /flowgrpo/weight_receivers`` (each worker's
 socket and packing rules, for trainer/engine/sglang/transport.py), and
-``DenoisingStage.forward`` refuses to denoise while a failed sync left the weights dirty.
+``DenoisingStage.forward`` refuses to denoise while a failed sync left the weights dirty, and
+SGLang's release / resume memory (``MemoryOccupationController._move_modules``) leaves that DiT
+where it is: its weights live in the transport memory the trainer writes into, so they stay
+resident (as the embedded engine's do); moving them would leave the receiver nothing to write.
 
 The block's noise keys and its sigmas are independent: sigmas alone keep SGLang's sampler
 (``sde``/``cps``/``ode`` with its own seeded noise); ``dance`` needs the noise keys (it is our
@@ -61,6 +64,8 @@ DENOISING = "sglang.multimodal_gen.runtime.pipelines_core.stages.denoising"
 BUILD_PIPELINE = "sglang.multimodal_gen.runtime.pipelines_core.build_pipeline"
 CREATE_APP = "sglang.multimodal_gen.runtime.entrypoints.http_server.create_app"
 DENOISING_FORWARD = f"{DENOISING}.DenoisingStage.forward"
+MOVE_MODULES = ("sglang.multimodal_gen.runtime.managers.memory_managers."
+                "memory_occupation_controller.MemoryOccupationController._move_modules")
 CONTROLLER = ("sglang.multimodal_gen.runtime.post_training.flow_rollout_controller."
               "FlowRolloutController")
 #: Keys of the block (see trainer/engine/sglang/rollout.py ``extension_block``): always sent,
@@ -88,6 +93,7 @@ def register() -> None:
     HookRegistry.register(BUILD_PIPELINE, install_weight_receiver, HookType.AROUND)
     HookRegistry.register(CREATE_APP, add_receiver_route, HookType.AROUND)
     HookRegistry.register(DENOISING_FORWARD, refuse_dirty_weights, HookType.AROUND)
+    HookRegistry.register(MOVE_MODULES, keep_dit_resident, HookType.AROUND)
 
 
 # ---- HTTP process ----------------------------------------------------------------------------
@@ -197,6 +203,20 @@ def install_weight_receiver(original, *args, **kwargs):
 def installed_receiver() -> receiver.WorkerReceiver | None:
     """This worker's receiver (None in the HTTP process, or with the receiver turned off)."""
     return _installed
+
+
+def keep_dit_resident(original, controller, names, device, *args, **kwargs):
+    """SGLang's module move, minus the DiT our receiver serves (module docstring)."""
+    if _installed is None:
+        return original(controller, names, device, *args, **kwargs)
+    from sglang.multimodal_gen.runtime.post_training.weights_updater import (
+        get_updatable_modules)
+
+    modules = get_updatable_modules(controller.pipeline)
+    rest = [n for n in names if modules.get(n) is not _installed.module]
+    if not rest:
+        return None
+    return original(controller, rest, device, *args, **kwargs)
 
 
 def refuse_dirty_weights(original, *args, **kwargs):

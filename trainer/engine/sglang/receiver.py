@@ -25,7 +25,8 @@ Design choices:
 - Rendezvous: descriptors are files in ``$FLOWGRPO_RECEIVER_DIR`` (default
   ``<tmp>/flowgrpo-sglang-<server port>``), one per worker rank; SGLang's HTTP process and its
   workers share no channel a plugin can add to, and the trainer must be on the same host anyway.
-- What the receiver cannot follow: SGLang's layerwise offload and its memory release move the
+- SGLang's memory release skips this DiT (extension.py: its weights stay resident in
+  transport memory). What the receiver cannot follow: SGLang's layerwise offload moves the
   DiT's storage (``.data`` rebound); the receiver then refuses the next sync before writing
   (its manifest check sees the tensors left transport memory). Tensor parallelism > 1 gives
   each worker a shard whose shapes the trainer's full tensors do not match: refused the same way.
@@ -76,6 +77,7 @@ class WorkerReceiver:
     def __init__(self, module: nn.Module, *, rank: int, port: int | str,
                  backend: str = "auto", timeout_s: float = 60.0, verify: str = "full") -> None:
         params = dict(module.named_parameters())
+        self.module = module
         self.packing = packing_rules(module)
         self.receiver = WeightReceiver(None, params, backend=backend, timeout_s=timeout_s,
                                        verify=verify)
