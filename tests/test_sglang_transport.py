@@ -348,3 +348,52 @@ def test_a_restarted_trainer_reconnects_and_the_version_carries_over(worker, tra
         assert _bytes_equal(worker.call("weights"), _served(params, again.packing)) == []
     finally:
         again.close()
+
+
+def _serve_app(app):
+    """uvicorn on loopback in a thread; returns (url, server)."""
+    import threading
+    import time
+
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    threading.Thread(target=server.run, daemon=True).start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline:
+            raise TimeoutError("uvicorn did not start within 30 s")
+        time.sleep(0.05)
+    return f"http://127.0.0.1:{port}", server
+
+
+def test_the_trainer_connects_through_the_route_over_http(worker, monkeypatch):
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+
+    from trainer.engine.sglang import extension
+    from trainer.engine.sglang.transport import SGLangTransport, TransportError
+
+    monkeypatch.setenv("FLOWGRPO_RECEIVER_DIR", worker.dir)
+    stock_url, stock = _serve_app(FastAPI())
+    app = extension.add_receiver_route(lambda server_args: FastAPI(),
+                                       SimpleNamespace(port=worker.port))
+    url, server = _serve_app(app)
+    try:
+        with pytest.raises(TransportError, match="SGLANG_PLUGINS=flowgrpo"):
+            SGLangTransport.connect(stock_url, "cpu")
+        version = worker.call("state")[0]
+        transport = SGLangTransport.connect(url, "cpu", bucket_bytes=BUCKET)
+        try:
+            params = _diffusers_params(seed=8)
+            transport.sync(version + 1, params.items())
+        finally:
+            transport.close()
+        assert worker.call("state") == (version + 1, False, None)
+        assert _bytes_equal(worker.call("weights"), _served(params, transport.packing)) == []
+    finally:
+        server.should_exit = stock.should_exit = True
