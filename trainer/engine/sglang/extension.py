@@ -193,10 +193,15 @@ def install_weight_receiver(original, *args, **kwargs):
     if os.environ.get(receiver.ENABLE_ENV, "1") == "0":
         return pipeline
     server_args = kwargs.get("server_args", args[0] if args else None)
-    # SGLang's worker sets RANK before it builds the pipeline
-    _installed = receiver.WorkerReceiver(pipeline.get_module("transformer"),
-                                         rank=int(os.environ.get("RANK", "0")),
-                                         port=server_args.port)
+    try:
+        # SGLang's worker sets RANK before it builds the pipeline
+        _installed = receiver.WorkerReceiver(pipeline.get_module("transformer"),
+                                             rank=int(os.environ.get("RANK", "0")),
+                                             port=server_args.port)
+    except (ValueError, OSError) as exc:
+        raise RuntimeError(f"flowgrpo extension: cannot serve the DiT's weights through our "
+                           f"transport ({exc}); set {receiver.ENABLE_ENV}=0 to serve without "
+                           "it (the trainer then syncs through the stock path)") from exc
     return pipeline
 
 
