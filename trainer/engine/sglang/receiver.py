@@ -86,6 +86,7 @@ class WorkerReceiver:
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.address = str(self.dir / f"rank{self.rank}-{os.getpid()}.sock")
         self._authkey = secrets.token_bytes(32)
+        Path(self.address).unlink(missing_ok=True)  # a killed worker's, same pid reused
         self._listener = Listener(self.address, family="AF_UNIX", authkey=self._authkey)
         self.descriptor_path = self.dir / f"rank{self.rank}{DESCRIPTOR_SUFFIX}"
         self._write_descriptor(module)
