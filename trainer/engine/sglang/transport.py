@@ -132,7 +132,11 @@ def _concat(parts: list[Any]) -> LazyTensor:
 
 
 class SGLangTransport:
-    """An ``ipc.WeightSender`` connected to one SGLang worker's receiver."""
+    """An ``ipc.WeightSender`` connected to one SGLang worker's receiver. Drop-in beside the
+    stock ``SGLangWeightSync``: ``sync(version, payload, mode=)`` returns stats with the same
+    seconds / bytes / tensors / checksum / timings fields, and verifies every sync itself."""
+
+    self_verifying = True  # the receiver compares checksums before it commits
 
     def __init__(self, descriptor: dict[str, Any], *, bucket_bytes: int = 512 << 20,
                  timeout_s: float = 60.0) -> None:
