@@ -8,6 +8,7 @@ from pathlib import Path
 
 from trainer.data.prompt_files import PromptFileError, overlap_problems, read_numbered
 from trainer.evaluation import eval_sampling
+from trainer.media import record_media_problems
 from trainer.preflight.checker import Checker, flagged
 from trainer.config.sampling import SamplingConfig
 
@@ -57,9 +58,22 @@ def check_prompt_files(c: Checker) -> None:
             c.errors += [f"{flagged('data.' + name)}: {p}" for p in exc.problems[:20]]
             if len(exc.problems) > 20:
                 c.error(f"{flagged('data.' + name)}: ... and {len(exc.problems) - 20} more")
+            continue
+        check_prompt_media(c, name, parsed[name])
     if len(parsed) == 2:
         for problem in overlap_problems(parsed["prompt_data"], parsed["eval_prompt_data"]):
             c.error(f"{flagged('data.eval_prompt_data')}: {problem}")
+
+
+def check_prompt_media(c: Checker, name: str, numbered: list[tuple[str, dict]]) -> None:
+    """Decode every reference image of an editing prompt file now (``file:line: images[i]:
+    why``), so a missing or broken source is a preflight error, not a crash in a rollout.
+    Text-to-image files have none and cost nothing here."""
+    problems = [f"{where}: {problem}" for where, record in numbered
+                for problem in record_media_problems(record)]
+    c.errors += [f"{flagged('data.' + name)}: {p}" for p in problems[:20]]
+    if len(problems) > 20:
+        c.error(f"{flagged('data.' + name)}: ... and {len(problems) - 20} more")
 
 
 def check_reliability(c: Checker) -> None:
