@@ -122,11 +122,11 @@ def test_inspect_decodes_inline_always_and_checks_sizes_with_the_flag(tmp_path, 
     out = capsys.readouterr()
     out = out.out + out.err
     assert f"{train}:2: [decode] images entry (inline): inline image" in out
-    assert "[size]" not in out
+    assert f"{train}:3:" not in out  # sizes only with --decode-media
     assert main(["inspect", "--train", str(train), "--decode-media"]) == 1
     out = capsys.readouterr()
     out = out.out + out.err
-    assert f"{train}:3: [size] images entry 'sliver.png':" in out and "too small" in out
+    assert f"{train}:3: [decode] images entry 'sliver.png':" in out and "too small" in out
     assert f"{train}:4:" not in out and f"{train}:1:" not in out
 
 

@@ -14,10 +14,9 @@ Error classes, each reported as ``file:line: [class] message``:
 * ``task``: metadata.task is not a known generation task.
 * ``placeholder``: the count of <image> / <video> placeholders differs from the media list.
 * ``media``: a referenced local media file does not exist.
-* ``decode``: (with ``decode_media``) a media file exists but does not decode; an inline
-  (``data:`` URI) image that does not decode, checked always.
-* ``size``: (with ``decode_media``) an image decodes but a side is under
-  ``trainer.media.MIN_SIDE`` or it has more than ``trainer.media.MAX_PIXELS`` pixels.
+* ``decode``: (with ``decode_media``) a media file exists but does not decode, or an image
+  decodes to a size the trainer refuses (a side under ``trainer.media.MIN_SIDE``, more than
+  ``trainer.media.MAX_PIXELS`` pixels); an inline (``data:`` URI) image is checked always.
 * ``duplicate_id``: a sample_id repeated inside one file.
 * ``leak``: an eval record whose sample_id or content (prompt + media) is also in train.
 
@@ -39,8 +38,8 @@ from trainer.media import ImageRef, image_problem, is_inline
 from trainer.data.schema import (IMAGE_SUFFIXES, TASKS, content_hash, is_url, media_entries,
                                  resolve_media)
 
-ERROR_CLASSES = ("parse", "schema", "task", "placeholder", "media", "decode", "size",
-                 "duplicate_id", "leak")
+ERROR_CLASSES = ("parse", "schema", "task", "placeholder", "media", "decode", "duplicate_id",
+                 "leak")
 
 
 @dataclass
@@ -134,8 +133,8 @@ def _check_media(line: PromptLine, base: str, decode_media: bool, findings: list
             elif key == "images":  # it decodes: the trainer's size bounds (trainer.media)
                 problem = image_problem(ImageRef(path))
                 if problem:
-                    findings.append(Finding(line.where, "size", f"{key} entry {entry!r}: "
-                                                                f"{problem}"))
+                    findings.append(Finding(line.where, "decode", f"{key} entry {entry!r}: "
+                                                                  f"{problem}"))
 
 
 def expand_folders(train: str | None, evals: Sequence[str]) -> tuple[str | None, list[str]]:
