@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -153,3 +154,32 @@ def test_curate_drops_undecodable_sources_keeps_inline_ones_and_splits(tmp_path)
     for name in ("train.jsonl", "eval.jsonl"):
         for _, record in read_numbered(out / name):
             assert all(image_problem(ref) is None for ref in conditioning_images(record))
+
+
+def test_prepare_keeps_relative_sources_pointing_at_the_same_files(tmp_path):
+    _png(tmp_path / "in" / "src" / "a.png")
+    inline = inline_entry(_png_bytes())
+    src = _jsonl(tmp_path / "in" / "edits.jsonl", [
+        {"prompt": "make it blue", "images": ["src/a.png"]},
+        {"prompt": "make it red", "images": [inline, str(tmp_path / "in" / "src" / "a.png")]}])
+    out = tmp_path / "out" / "prepared.jsonl"
+    assert main(["prepare", "--source", "prompts", "--input", str(src), "--output", str(out)]) == 0
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert written[0]["images"] == [str(Path("..") / "in" / "src" / "a.png")]
+    assert written[1]["images"] == [inline, str(tmp_path / "in" / "src" / "a.png")]
+    for _, record in read_numbered(out):
+        assert all(image_problem(ref) is None for ref in conditioning_images(record))
+
+
+def test_parquet_binary_image_columns_are_read_as_inline_images(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    jpeg = io.BytesIO()
+    Image.new("RGB", (20, 10), (250, 0, 0)).save(jpeg, format="JPEG")
+    table = pa.table({"prompt": ["make it blue"], "images": [[jpeg.getvalue()]]})
+    pq.write_table(table, tmp_path / "edits.parquet")
+    (record,) = read_prompt_file(tmp_path / "edits.parquet")
+    (ref,) = conditioning_images(record)
+    assert ref.entry.startswith("data:image/jpeg;base64,")
+    pixels = ref.decode()
+    assert pixels.shape == (10, 20, 3) and pixels[5, 10, 0] > 200 and pixels[5, 10, 2] < 60

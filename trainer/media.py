@@ -47,8 +47,21 @@ def is_inline(entry: str) -> bool:
     return entry.startswith(DATA_URI_PREFIX)
 
 
-def inline_entry(data: bytes, mime: str = "image/png") -> str:
-    """The ``data:`` URI of raw image bytes, as a record's ``images`` list holds it."""
+_MAGIC = ((b"\x89PNG", "image/png"), (b"\xff\xd8", "image/jpeg"), (b"GIF8", "image/gif"),
+          (b"BM", "image/bmp"))
+
+
+def _sniffed_mime(data: bytes) -> str:
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "image/webp"
+    return next((mime for magic, mime in _MAGIC if data.startswith(magic)),
+                "application/octet-stream")
+
+
+def inline_entry(data: bytes, mime: str | None = None) -> str:
+    """The ``data:`` URI of raw image bytes, as a record's ``images`` list holds it; the type
+    is read from the bytes' signature when not given (decoding never depends on it)."""
+    mime = mime or _sniffed_mime(data)
     return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
 
 
@@ -77,7 +90,7 @@ class ImageRef:
         return cls(os.path.normpath(os.path.join(base_dir, entry)))
 
     @classmethod
-    def from_bytes(cls, data: bytes, mime: str = "image/png") -> "ImageRef":
+    def from_bytes(cls, data: bytes, mime: str | None = None) -> "ImageRef":
         return cls(inline_entry(data, mime))
 
     @property
