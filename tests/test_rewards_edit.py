@@ -1,6 +1,6 @@
 """Rewards for editing: scorers that ask for the source images get them (decoded by PIL from
 the files the test writes), the others are called as before; the built-in image-similarity and
-red-to-blue terms; the VLM judge sends source and result in one OpenAI-style request, checked
+red-to-blue terms, CLIP image-image similarity on a tiny random CLIP; the VLM judge sends source and result in one OpenAI-style request, checked
 by a loopback server."""
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ from trainer.rewards.base import RewardError, RewardScorer
 from trainer.rewards.edit import ImageSimilarityScorer, RedToBlueScorer
 from trainer.rewards.manager import (RewardManager, build_reward_manager_from_config,
                                      clear_reward_manager_cache)
+
+from test_rewards_scorers import tiny_clip_dir  # noqa: F401  (the tiny CLIP fixture)
 
 
 def _solid(colour, h=16, w=16):
@@ -200,3 +202,20 @@ def test_vlm_judge_sends_source_and_result_in_one_request(judge_server):
                 {"type": "text", "text": question}]}]}
     assert "edit_question uses unknown fields ['source']" in VLMJudgeScorer.check_options(
         endpoint=url, edit_question="{source} {prompt}")[0]
+
+
+def test_clip_image_similarity_matches_transformers_own_clip_path(tiny_clip_dir):
+    from test_rewards_scorers import IMAGE, reference_clip_embeds
+    from trainer.rewards.edit import CLIPImageSimilarityScorer
+    rng = np.random.default_rng(0)
+    sources = [rng.integers(0, 256, (IMAGE, IMAGE, 3), dtype=np.uint8) for _ in range(2)]
+    results = np.stack([sources[0], 255 - sources[0], sources[1]])
+    scorer = CLIPImageSimilarityScorer(model_path=tiny_clip_dir)
+    out = scorer.score(torch.from_numpy(results), ["x"] * 3, [{}] * 3,
+                       sources=[(sources[0],), (sources[0],), (sources[1],)])
+    out = out["clip_image_similarity"]
+    image, _, _ = reference_clip_embeds(tiny_clip_dir, torch.from_numpy(np.stack(
+        [*results, *sources])), ["x"] * 5)
+    expected = [float(image[0] @ image[3]), float(image[1] @ image[3]), float(image[2] @ image[4])]
+    assert out.tolist() == pytest.approx(expected, abs=1e-4)
+    assert out[0] == pytest.approx(1.0, abs=1e-5) and out[1] < 0.999

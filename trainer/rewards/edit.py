@@ -7,6 +7,11 @@
   ``1 - mean |result - source| / 255`` in [0, 1] (1: identical). A pixel metric rather than
   CLIP embeddings: it needs no weights, runs anywhere, and is exact in tests; mix it with a
   semantic reward through the component weights.
+* ``clip_image_similarity`` (``CLIPImageSimilarityScorer``): the same intent judged
+  semantically, ``cos(CLIP(result), CLIP(source))`` in [-1, 1] with the image tower and
+  preprocessing of the CLIP scorers (``hf_clip.HFClip``; ``model_path``: a transformers CLIP
+  directory). It forgives a shifted or recoloured background that the pixel metric punishes,
+  and costs a model.
 * ``red_to_blue`` (``RedToBlueScorer``): a dense edit reward for tests and CPU runs, the edit
   counterpart of the toy world's reward ("make the red things blue"). Each source pixel weighs
   its redness ``max(0, r - max(g, b)) / 255``; the score is the weighted mean, over the result
@@ -69,6 +74,42 @@ class ImageSimilarityScorer(RewardScorer):
         values = [1.0 - float(np.abs(self._small(r) - self._small(s)).mean()) / 255.0
                   for r, s in zip(results, refs)]
         return {"image_similarity": torch.tensor(values, dtype=torch.float32)}
+
+
+class CLIPImageSimilarityScorer(RewardScorer):
+    """Options: ``model_path`` (transformers CLIP directory), ``processor_path``, ``dtype``,
+    ``batch_size``: as for ``CLIPScoreScorer``."""
+
+    components: ClassVar[tuple[str, ...]] = ("clip_image_similarity",)
+    wants_sources: ClassVar[bool] = True
+
+    def __init__(self, *, model_path: str, processor_path: str | None = None,
+                 device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
+                 batch_size: int = 64) -> None:
+        from trainer.rewards.hf_clip import HFClip  # local: transformers is a slow import
+
+        self.clip = HFClip(model_path, processor_path=processor_path, device=device,
+                           dtype=dtype, batch_size=batch_size)
+
+    def to(self, device: str | torch.device) -> "CLIPImageSimilarityScorer":
+        self.clip.to(device)
+        return self
+
+    def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]],
+              sources: Sequence[tuple[np.ndarray, ...]] | None = None
+              ) -> dict[str, torch.Tensor]:
+        batch = check_score_inputs(images, prompts, metadata)
+        refs = first_sources("clip_image_similarity", sources, batch)
+        result_embeds = self.clip.image_embeds(images)
+        # a group's candidates share one source: each distinct array is embedded once, alone
+        # (sources may differ in size, so they are not stacked)
+        embedded: dict[int, torch.Tensor] = {}
+        for ref in refs:
+            if id(ref) not in embedded:
+                embedded[id(ref)] = self.clip.image_embeds(
+                    torch.from_numpy(np.ascontiguousarray(ref)).unsqueeze(0))[0]
+        source_embeds = torch.stack([embedded[id(ref)] for ref in refs])
+        return {"clip_image_similarity": (result_embeds * source_embeds).sum(dim=-1)}
 
 
 class RedToBlueScorer(RewardScorer):
