@@ -90,7 +90,20 @@ def _cfg(tmp_path, *sets):
     return load_config("toy", [f"logging.run_dir={tmp_path / 'run'}", *sets])
 
 
-def test_preflight_names_every_missing_or_broken_source_as_file_line(tmp_path):
+def test_preflight_refuses_source_images_for_a_task_that_takes_none(tmp_path):
+    _png(tmp_path / "ok.png")
+    train = _jsonl(tmp_path / "train.jsonl", [{"prompt": "a cat"},
+                                              {"prompt": "make it blue", "images": ["ok.png"]}])
+    with pytest.raises(ConfigError) as e:
+        preflight(_cfg(tmp_path, f"data.prompt_data={train}", "data.eval_prompt_data=none"))
+    assert (f"1 record(s) carry source images (first at {train}:2) but model.task='t2i' takes "
+            f"no conditioning media") in str(e.value)
+
+
+def test_preflight_names_every_missing_or_broken_source_as_file_line(tmp_path, monkeypatch):
+    # stand-in for an editing family's task registration (trainer.tasks.CONDITIONED_TASKS):
+    # none exists yet, and the media check must not wait for one
+    monkeypatch.setattr("trainer.preflight.data_rules.CONDITIONED_TASKS", ("t2i",))
     _png(tmp_path / "ok.png")
     (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated")
     train = _jsonl(tmp_path / "train.jsonl", [

@@ -9,6 +9,7 @@ from pathlib import Path
 from trainer.data.prompt_files import PromptFileError, overlap_problems, read_numbered
 from trainer.evaluation import eval_sampling
 from trainer.media import record_media_problems
+from trainer.tasks import CONDITIONED_TASKS
 from trainer.preflight.checker import Checker, flagged
 from trainer.config.sampling import SamplingConfig
 
@@ -69,6 +70,13 @@ def check_prompt_media(c: Checker, name: str, numbered: list[tuple[str, dict]]) 
     """Decode every reference image of an editing prompt file now (``file:line: images[i]:
     why``), so a missing or broken source is a preflight error, not a crash in a rollout.
     Text-to-image files have none and cost nothing here."""
+    with_images = [where for where, record in numbered if record.get("images")]
+    if with_images and c.cfg.model.task not in CONDITIONED_TASKS:
+        c.error(f"{flagged('data.' + name)}: {len(with_images)} record(s) carry source images "
+                f"(first at {with_images[0]}) but model.task={c.cfg.model.task!r} takes no "
+                f"conditioning media (tasks that do: {list(CONDITIONED_TASKS) or 'none yet'}); "
+                f"they would be ignored")
+        return
     problems = [f"{where}: {problem}" for where, record in numbered
                 for problem in record_media_problems(record)]
     c.errors += [f"{flagged('data.' + name)}: {p}" for p in problems[:20]]
