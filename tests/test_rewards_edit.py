@@ -219,3 +219,26 @@ def test_clip_image_similarity_matches_transformers_own_clip_path(tiny_clip_dir)
     expected = [float(image[0] @ image[3]), float(image[1] @ image[3]), float(image[2] @ image[4])]
     assert out.tolist() == pytest.approx(expected, abs=1e-4)
     assert out[0] == pytest.approx(1.0, abs=1e-5) and out[1] < 0.999
+
+
+def test_custom_reward_functions_get_sources_only_when_they_name_them():
+    from trainer.rewards.function import FunctionScorer, dummy_batch_problems
+    seen = {}
+
+    def kept_red(images, prompts, metadata, sources=None):
+        seen["sources"] = sources
+        return [float((s[0][..., 0] > 128).mean()) for s in sources]
+
+    def brightness(images, prompts, metadata):
+        return images.float().mean(dim=(1, 2, 3))
+
+    edit_fn, plain = FunctionScorer(kept_red), FunctionScorer(brightness)
+    assert edit_fn.wants_sources and not plain.wants_sources
+    manager = RewardManager([edit_fn, plain], runtime="cpu", device=torch.device("cpu"))
+    source = _solid((200, 0, 0))
+    source[:8] = 0
+    out, _ = manager.score(_batch(_solid((1, 1, 1))), ["make it blue"], [{}],
+                           sources=[(source,)])
+    assert out["kept_red"].tolist() == [0.5] and out["brightness"].tolist() == [1.0]
+    assert seen["sources"][0][0].shape == (16, 16, 3)
+    assert dummy_batch_problems(edit_fn) == [] and dummy_batch_problems(plain) == []
