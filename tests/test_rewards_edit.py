@@ -221,7 +221,7 @@ def test_clip_image_similarity_matches_transformers_own_clip_path(tiny_clip_dir)
     assert out[0] == pytest.approx(1.0, abs=1e-5) and out[1] < 0.999
 
 
-def test_custom_reward_functions_get_sources_only_when_they_name_them():
+def test_custom_reward_functions_get_sources_only_when_they_name_them(tmp_path):
     from trainer.rewards.function import FunctionScorer, dummy_batch_problems
     seen = {}
 
@@ -242,3 +242,10 @@ def test_custom_reward_functions_get_sources_only_when_they_name_them():
     assert out["kept_red"].tolist() == [0.5] and out["brightness"].tolist() == [1.0]
     assert seen["sources"][0][0].shape == (16, 16, 3)
     assert dummy_batch_problems(edit_fn) == [] and dummy_batch_problems(plain) == []
+    assert seen["sources"][0][0].shape == (64, 64, 3)  # no records: grey stand-ins
+    # with the run's first records, their own sources (decoded from the files) are used
+    Image.fromarray(source).save(tmp_path / "src.png")
+    records = [{"prompt": "make it blue", "metadata": {}, "images": [str(tmp_path / "src.png")]}]
+    assert dummy_batch_problems(edit_fn, records=records * 2) == []
+    assert [s[0].shape for s in seen["sources"]] == [(16, 16, 3)] * 2
+    assert (seen["sources"][0][0] == source).all()

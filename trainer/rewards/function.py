@@ -211,17 +211,32 @@ class FunctionScorer(RewardScorer):
 DUMMY_PROMPTS = ("a photo of a cat", "a red cube to the left of a blue ball")
 
 
+def _dummy_sources(records: list[dict], images: torch.Tensor) -> list[tuple]:
+    """The records' own source images when they all have decodable ones, else one grey
+    source per sample (a broken image is the data rules' finding, not this check's)."""
+    from trainer.media import MediaError, as_arrays, conditioning_images
+
+    try:
+        real = [as_arrays(conditioning_images(r)) for r in records]
+    except MediaError:
+        real = []
+    if len(real) == len(images) and all(real):
+        return real
+    return [(images[0].numpy(),)] * len(images)
+
+
 def dummy_batch_problems(scorer: FunctionScorer, *, height: int = 64, width: int = 64,
                          records: list[dict] | None = None) -> list[str]:
-    """Call ``scorer`` on two grey uint8 images (prompts and metadata from ``records``, the
-    run's first prompt records when given) and check what comes back, as the manager will."""
+    """Call ``scorer`` on two grey uint8 images (prompts, metadata and, for a function that
+    takes them, source images from ``records``, the run's first prompt records when given)
+    and check what comes back, as the manager will."""
     records = list(records or [])[:2]
     prompts = [r["prompt"] for r in records] or list(DUMMY_PROMPTS)
     metadata = [dict(r.get("metadata") or {}) for r in records] or [{} for _ in prompts]
     images = torch.full((len(prompts), height, width, 3), 128, dtype=torch.uint8)
     where = (f"reward.custom_reward_path: {scorer.name} called on a dummy batch of "
              f"{len(prompts)} (images {LAYOUTS[scorer.image_layout]})")
-    sources = {"sources": [(images[0].numpy(),)] * len(prompts)} if scorer.wants_sources else {}
+    sources = {"sources": _dummy_sources(records, images)} if scorer.wants_sources else {}
     try:
         out = scorer.score(images, prompts, metadata, **sources)
     except RewardError as exc:
