@@ -53,7 +53,8 @@ def test_paths_resolve_against_the_prompt_file_and_inline_bytes_decode(tmp_path)
     assert tuple(pixels[0, 0]) == (200, 10, 10)
     second = conditioning_images(records[1])
     assert len(second) == 2 and second[1].entry == inline
-    assert second[1].decode().shape == (10, 12, 3) and tuple(second[1].decode()[3, 3]) == (0, 0, 255)
+    assert second[1].decode().shape == (10, 12, 3)
+    assert tuple(second[1].decode()[3, 3]) == (0, 0, 255)
     # text-to-image records are exactly what they were: no images key, no sources
     assert records[2] == {"prompt": "a plain text-to-image prompt",
                           "metadata": {"task": "t2i", "sample_id": "edits_0000002"}}

@@ -1,6 +1,7 @@
 """Rewards for editing: scorers that ask for the source images get them (decoded by PIL from
 the files the test writes), the others are called as before; the built-in image-similarity and
-red-to-blue terms, CLIP image-image similarity on a tiny random CLIP; the VLM judge sends source and result in one OpenAI-style request, checked
+red-to-blue terms, CLIP image-image similarity on a tiny random CLIP; custom functions that
+name ``sources``; the VLM judge sends source and result in one OpenAI-style request, checked
 by a loopback server."""
 from __future__ import annotations
 

@@ -15,11 +15,12 @@ Formats, by suffix:
 A record is ``{"prompt": str, "metadata": {...}}``, plus ``"images": [entry, ...]`` when the
 line names reference images (an editing record: entries are absolute paths or inline
 ``data:`` URIs, ``trainer.media.conditioning_images`` turns them into ``ImageRef``s; their
-decoding is checked by preflight and ``data inspect``, not here); ``task`` and ``sample_id`` are filled in
-(``<file stem>_<i:07d>``, i the record's 0-based position, as before) when absent. A line is
-refused when its prompt is not a non-empty string, its metadata not an object, its task not
-a known one, its sample_id not a non-empty string, or its ``<image>`` / ``<video>``
-placeholders do not match its media lists: each problem carries the class ``data inspect``
+decoding is checked by preflight and ``data inspect``, not here); ``task`` and
+``sample_id`` are filled in (``<file stem>_<i:07d>``, i the record's 0-based position, as
+before) when absent. A line is refused when its prompt is not a non-empty string, its
+metadata not an object, its task not a known one, its sample_id not a non-empty string, or
+its ``<image>`` / ``<video>`` placeholders (optional; when written, one per entry) do not
+match its media lists: each problem carries the class ``data inspect``
 reports it under.
 
 A Flow-GRPO dataset folder (``dataset/ocr`` with ``train.txt`` and ``test.txt``,

@@ -61,8 +61,9 @@ def parse_score(answer: str, score_min: float, score_max: float,
 
 class VLMJudgeScorer(RewardScorer):
     """Options: ``endpoint`` (e.g. ``http://host:8000/v1``), ``model``, ``question``,
-    ``edit_question`` (asked when a sample has source images), ``score_min``/``score_max``, ``score_pattern``, ``max_tokens``, ``timeout_s``, ``max_retries``,
-    ``concurrency`` (requests in flight), ``api_key_env``."""
+    ``edit_question`` (asked when a sample has source images), ``score_min``/``score_max``,
+    ``score_pattern``, ``max_tokens``, ``timeout_s``, ``max_retries``, ``concurrency``
+    (requests in flight), ``api_key_env``."""
 
     components: ClassVar[tuple[str, ...]] = ("vlm_judge",)
     wants_sources: ClassVar[bool] = True
@@ -91,8 +92,8 @@ class VLMJudgeScorer(RewardScorer):
 
     @classmethod
     def check_options(cls, endpoint: str = "", question: str = DEFAULT_QUESTION,
-                      edit_question: str = DEFAULT_EDIT_QUESTION, score_min: float = 1.0, score_max: float = 5.0,
-                      score_pattern: str = NUMBER, concurrency: int = 4,
+                      edit_question: str = DEFAULT_EDIT_QUESTION, score_min: float = 1.0,
+                      score_max: float = 5.0, score_pattern: str = NUMBER, concurrency: int = 4,
                       api_key_env: str | None = None, **_: Any) -> list[str]:
         problems = []
         try:
