@@ -20,6 +20,18 @@ JSON-friendly (``entry``) so records can still cross process boundaries as plain
 ``image_problem`` is the one check every tool uses (preflight, ``data inspect`` and ``data
 curate``): the image exists, decodes, and its size is within ``MIN_SIDE`` .. ``MAX_PIXELS``.
 Text-to-image records have no ``images`` key and no conditioning media.
+
+Where the types go (what the request / engine / batch contract carries through):
+
+* prompt record -> ``conditioning_images(record)`` (or ``batch_sources(records)`` for a batch:
+  None when no record has any, so the text-to-image path stays exactly as it is); across a
+  process boundary send ``ref.entry`` strings and rebuild with ``ImageRef(entry)``;
+* engine: ``ref.decode()`` (or ``ref.open()`` for a PIL image, what diffusers' edit
+  pipelines take);
+* rewards: ``RewardManager.score(..., sources=per_sample_refs)``; scorers that set
+  ``wants_sources`` get decoded arrays (``trainer.rewards.base.RewardScorer``);
+* pictures: ``trainer.visuals.log_samples(..., sources=per_sample_refs)``, and
+  ``trainer.last_samples`` with the sources as a fourth item.
 """
 from __future__ import annotations
 
