@@ -197,3 +197,17 @@ def test_parquet_binary_image_columns_are_read_as_inline_images(tmp_path):
     assert ref.entry.startswith("data:image/jpeg;base64,")
     pixels = ref.decode()
     assert pixels.shape == (10, 20, 3) and pixels[5, 10, 0] > 200 and pixels[5, 10, 2] < 60
+
+
+def test_a_source_many_records_share_is_decoded_once(tmp_path, monkeypatch):
+    from trainer import media
+    _png(tmp_path / "shared.png")
+    opened = []
+    real_open = media.ImageRef.open
+    monkeypatch.setattr(media.ImageRef, "open", lambda self: opened.append(self) or
+                        real_open(self))
+    seen = {}
+    records = [{"prompt": f"edit {i}", "metadata": {}, "images": [str(tmp_path / "shared.png")]}
+               for i in range(5)]
+    assert all(media.record_media_problems(r, seen) == [] for r in records)
+    assert len(opened) == 1

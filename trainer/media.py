@@ -168,11 +168,16 @@ def conditioning_images(record: dict[str, Any]) -> tuple[ImageRef, ...]:
     return tuple(ImageRef(entry) for entry in record.get(IMAGES_KEY, ()))
 
 
-def record_media_problems(record: dict[str, Any]) -> list[str]:
-    """Every unusable reference image of one read record, each naming its entry."""
+def record_media_problems(record: dict[str, Any],
+                          seen: dict[ImageRef, str | None] | None = None) -> list[str]:
+    """Every unusable reference image of one read record, each naming its entry. ``seen``
+    (shared across a file's records) decodes an image that many records name only once."""
     problems = []
+    seen = {} if seen is None else seen
     for index, ref in enumerate(conditioning_images(record)):
-        problem = image_problem(ref)
+        if ref not in seen:
+            seen[ref] = image_problem(ref)
+        problem = seen[ref]
         if problem:
             problems.append(f"images[{index}]: {problem}")
     return problems

@@ -77,8 +77,9 @@ def check_prompt_media(c: Checker, name: str, numbered: list[tuple[str, dict]]) 
                 f"conditioning media (tasks that do: {list(CONDITIONED_TASKS) or 'none yet'}); "
                 f"they would be ignored")
         return
+    seen: dict = {}
     problems = [f"{where}: {problem}" for where, record in numbered
-                for problem in record_media_problems(record)]
+                for problem in record_media_problems(record, seen)]
     c.errors += [f"{flagged('data.' + name)}: {p}" for p in problems[:20]]
     if len(problems) > 20:
         c.error(f"{flagged('data.' + name)}: ... and {len(problems) - 20} more")
