@@ -94,3 +94,45 @@ def test_qwen_image_count_equals_a_hand_count_of_one_block():
 def test_an_uncounted_transformer_class_is_refused_by_name():
     with pytest.raises(ValueError, match="WanTransformer3DModel"):
         flops.transformer_forward("WanTransformer3DModel", {}, image_tokens=1, text_tokens=1)
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    from tests.tiny_models import FAMILIES, build_tiny_model_dir
+
+    root = tmp_path_factory.mktemp("tiny")
+    return {family: build_tiny_model_dir(family, root) for family in FAMILIES}
+
+
+def adapter_of(family, tiny_dirs):
+    from tests.tiny_models import ADAPTER_PATHS
+    from trainer.utils.values import import_dotpath
+
+    return import_dotpath(ADAPTER_PATHS[family])(str(tiny_dirs[family]))
+
+
+@pytest.mark.parametrize("family", ["qwen_image", "sd3", "flux", "toy"])
+def test_each_adapter_states_the_flops_of_its_own_velocity_forward(family, tiny_dirs):
+    """The adapter's count (geometry -> tokens, Qwen-Image's text padding included) equals
+    FlopCounterMode over ``velocity`` itself: what the engine and the replay run."""
+    if family == "toy":
+        from trainer.toy.adapter import ToyAdapter
+
+        adapter = ToyAdapter()
+        height = width = adapter.resolution
+    else:
+        adapter = adapter_of(family, tiny_dirs)
+        height, width = 64, 96
+    model = adapter.load_train_model().eval()
+    batch, text = 2, 5 if family != "toy" else adapter.max_sequence_length
+    joint = int(adapter.transformer_config["joint_attention_dim"])
+    cond = {"prompt_embeds": torch.randn(batch, text, joint),
+            "prompt_embeds_mask": torch.ones(batch, text, dtype=torch.long),
+            "pooled_prompt_embeds": torch.randn(
+                batch, int(adapter.transformer_config.get("pooled_projection_dim") or 1))}
+    cond = {k: cond[k] for k in adapter.condition_keys}
+    latents = adapter.initial_latents([f"s{i}" for i in range(batch)], height, width, seed=0)
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:
+        adapter.velocity(model, latents, torch.full((batch,), 0.5), cond, height, width)
+    stated = adapter.forward_flops(height, width, batch=batch, text_tokens=text)
+    assert stated.total == fc.get_total_flops()
