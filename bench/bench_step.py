@@ -309,6 +309,24 @@ def add_pcie_floor(results: list[dict]) -> dict:
     return {"pcie_gb_per_s": rates}
 
 
+def mfu_line(r: dict, st: dict) -> list[str]:
+    """The row's perf/mfu/* (trainer.compute.mfu) and, with --floors, the floor's own MFU: its
+    forward + backward is 3 forwards per row, the train stage 3 + the anchor share
+    (trainer.compute.mfu.anchor_forwards) per transition, so the floor's MFU is the train
+    stage's times floor_ratio times 3 / (3 + anchor share)."""
+    from trainer.compute.mfu import anchor_forwards
+
+    mfu = {k.removeprefix("perf/mfu/"): round(v, 3) for k, v in st.items()
+           if k.startswith("perf/mfu/")}
+    if not mfu:
+        return ["n/a (no peak known for this device; --set logging.peak_tflops=...)"]
+    out = [str(mfu)]
+    if "floor_ratio" in r and "train" in mfu:
+        extra = anchor_forwards(r["anchor"], int(r["updates"] or 1))
+        out.append(f"floor {mfu['train'] * r['floor_ratio'] * 3 / (3 + extra):.3f}")
+    return out
+
+
 def print_table(results: list[dict], extra: dict, args) -> None:
     dev = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"\n| row | step s | rollout s | train s | train ms/transition | floor ms/transition"
@@ -327,6 +345,7 @@ def print_table(results: list[dict], extra: dict, args) -> None:
               f"{r['first_update_ratio']} | {r['logp_parity']} |")
         print("  stages:", {k: round(v, 4) for k, v in st.items()})
         print("  compute:", {k: round(v, 4) for k, v in r["compute"].items()})
+        print("  MFU:", *mfu_line(r, st))
         if "pcie_floor_s" in r:
             print(f"  offload: {st['perf/offload_gb']:.1f} GB each way; out and back at the pinned "
                   f"copy rates {r['pcie_floor_s']:.3f} s; the offload stage "

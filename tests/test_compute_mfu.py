@@ -89,3 +89,19 @@ def test_a_cpu_step_logs_mfu_only_with_a_stated_peak_and_from_the_adapters_count
     assert metrics["perf/mfu/train"] * metrics["perf/train_time"] * 1e12 == pytest.approx(
         one * len(batch.sample_ids) * len(batch.sde_indices) * per_row)
     assert 0 < metrics["perf/mfu/step"] < metrics["perf/mfu/rollout"] + metrics["perf/mfu/train"]
+
+
+def test_bench_step_prints_the_stage_mfu_and_the_floors_own_mfu_beside_it():
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path[:0] = [str(root / "bench"), str(root / "tests")]
+    import bench_step
+
+    stages = {"perf/mfu/train": 0.4, "perf/mfu/rollout": 0.3, "perf/train_time": 1.0}
+    row = {"floor_ratio": 1.25, "anchor": "replay", "updates": 2.0}
+    line = bench_step.mfu_line(row, stages)
+    assert line[0] == str({"train": 0.4, "rollout": 0.3})
+    assert line[1] == f"floor {0.4 * 1.25 * 3 / 3.5:.3f}"  # 3 forwards of 3.5 per transition
+    assert bench_step.mfu_line({}, {"perf/train_time": 1.0})[0].startswith("n/a")
