@@ -355,9 +355,13 @@ def print_table(results: list[dict], extra: dict, args) -> None:
                   f"= {r['work_floor_ms_per_transition']:.2f} ms/transition")
     if "diffusers_images_per_s" in extra:
         print(f"diffusers eager QwenImagePipeline: {extra['diffusers_images_per_s']:.1f} img/s")
-    peer = extra.get("peer")
+    for key, kind in (("peer", "plain eager loop"), ("strong_peer", "strong peer")):
+        print_peer(extra.get(key), kind)
+
+
+def print_peer(peer: dict | None, kind: str) -> None:
     if peer:
-        print(f"peer (plain eager loop, micro-batch {peer['micro_batch']}, {peer['updates']} "
+        print(f"peer ({kind}, micro-batch {peer['micro_batch']}, {peer['updates']} "
               f"updates): step {peer['step']:.3f} s, rollout {peer['rollout']:.3f} s, train "
               f"{peer['train']:.3f} s = {peer['train_ms_per_transition']:.2f} ms/transition, "
               f"peak {peer['peak_gb']:.1f} GB")
@@ -383,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="time diffusers' eager pipeline on the same model (GPU)")
     p.add_argument("--peer", action="store_true",
                    help="run the plain eager loop (bench/peer_step.py) at --micro-batch (GPU)")
+    p.add_argument("--strong-peer", action="store_true",
+                   help="run the strong peer (peer_step.py --strong: compiled blocks, batched "
+                        "trained steps, the best attention kernel) at --micro-batch (GPU)")
     # NOTE: the PickScore-shaped scorer has random weights and gives every candidate the same
     # score (to 1e-6), so every group is degenerate and training is skipped: the default
     # reward is JPEG compressibility on the CPU; the scorer is opt-in, to time it.
@@ -412,6 +419,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.peer:
         extra["peer"] = run_peer(str(model_dir), micro_batch=int(args.micro_batch),
                                  updates=2, rollouts=args.rollouts)
+    if args.strong_peer:
+        extra["strong_peer"] = run_peer(str(model_dir), micro_batch=int(args.micro_batch),
+                                        updates=2, rollouts=args.rollouts, strong=True)
     Path(args.out).write_text(json.dumps({"rows": results, **extra,
                                           "args": vars(args) | {"model_dir": str(model_dir)}},
                                          indent=2, default=str))
