@@ -130,30 +130,35 @@ class MemoryPlan:
     checkpointing: bool
     notes: list[str] = field(default_factory=list)
 
-    def total(self, *, sp: int = 1, checkpointing: bool | None = None, rows: int | None = None) -> float:
+    def total(self, *, sp: int = 1, checkpointing: bool | None = None,
+              rows: int | None = None) -> float:
+        """Bytes per GPU with ``rows`` rows per trained forward (the plan's, or 1 if auto)."""
         ac = self.checkpointing if checkpointing is None else checkpointing
         return sum(self.terms.values()) + (rows or self.rows or 1) * self.activations[ac] / sp
 
     def max_rows(self, *, sp: int = 1, checkpointing: bool | None = None) -> int:
+        """Rows per trained forward that fit one H200 beside the other terms."""
         ac = self.checkpointing if checkpointing is None else checkpointing
         free = (H200_GB - RESERVE_GB) * GB - sum(self.terms.values())
         return max(0, int(free // (self.activations[ac] / sp)))
 
     def lines(self) -> list[str]:
-        out = [f"# memory plan per GPU (trainer.compute.memory; docs/compute-accounting.md): {self.title}"]
-        out += [f"#   {name:<44} {b / GB:8.2f} GB" for name, b in self.terms.items()]
+        budget = (H200_GB - RESERVE_GB) * GB
+        out = [f"# memory plan per GPU (trainer.compute.memory): {self.title}"]
+        out += [f"#   {name:<48} {b / GB:8.2f} GB" for name, b in self.terms.items()]
         for ac in (False, True):
-            out.append(f"#   activations per trained row, checkpointing {'on ' if ac else 'off'} "
-                       f"{self.activations[ac] / GB:8.2f} GB")
-        rows = f"{self.rows} rows" if self.rows else "1 row (micro-batch auto)"
+            name = f"activations per trained row, checkpointing {'on' if ac else 'off'}"
+            out.append(f"#   {name:<48} {self.activations[ac] / GB:8.2f} GB")
+        auto = "" if self.rows else " (micro-batch auto: at least 1)"
+        out.append(f"#   one {H200_GB:.0f} GB H200, {RESERVE_GB:.0f} GB held back; "
+                   f"{self.rows or 1} rows per forward{auto}, checkpointing "
+                   f"{'on' if self.checkpointing else 'off'}:")
         for sp in (1, 2, 4, 8):
-            total = self.total(sp=sp, rows=self.rows)
-            verdict = "fits" if total <= (H200_GB - RESERVE_GB) * GB else "does NOT fit"
-            out.append(f"#   sequence parallel x{sp}: {rows}, checkpointing "
-                       f"{'on' if self.checkpointing else 'off'}: {total / GB:7.1f} GB -> {verdict} "
-                       f"one {H200_GB:.0f} GB H200 ({RESERVE_GB:.0f} GB held back); at most "
-                       f"{self.max_rows(sp=sp)} rows (checkpointing off {self.max_rows(sp=sp, checkpointing=False)}, "
-                       f"on {self.max_rows(sp=sp, checkpointing=True)})")
+            total = self.total(sp=sp)
+            out.append(f"#     sequence parallel x{sp}: {total / GB:7.1f} GB, "
+                       f"{'fits' if total <= budget else 'does NOT fit'}; rows that fit: "
+                       f"{self.max_rows(sp=sp, checkpointing=False)} (checkpointing off), "
+                       f"{self.max_rows(sp=sp, checkpointing=True)} (on)")
         out += [f"#   note: {n}" for n in self.notes]
         return out
 
@@ -169,7 +174,8 @@ def plan(*, transformer_class: str, cfg: Mapping[str, Any], image_tokens: int, t
     terms = {}
     if lora:
         terms["actor base weights (compute dtype, sharded)"] = compute_bytes * total / shard
-        terms[f"LoRA r{lora_rank} adapter fp32 master ({adapter / 1e6:.1f} M)"] = 4 * adapter / shard
+        name = f"LoRA r{lora_rank} adapter fp32 master ({adapter / 1e6:.1f} M)"
+        terms[name] = 4 * adapter / shard
         trainable = adapter
     else:
         terms["actor weights fp32 (sharded)"] = 4 * total / shard
@@ -185,10 +191,10 @@ def plan(*, transformer_class: str, cfg: Mapping[str, Any], image_tokens: int, t
         checkpointing=ac) for ac in (False, True)}
     rows = micro_batch * trained_steps * cfg_factor if micro_batch else None
     title = (f"{transformer_class} {total / 1e9:.2f} B params ({source}), {image_tokens} image + "
-             f"{text_tokens} text tokens per row, {trained_steps} trained steps x {cfg_factor} "
-             f"(CFG) rows per sample, FSDP over {shard}")
+             f"at most {text_tokens} text tokens (the window) per row, {trained_steps} trained "
+             f"steps x {cfg_factor} (CFG) rows per sample, FSDP over {shard}")
     notes = [] if micro_batch else [
-        "micro_batch_size 'auto': rows per forward = the largest divisor that fits (at most above)"]
+        "micro_batch_size 'auto': the trainer picks the largest divisor of the update that fits"]
     if colocated and family not in FROZEN_PARAMS:
         notes.append(f"the engine's text encoder and VAE of family {family!r} are not counted")
     return MemoryPlan(title, terms, per_row, rows, checkpointing, notes)
@@ -227,7 +233,8 @@ def plan_for_config(cfg: Any, world: int) -> MemoryPlan | None:
         adapter = adapter_cls(model_path, **options)
         image = adapter.image_tokens(sampling.height, sampling.width)
     except (OSError, ValueError):  # no model directory here: the published VAE x8 + 2x2 patches
-        image = (sampling.height // PIXELS_PER_TOKEN_SIDE) * (sampling.width // PIXELS_PER_TOKEN_SIDE)
+        side = PIXELS_PER_TOKEN_SIDE
+        image = (sampling.height // side) * (sampling.width // side)
     micro = cfg.train.micro_batch_size
     lora_rank = int(cfg.lora.rank) if cfg.fsdp.trainable_mode == "lora" else 0
     return plan(transformer_class=transformer_class, cfg=tcfg, image_tokens=image, text_tokens=text,
