@@ -86,16 +86,17 @@ def mfu_metrics(flops: dict[str, float] | None, stage_times: dict[str, float], s
     a count (documented: docs/compute-accounting.md)."""
     if flops is None or not peak:
         return {}
-    out = {}
-    for stage in ("rollout", "train"):
-        seconds = stage_times.get(stage, 0.0)
-        if seconds > 0:
-            out[f"perf/mfu/{stage}"] = flops[stage] / (seconds * peak)
-    if step_time > 0:
-        total = flops["rollout"] + flops["train"]
-        out["perf/mfu/step"] = total / (step_time * peak)
-        out["perf/model_tflops/step"] = total / step_time / 1e12
+    # the same keys on every rank whatever its times (the loop all-reduces them as one vector)
+    out = {f"perf/mfu/{stage}": _rate(flops[stage], stage_times.get(stage, 0.0)) / peak
+           for stage in ("rollout", "train")}
+    total = flops["rollout"] + flops["train"]
+    out["perf/mfu/step"] = _rate(total, step_time) / peak
+    out["perf/model_tflops/step"] = _rate(total, step_time) / 1e12
     return out
+
+
+def _rate(flops: float, seconds: float) -> float:
+    return flops / seconds if seconds > 0 else 0.0
 
 
 def _text_tokens(conditions: dict) -> int:
