@@ -106,6 +106,10 @@ def test_sequence_parallel_divides_activations_and_the_full_qwen_recipe_does_not
     assert full.total(sp=4, rows=8) == pytest.approx(sum(full.terms.values()) + 8 * act / 4)
     lora = memory.plan_for_config(load_config("qwen-image-t2i-lora", []), world=8)
     assert lora.max_rows() >= 1 and "engine transformer bf16" in lora.terms
+    # sharing the base: the engine's 2P go, the actor's shard grows from 2P / 8 to 2P
+    params = lora.terms["engine transformer bf16"] / 2
+    assert lora.shared_base_saving == pytest.approx(2 * params / 8)
+    assert full.shared_base_saving == 0.0  # full training: the engine's copy differs
 
 
 @pytest.mark.parametrize("recipe", ["qwen-image-t2i-lora", "qwen-image-t2i-full", "sd3-flowgrpo",

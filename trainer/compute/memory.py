@@ -129,6 +129,9 @@ class MemoryPlan:
     rows: int | None                           # rows per trained forward (None: auto)
     checkpointing: bool
     notes: list[str] = field(default_factory=list)
+    #: bytes one bf16 base shared by the actor and the engine saves (LoRA, colocated): the
+    #: engine maps the actor's unsharded frozen base (CUDA IPC) instead of loading its own.
+    shared_base_saving: float = 0.0
 
     def total(self, *, sp: int = 1, checkpointing: bool | None = None,
               rows: int | None = None) -> float:
@@ -159,6 +162,11 @@ class MemoryPlan:
                        f"{'fits' if total <= budget else 'does NOT fit'}; rows that fit: "
                        f"{self.max_rows(sp=sp, checkpointing=False)} (checkpointing off), "
                        f"{self.max_rows(sp=sp, checkpointing=True)} (on)")
+        if self.shared_base_saving > 0:
+            total = self.total() - self.shared_base_saving
+            out.append(f"#   with one bf16 base shared by actor and engine (CUDA IPC; the actor's "
+                       f"base then unsharded): {total / GB:7.1f} GB, "
+                       f"{'fits' if total <= budget else 'does NOT fit'}")
         out += [f"#   note: {n}" for n in self.notes]
         return out
 
@@ -197,7 +205,10 @@ def plan(*, transformer_class: str, cfg: Mapping[str, Any], image_tokens: int, t
         "micro_batch_size 'auto': the trainer picks the largest divisor of the update that fits"]
     if colocated and family not in FROZEN_PARAMS:
         notes.append(f"the engine's text encoder and VAE of family {family!r} are not counted")
-    return MemoryPlan(title, terms, per_row, rows, checkpointing, notes)
+    # shared: the engine's copy goes, the actor keeps the whole base instead of its shard
+    shared = compute_bytes * total * (1 - 1 / shard) if lora and colocated else 0.0
+    saving = terms.get("engine transformer bf16", 0.0) - shared if lora and colocated else 0.0
+    return MemoryPlan(title, terms, per_row, rows, checkpointing, notes, saving)
 
 
 def _transformer_config(model_path: str, transformer_class: str) -> tuple[dict, str]:
