@@ -82,7 +82,7 @@ def test_a_cpu_step_logs_mfu_only_with_a_stated_peak_and_from_the_adapters_count
     batch = seen["batch"]
     one = trainer.adapter.forward_flops(batch.height, batch.width, batch=1,
                                         text_tokens=batch.conditions["prompt_embeds"].shape[1]).total
-    steps = cfg.rollout.sampling["num_inference_steps"]
+    steps = cfg.rollout.sampling.num_inference_steps
     assert metrics["perf/mfu/rollout"] * metrics["perf/rollout_time"] * 1e12 == pytest.approx(
         one * len(batch.sample_ids) * steps)
     per_row = 3 + mfu.anchor_forwards(cfg.train.anchor, cfg.train.num_updates_per_batch)

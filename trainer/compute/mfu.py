@@ -112,16 +112,13 @@ def trainer_mfu(trainer: Any, batch: Any, stage_times: dict[str, float],
     """The loop's one call: this step's MFU metrics from the trainer's config and device."""
     import torch
 
-    from trainer.config import DEFAULT_SAMPLING
-
     cfg = trainer.cfg
 
     name = torch.cuda.get_device_name(trainer.device) if trainer.device.type == "cuda" else None
     peak = peak_flops(name, cfg.logging.peak_tflops)
     if peak is None:
         return {}
-    steps = int(cfg.rollout.sampling.get("num_inference_steps",
-                                         DEFAULT_SAMPLING["num_inference_steps"]))
+    steps = int(cfg.rollout.sampling.num_inference_steps)
     flops = stage_flops(trainer.adapter, batch, num_inference_steps=steps,
                         trained_rows_factor=anchor_forwards(cfg.train.anchor,
                                                             cfg.train.num_updates_per_batch),
