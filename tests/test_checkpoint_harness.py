@@ -236,7 +236,8 @@ def _failure_injection(trainer: FakeTrainer, step: int) -> dict:
     finally:
         save_mod.write_rng = real_write_rng
     from trainer.checkpoint.save import checkpoint_root
-    task_dir = checkpoint_root(trainer.cfg) / trainer.cfg.model.task
+    cfg = trainer.cfg
+    task_dir = checkpoint_root(cfg.checkpoint.save, cfg.logging.run_dir) / cfg.model.task
     if trainer.rank == 0:  # rank 0 removed the partial save before returning
         out["partial_dir_left"] = (task_dir / layout_mod.iter_name(step)).exists()
         (task_dir / layout_mod.iter_name(step)).mkdir()  # a crash leftover to rotate away

@@ -98,10 +98,10 @@ def previous_run(cfg) -> list[str]:
     if metrics.is_file() and metrics.stat().st_size > 0:
         lines = sum(1 for _ in metrics.open())
         found.append(f"{metrics} ({lines} lines)")
-    committed = committed_iterations(checkpoint_root(cfg) / cfg.model.task)
+    committed = committed_iterations(_checkpoint_root(cfg) / cfg.model.task)
     if committed:
         found.append(f"committed checkpoints {[n for n, _ in committed]} under "
-                     f"{checkpoint_root(cfg) / cfg.model.task}")
+                     f"{_checkpoint_root(cfg) / cfg.model.task}")
     return found
 
 
@@ -113,7 +113,7 @@ def _newer_than_explicit_load(cfg) -> list[int]:
         return []
     load = Path(cfg.checkpoint.load).resolve()
     n = parse_iter(load.name)
-    task_dir = (checkpoint_root(cfg) / cfg.model.task).resolve()
+    task_dir = (_checkpoint_root(cfg) / cfg.model.task).resolve()
     if n is None or load.parent != task_dir:
         return []
     return [m for m, _ in committed_iterations(task_dir) if m > n]
@@ -146,9 +146,9 @@ def claim_run_dir(cfg, *, check_only: bool = False):
         from trainer.checkpoint.save import checkpoint_root  # local: torch (see the top)
         if any("committed checkpoints" in f for f in found):
             log.info("--resume: continuing from the newest verified checkpoint under %s",
-                     checkpoint_root(cfg))
+                     _checkpoint_root(cfg))
             return dataclasses.replace(cfg, checkpoint=dataclasses.replace(
-                ck, load=str(checkpoint_root(cfg))))
+                ck, load=str(_checkpoint_root(cfg))))
         if found:
             log.warning("--resume: %s holds no committed checkpoint; starting at step 0 and "
                         "clearing its metrics", cfg.logging.run_dir)
@@ -175,3 +175,7 @@ def _clear_history(cfg, found: list[str]) -> None:
         shutil.rmtree(tb)
     log.warning("starting over in %s: cleared metrics.jsonl and tensorboard/ (was: %s); "
                 "older checkpoints are replaced as the new run saves", run_dir, "; ".join(found))
+
+
+def _checkpoint_root(cfg) -> Path:
+    return checkpoint_root(cfg.checkpoint.save, cfg.logging.run_dir)

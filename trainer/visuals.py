@@ -177,18 +177,17 @@ def write_reward_curve(run_dir: str | Path) -> Path:
     return path
 
 
-def log_pictures(trainer, step: int, *, evaluated: bool) -> None:
-    """The loop's logged-step pictures (rank 0): the last rollout's first samples as a
-    captioned grid, and after an eval the reward curve, to the run directory, TensorBoard and
-    W&B alike."""
-    if trainer.rank != 0 or not trainer.metrics.enabled:
+def log_pictures(metrics, run_dir: Path, step: int, samples, *, evaluated: bool) -> None:
+    """The loop's logged-step pictures (rank 0's ``metrics``, the only enabled one): the last
+    rollout's first ``samples`` (images, prompts, rewards; or None) as a captioned grid, and
+    after an eval the reward curve, to the run directory, TensorBoard and W&B alike."""
+    if not metrics.enabled:
         return
-    samples = getattr(trainer, "last_samples", None)
     if samples is not None and step > 0:
         images, prompts, rewards = samples
         grid = captioned_grid(images, captions(prompts, rewards))
-        trainer.metrics.image("train/samples", step, grid,
-                              path=trainer.run_dir / "train_samples" / f"step{step:05d}.png")
+        metrics.image("train/samples", step, grid,
+                      path=run_dir / "train_samples" / f"step{step:05d}.png")
     if evaluated:
-        path = write_reward_curve(trainer.run_dir)
-        trainer.metrics.image("reward_curve", step, np.asarray(Image.open(path).convert("RGB")))
+        path = write_reward_curve(run_dir)
+        metrics.image("reward_curve", step, np.asarray(Image.open(path).convert("RGB")))
