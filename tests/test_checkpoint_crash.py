@@ -72,7 +72,7 @@ def test_sigkill_during_saves_never_leaves_a_trusted_partial_checkpoint(tmp_path
         if any(layout.commit_problems(d) for _, d in layout.iteration_dirs(root / "t2i")):
             mid_save += 1  # this kill landed inside a save: its directory is not trusted
         if n:
-            assert load_checkpoint(checker, root) == found
+            assert load_checkpoint(checker.checkpointer, root) == found
             assert (checker.next_rollout, checker.policy_version) == (n, n)
             for i, p in enumerate(checker.model.parameters()):
                 assert torch.equal(p.detach(), h.expected_weight(n, i, p.shape)), (n, i)

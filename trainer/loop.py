@@ -18,7 +18,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-import ipc
 from trainer.actor.actor import Actor
 from trainer.actor.model import (PendingOnload, build_actor, build_optimizer, lora_spec,
                                  offload_actor, onload_actor, shard_actor, strip_wrapper_names)
@@ -29,20 +28,20 @@ from trainer.checkpoint.contract import (adapter_contract, sampling_fingerprint,
                                          weight_sync_manifest)
 from trainer.checkpoint.layout import ADAPTER_CONTRACT, WEIGHT_SYNC_MANIFEST
 from trainer.checkpoint.save import checkpoint_root
-from trainer.config import DEFAULT_SAMPLING, Config, write_resolved
+from trainer.config import Config, write_resolved
 from trainer.ema import build_ema
 from trainer.engine.recovery import call_with_recovery
 from trainer.engine.sglang.sync import connect_sglang
 from trainer.evaluation import eval_sampling, eval_weights
 from trainer.utils.host_gc import HostGarbageCollection, resolve_gc_mode
 from trainer.metrics import MetricsLogger, step_metrics
-from trainer.models.compile import compile_events, compile_wanted
+from trainer.models.compile import compile_events
 from trainer.profiling import ProfileWindow, StageTimer, add_times, nvtx_range
 from trainer.progress import RunProgress
 from trainer.prompts import PromptSampler, load_records
 from trainer.rewards import build_reward_manager_from_config, compute_advantages
 from trainer.rollout import RolloutDriver
-from trainer.rollout.service import RolloutService, embedded_starter
+from trainer.rollout.service import RolloutService, embedded_starter, engine_warmup
 from trainer.state import TrainerState
 from trainer.toy import weights_dir
 from trainer.utils.values import import_dotpath
@@ -56,6 +55,38 @@ def resolve_model_path(cfg: Config) -> str:
     if cfg.model.model_path == "toy":
         return str(weights_dir())
     return cfg.model.model_path
+
+
+def build_checkpointer(cfg: Config, *, actor: Actor, state, adapter, model_path: str,
+                       driver=None, rank: int = 0, world: int = 1,
+                       metrics=None) -> Checkpointer:
+    """The run's checkpointer: the actor's shards and the EMA as DCP parts, ``state`` (the
+    run's counters and RNG, a ``TrainerState``) in ``trainer_state.json``, the weight-sync
+    manifest and the adapter contract beside them."""
+    ck = cfg.checkpoint
+    fingerprint = sampling_fingerprint(driver, cfg.rollout.sampling)
+    def contract() -> dict:
+        return adapter_contract(cfg, adapter, model_path)
+
+    def record() -> dict:
+        return {"task": cfg.model.task, "adapter": cfg.model.adapter_path,
+                "model_path": str(model_path),
+                "trainable_mode": "lora" if cfg.lora.rank > 0 else "full",
+                "weight_sync_mode": cfg.sync_mode, "sampling": cfg.rollout.sampling,
+                "sampling_fingerprint": fingerprint,
+                "generation_seed": cfg.rollout.generation_seed,
+                "torch_version": torch.__version__, "time": time.time()}
+
+    def sidecars() -> dict[str, tuple[dict, int | None]]:
+        return {WEIGHT_SYNC_MANIFEST: (weight_sync_manifest(actor.model, cfg, adapter), None),
+                ADAPTER_CONTRACT: (contract(), 2)}
+    parts = {"fsdp": actor} if actor.ema is None else {"fsdp": actor, "ema": actor.ema}
+    return Checkpointer(root=checkpoint_root(ck.save, cfg.logging.run_dir),
+                        task=cfg.model.task, parts=parts, state=state, record=record,
+                        sidecars=sidecars, on_failure=state.record_checkpoint_failure,
+                        rank=rank, world=world, keep=ck.max_actor_ckpt_to_keep,
+                        overwrite=bool(ck.overwrite), metrics=metrics,
+                        contract=contract, fingerprint=fingerprint)
 
 
 class Trainer(TrainerState):
@@ -161,7 +192,7 @@ class Trainer(TrainerState):
             start = embedded_starter(
                 cfg.model, r, cfg.weight_sync, model_path=self.model_path, device=self.device,
                 lora=lora_spec(cfg.lora, self.adapter) if cfg.sync_mode == "adapter" else None,
-                warmup=self._engine_warmup())
+                warmup=engine_warmup(r, cfg.model.compile, self.device))
         self.rollouts = RolloutService(start, rank=self.rank, world=self.world,
                                        device=self.device, restartable=r.engine == "embedded",
                                        max_restarts=r.engine_max_restarts)
@@ -178,46 +209,10 @@ class Trainer(TrainerState):
             sampling=eval_sampling(cfg.data, r.sampling), seed=r.generation_seed,
             task=cfg.model.task, wave_size=r.wave_size, sample_id_mode=id_mode))
 
-    def _engine_warmup(self) -> dict | None:
-        """The geometry of a training request, compiled before the first rollout."""
-        if not compile_wanted(self.cfg.model.compile, self.device):
-            return None
-        r = self.cfg.rollout
-        return {"height": int(r.sampling.get("height", DEFAULT_SAMPLING["height"])),
-                "width": int(r.sampling.get("width", DEFAULT_SAMPLING["width"])),
-                # CFG runs the conditional and the empty-prompt halves as one forward
-                "batch": (r.wave_size or 1) * r.n_samples_per_prompt
-                * (2 if float(r.sampling.get("guidance_scale", 1.0)) != 1.0 else 1)}
-
     def _build_checkpointer(self) -> Checkpointer:
-        cfg, ck = self.cfg, self.cfg.checkpoint
-        parts = {"fsdp": self.actor}
-        if self.actor.ema is not None:
-            parts["ema"] = self.actor.ema
-        return Checkpointer(
-            root=checkpoint_root(ck.save, cfg.logging.run_dir), task=cfg.model.task,
-            parts=parts, state=self, record=self._run_record, sidecars=self._sidecars,
-            on_failure=self.record_checkpoint_failure, rank=self.rank, world=self.world,
-            keep=ck.max_actor_ckpt_to_keep, overwrite=bool(ck.overwrite),
-            metrics=self.metrics, extra={
-                "contract": adapter_contract(cfg, self.adapter, self.model_path),
-                "fingerprint": sampling_fingerprint(self.driver, cfg.rollout.sampling)})
-
-    def _run_record(self) -> dict:
-        """What the run was, beside the counters in ``trainer_state.json``."""
-        cfg = self.cfg
-        return {"task": cfg.model.task, "adapter": cfg.model.adapter_path,
-                "model_path": str(self.model_path),
-                "trainable_mode": "lora" if cfg.lora.rank > 0 else "full",
-                "weight_sync_mode": cfg.sync_mode, "sampling": cfg.rollout.sampling,
-                "sampling_fingerprint": sampling_fingerprint(self.driver, cfg.rollout.sampling),
-                "generation_seed": cfg.rollout.generation_seed,
-                "torch_version": torch.__version__, "time": time.time()}
-
-    def _sidecars(self) -> dict[str, tuple[dict, int | None]]:
-        return {WEIGHT_SYNC_MANIFEST: (weight_sync_manifest(self.actor.model, self.cfg,
-                                                            self.adapter), None),
-                ADAPTER_CONTRACT: (adapter_contract(self.cfg, self.adapter, self.model_path), 2)}
+        return build_checkpointer(self.cfg, actor=self.actor, state=self, adapter=self.adapter,
+                                  model_path=self.model_path, driver=self.driver,
+                                  rank=self.rank, world=self.world, metrics=self.metrics)
 
     def _build_reward(self) -> None:
         r = self.cfg.reward
@@ -275,52 +270,19 @@ class Trainer(TrainerState):
         return self._name_map
 
     def sync_weights(self, first: bool = False) -> dict[str, float]:
-        """Push the actor's weights into the engine; the version advances only on success."""
-        rollouts, cfg = self.rollouts, self.cfg
-        if rollouts.sender is None:
-            return {}
-        mode = cfg.sync_mode
+        """Push the actor's weights into the engine (the rollout service's ``push``: the
+        version advances only on success). The first sync is full, whatever the mode."""
+        cfg = self.cfg
+        mode = cfg.sync_mode if not first or cfg.sync_mode != "adapter" else "full"
         scaling = (cfg.lora.alpha or cfg.lora.rank) / max(1, cfg.lora.rank)
-        version = 0 if first else self.policy_version + 1
-        attempts = cfg.weight_sync.max_retries + 1
-        for attempt in range(attempts):
-            try:
-                with self.timer.stage("weight_sync"):
-                    payload = sync_payload(self.actor.model, mode if not first or mode != "adapter"
-                                           else "full", scaling=scaling, first=first,
-                                           name_map=self._engine_names())
-                    stats = rollouts.sender.sync(version, payload,
-                                             mode="full" if first and mode == "adapter" else mode)
-                # The engine's checksum covers all its weights: comparable when the sync did
-                # (an adapter-mode step moves only LoRA tensors; ipc already compared both
-                # sides' checksums of the bytes moved).
-                if cfg.weight_sync.verify_engine_checksum and (mode != "adapter" or first) \
-                        and not getattr(rollouts.sender, "self_verifying", False):
-                    with self.timer.stage("weight_sync/verify"):
-                        got = rollouts.engine.checksum()
-                    if got != stats.checksum:
-                        raise ipc.WeightSyncError(
-                            "post-write", [f"engine checksum {got} != sent {stats.checksum} "
-                                           "after commit"], version)
-                rollouts.policy_version = version
-                seconds = float(getattr(stats, "seconds", 0.0))
-                gb = float(getattr(stats, "bytes", 0)) / 1e9
-                out = {"weight_sync/seconds": seconds, "train/weight_sync_gb": gb,
-                       "weight_sync/gb_per_s": gb / seconds if seconds > 0 else 0.0,
-                       "train/weight_sync_tensors": float(getattr(stats, "tensors", 0)),
-                       "weight_sync/handle_opens": float(getattr(stats, "handle_opens", 0))}
-                # where the sync's time goes: prepare (scan + manifest), begin (receiver's
-                # accept), write (gathers + copy kernels + fence), commit (receiver's check)
-                out.update({f"weight_sync/{k}_s": float(v)
-                            for k, v in (getattr(stats, "timings", None) or {}).items()})
-                return out
-            except ipc.WeightSyncError as exc:
-                rollouts.sync_failures += 1
-                log.error("weight sync of version %d failed (attempt %d/%d): %s",
-                          version, attempt + 1, attempts, exc)
-                if attempt + 1 == attempts:
-                    raise
-        return {}
+        return self.rollouts.push(
+            0 if first else self.policy_version + 1,
+            lambda: sync_payload(self.actor.model, mode, scaling=scaling, first=first,
+                                 name_map=self._engine_names()),
+            mode=mode, attempts=cfg.weight_sync.max_retries + 1, timer=self.timer,
+            # the engine's checksum covers all its weights: comparable when the sync did (an
+            # adapter-mode step moves only LoRA tensors; ipc compared the bytes moved)
+            verify=cfg.weight_sync.verify_engine_checksum and mode != "adapter")
 
     def _offload_after_train(self, actor_now: tuple[int, int] | None) -> None:
         """The actor's offload at the end of a step. On the first CUDA step (``actor_now``:

@@ -92,7 +92,6 @@ def _describe_holder(text: str) -> str:
 def previous_run(cfg) -> list[str]:
     """What in the run's directories shows an earlier run (empty: nothing)."""
     from trainer.checkpoint.layout import committed_iterations  # local: torch (see the top)
-    from trainer.checkpoint.save import checkpoint_root
     found = []
     metrics = Path(cfg.logging.run_dir) / "metrics.jsonl"
     if metrics.is_file() and metrics.stat().st_size > 0:
@@ -108,7 +107,6 @@ def previous_run(cfg) -> list[str]:
 def _newer_than_explicit_load(cfg) -> list[int]:
     """Committed iterations of the save root newer than an explicit ``--load .../iter_N``."""
     from trainer.checkpoint.layout import committed_iterations, parse_iter  # local: torch
-    from trainer.checkpoint.save import checkpoint_root
     if not cfg.checkpoint.load:
         return []
     load = Path(cfg.checkpoint.load).resolve()
@@ -143,7 +141,6 @@ def claim_run_dir(cfg, *, check_only: bool = False):
     if ck.resume:
         if ck.load:
             return cfg
-        from trainer.checkpoint.save import checkpoint_root  # local: torch (see the top)
         if any("committed checkpoints" in f for f in found):
             log.info("--resume: continuing from the newest verified checkpoint under %s",
                      _checkpoint_root(cfg))
@@ -178,4 +175,5 @@ def _clear_history(cfg, found: list[str]) -> None:
 
 
 def _checkpoint_root(cfg) -> Path:
+    from trainer.checkpoint.save import checkpoint_root  # local: torch (see the top)
     return checkpoint_root(cfg.checkpoint.save, cfg.logging.run_dir)

@@ -4,7 +4,7 @@ Restores every DCP part of the ``Checkpointer`` (``trainer.checkpoint.save``): t
 model (LoRA: the adapter; the base was already reloaded from --model-path) and optimizer, the
 EMA; then hands ``trainer_state.json`` and this rank's RNG to the run state's
 ``load_state_dict`` (``trainer.state.TrainerState``: policy version, LR step, next rollout,
-failure counters, RNG), after checking that the adapter contract (``extra["contract"]``, the
+failure counters, RNG), after checking that the adapter contract (``contract()``, the
 current run's) matches the saved one.
 
 Design choices:
@@ -94,11 +94,11 @@ def load_checkpoint(ck: Checkpointer, path: str | Path) -> Path:
     calls this together. Returns the loaded ``iter_*`` directory."""
     iter_dir = _choose(ck, path)
     saved = layout.read_json(iter_dir / layout.ADAPTER_CONTRACT)
-    problems = contract_mismatches(saved, ck.extra["contract"])
+    problems = contract_mismatches(saved, ck.contract())
     if problems:
         raise ContractMismatchError(iter_dir, problems)
     state = layout.read_json(iter_dir / layout.TRAINER_STATE)
-    fingerprint = ck.extra.get("fingerprint")
+    fingerprint = ck.fingerprint
     if state.get("sampling_fingerprint") != fingerprint:
         log.warning("resuming %s with a different sampling config (fingerprint %s -> %s): "
                     "rollouts will not continue the saved run exactly", iter_dir,

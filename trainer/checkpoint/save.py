@@ -45,7 +45,7 @@ import errno
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -82,7 +82,8 @@ class Checkpointer:
     keep: int = 0                    # checkpoint.max_actor_ckpt_to_keep
     overwrite: bool = False          # checkpoint.overwrite
     metrics: Any = None              # rank 0 logs train/checkpoint_failures on a failure
-    extra: dict[str, Any] = field(default_factory=dict)  # read by load: "contract", "fingerprint"
+    contract: Callable[[], dict] | None = None  # load: this run's adapter contract
+    fingerprint: str | None = None   # load: this run's sampling fingerprint
 
 
 def checkpoint_root(save: str | None, run_dir: str | Path) -> Path:

@@ -26,8 +26,9 @@ from typing import Any, Callable
 import torch
 
 import ipc
-from trainer.config import ModelConfig, RolloutConfig, WeightSyncConfig
+from trainer.config import DEFAULT_SAMPLING, ModelConfig, RolloutConfig, WeightSyncConfig
 from trainer.engine import launch_embedded_engine
+from trainer.models.compile import compile_wanted
 
 log = logging.getLogger("trainer")
 
@@ -40,6 +41,19 @@ def share_cpu_cores(world: int) -> None:
     threads = max(1, (os.cpu_count() or 2) // (2 * world))
     torch.set_num_threads(threads)
     os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by the engine process
+
+
+def engine_warmup(rollout: RolloutConfig, compile: str, device: torch.device) -> dict | None:
+    """The geometry of a training request, compiled before the first rollout (None: the
+    engine does not compile, ``model.compile``)."""
+    if not compile_wanted(compile, device):
+        return None
+    sampling = rollout.sampling
+    return {"height": int(sampling.get("height", DEFAULT_SAMPLING["height"])),
+            "width": int(sampling.get("width", DEFAULT_SAMPLING["width"])),
+            # CFG runs the conditional and the empty-prompt halves as one forward
+            "batch": (rollout.wave_size or 1) * rollout.n_samples_per_prompt
+            * (2 if float(sampling.get("guidance_scale", 1.0)) != 1.0 else 1)}
 
 
 def embedded_starter(model: ModelConfig, rollout: RolloutConfig, weight_sync: WeightSyncConfig,
@@ -62,6 +76,21 @@ def embedded_starter(model: ModelConfig, rollout: RolloutConfig, weight_sync: We
                                   timeout_s=weight_sync.timeout_s)
         return engine, sender
     return start
+
+
+def sync_metrics(stats: Any) -> dict[str, float]:
+    """A weight sync's metrics from the sender's stats."""
+    seconds = float(getattr(stats, "seconds", 0.0))
+    gb = float(getattr(stats, "bytes", 0)) / 1e9
+    out = {"weight_sync/seconds": seconds, "train/weight_sync_gb": gb,
+           "weight_sync/gb_per_s": gb / seconds if seconds > 0 else 0.0,
+           "train/weight_sync_tensors": float(getattr(stats, "tensors", 0)),
+           "weight_sync/handle_opens": float(getattr(stats, "handle_opens", 0))}
+    # where the sync's time goes: prepare (scan + manifest), begin (receiver's accept),
+    # write (gathers + copy kernels + fence), commit (receiver's check)
+    out.update({f"weight_sync/{k}_s": float(v)
+                for k, v in (getattr(stats, "timings", None) or {}).items()})
+    return out
 
 
 class RolloutService:
@@ -104,6 +133,35 @@ class RolloutService:
         self._start_engine()
         for driver in self.drivers:
             driver.engines = [self.engine]
+
+    def push(self, version: int, payload: Callable[[], Any], *, mode: str, attempts: int,
+             timer: Any, verify: bool) -> dict[str, float]:
+        """Send ``payload()`` (the actor's weights) to the engine as policy ``version``, up to
+        ``attempts`` times; the version advances only on success. ``verify``: compare the
+        engine's own checksum of all its weights with the sent one afterwards (skipped where
+        the sender verifies itself). Returns the sync's metrics ({} without a sender)."""
+        if self.sender is None:
+            return {}
+        for attempt in range(attempts):
+            try:
+                with timer.stage("weight_sync"):
+                    stats = self.sender.sync(version, payload(), mode=mode)
+                if verify and not getattr(self.sender, "self_verifying", False):
+                    with timer.stage("weight_sync/verify"):
+                        got = self.engine.checksum()
+                    if got != stats.checksum:
+                        raise ipc.WeightSyncError(
+                            "post-write", [f"engine checksum {got} != sent {stats.checksum} "
+                                           "after commit"], version)
+                self.policy_version = version
+                return sync_metrics(stats)
+            except ipc.WeightSyncError as exc:
+                self.sync_failures += 1
+                log.error("weight sync of version %d failed (attempt %d/%d): %s",
+                          version, attempt + 1, attempts, exc)
+                if attempt + 1 == attempts:
+                    raise
+        return {}
 
     def close(self) -> None:
         for part in (self.sender, self.engine):
