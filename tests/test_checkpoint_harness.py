@@ -114,7 +114,8 @@ class FakeTrainer(TrainerState):
         self.rank, self.world = rank, world
         self.device = torch.device(device)
         model = build_actor(adapter, cfg.train, cfg.fsdp, cfg.lora, self.device,
-                            distributed=dist.is_available() and dist.is_initialized())
+                            distributed=dist.is_available() and dist.is_initialized(),
+                            compile=cfg.model.compile)
         self.actor = Actor(adapter, model, build_optimizer(model, cfg.train), train=cfg.train,
                            fsdp=cfg.fsdp, device=self.device, trainable_only=cfg.lora.rank > 0)
         self.model, self.optimizer = model, self.actor.optimizer

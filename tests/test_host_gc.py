@@ -74,7 +74,7 @@ def test_trainer_collects_during_the_rollout_and_trains_the_same(make_trainer, m
             trainer.train_step(r)
         weights[mode] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
         if mode == "rollout":
-            assert trainer.utils.host_gc.collections == 2 and trainer.utils.host_gc.frozen
+            assert trainer.host_gc.collections == 2 and trainer.host_gc.frozen
         trainer.close()
         assert gc.isenabled() and gc.get_freeze_count() == 0
     assert seen == [True, True, False, False]

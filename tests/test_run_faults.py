@@ -15,7 +15,7 @@ import pytest
 from trainer.checkpoint import layout
 from trainer.config import load_config
 from trainer.rundir import RunDirError, RunDirLock, claim_run_dir
-from trainer.watchdog import TrainingStalledError, check_progress
+from trainer.watchdog import ProgressWatch, TrainingStalledError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,25 +79,25 @@ def test_an_explicit_older_load_needs_overwrite_to_truncate(tmp_path):
     assert claim_run_dir(_cfg(run, f"checkpoint.load={old}", "checkpoint.overwrite=true"))
 
 
-class _Run:
-    def __init__(self, limit: int):
-        self.cfg = _cfg(Path("unused"), f"train.max_rollouts_without_step={limit}")
+def _watch(limit: int) -> ProgressWatch:
+    cfg = _cfg(Path("unused"), f"train.max_rollouts_without_step={limit}")
+    return ProgressWatch(cfg.train.max_rollouts_without_step)
 
 
 def test_stall_guard_counts_consecutive_empty_rollouts():
-    run = _Run(3)
+    run = _watch(3)
     empty = {"train/optimizer_steps": 0.0, "reward/failed_groups": 4.0}
-    check_progress(run, 0, dict(empty))
-    check_progress(run, 1, dict(empty))
-    check_progress(run, 2, {"train/optimizer_steps": 2.0})          # a step resets the streak
-    check_progress(run, 3, dict(empty))
-    check_progress(run, 4, dict(empty))
+    run.check(0, dict(empty))
+    run.check(1, dict(empty))
+    run.check(2, {"train/optimizer_steps": 2.0})          # a step resets the streak
+    run.check(3, dict(empty))
+    run.check(4, dict(empty))
     with pytest.raises(TrainingStalledError, match=r"last 3 rollouts \(3..5.*4 group\(s\) "
                                                    r"failed their reward checks"):
-        check_progress(run, 5, dict(empty))
-    never = _Run(0)
+        run.check(5, dict(empty))
+    never = _watch(0)
     for i in range(50):
-        check_progress(never, i, {"train/optimizer_steps": 0.0})
+        never.check(i, {"train/optimizer_steps": 0.0})
 
 
 # ---- end to end: python -m trainer launch --config toy -------------------------------------
