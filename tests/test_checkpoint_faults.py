@@ -180,7 +180,8 @@ def test_disk_full_save_is_counted_cleaned_and_training_continues(tmp_path, capl
     to mount, ENOSPC is raised from the DCP write instead (same path from there on)."""
     with _saved_once_then_disk_full(tmp_path, monkeypatch) as (trainer, root, model_dir, first):
         with caplog.at_level(logging.WARNING, "trainer.checkpoint"):
-            assert save_checkpoint(trainer.checkpointer, 2) is None      # no exception: training goes on
+            # no exception: training goes on
+            assert save_checkpoint(trainer.checkpointer, 2) is None
         assert "ENOSPC" in caplog.text and "No space left on device" in caplog.text
         assert trainer.checkpoint_failures == 1
         assert trainer.metrics.rows == [(2, {"train/checkpoint_failures": 1.0})]

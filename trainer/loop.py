@@ -57,6 +57,12 @@ def resolve_model_path(cfg: Config) -> str:
     return cfg.model.model_path
 
 
+def _delegated(component: str, name: str) -> property:
+    """A counter of ``TrainerState`` read and set on the component that keeps it."""
+    return property(lambda self: getattr(getattr(self, component), name),
+                    lambda self, value: setattr(getattr(self, component), name, value))
+
+
 def build_checkpointer(cfg: Config, *, actor: Actor, state, adapter, model_path: str,
                        driver=None, rank: int = 0, world: int = 1,
                        metrics=None) -> Checkpointer:
@@ -132,15 +138,12 @@ class Trainer(TrainerState):
         self.checkpointer = self._build_checkpointer()
         self.sync_weights(first=True)
 
-    # ---- the counters, where their components keep them ------------------------------
-    policy_version = property(lambda self: self.rollouts.policy_version,
-                              lambda self, v: setattr(self.rollouts, "policy_version", v))
-    sync_failures = property(lambda self: self.rollouts.sync_failures,
-                             lambda self, v: setattr(self.rollouts, "sync_failures", v))
-    engine_restarts = property(lambda self: self.rollouts.restarts,
-                               lambda self, v: setattr(self.rollouts, "restarts", v))
-    lr_steps = property(lambda self: self.actor.lr_steps,
-                        lambda self, v: setattr(self.actor, "lr_steps", v))
+    # ---- the counters (TrainerState's), where the components moving them keep them ----
+    policy_version = _delegated("rollouts", "policy_version")
+    sync_failures = _delegated("rollouts", "sync_failures")
+    engine_restarts = _delegated("rollouts", "restarts")
+    lr_steps = _delegated("actor", "lr_steps")
+    # read-only views for callers that inspect a run (tests, bench)
     model = property(lambda self: self.actor.model)
     engine = property(lambda self: self.rollouts.engine)
     sender = property(lambda self: self.rollouts.sender)

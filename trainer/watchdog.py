@@ -40,15 +40,11 @@ class ProgressWatch:
         steps = float(metrics.get("train/optimizer_steps", 1.0))
         self.streak = 0 if steps > 0 else self.streak + 1
         metrics["train/rollouts_without_step"] = float(self.streak)
-        check_streak(rollout_id, self.streak, self.limit, metrics)
-
-
-def check_streak(rollout_id: int, streak: int, limit: int, metrics: dict[str, float]) -> None:
-    """Warn about an empty rollout; raise once ``streak`` reaches ``limit`` (0: never)."""
-    if streak:
-        log.warning("rollout %d made no optimizer step (%d in a row, limit %s): %s",
-                    rollout_id, streak, limit or "none", _cause(metrics))
-    if limit and streak >= limit:
-        raise TrainingStalledError(
-            f"no optimizer step in the last {streak} rollouts ({rollout_id - streak + 1}.."
-            f"{rollout_id}; train.max_rollouts_without_step={limit}): {_cause(metrics)}")
+        streak, limit = self.streak, self.limit
+        if streak:
+            log.warning("rollout %d made no optimizer step (%d in a row, limit %s): %s",
+                        rollout_id, streak, limit or "none", _cause(metrics))
+        if limit and streak >= limit:
+            raise TrainingStalledError(
+                f"no optimizer step in the last {streak} rollouts ({rollout_id - streak + 1}.."
+                f"{rollout_id}; train.max_rollouts_without_step={limit}): {_cause(metrics)}")

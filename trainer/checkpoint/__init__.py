@@ -13,5 +13,6 @@ from trainer.checkpoint.layout import CheckpointError, latest_committed
 from trainer.checkpoint.load import load_checkpoint
 from trainer.checkpoint.save import Checkpointer, save_checkpoint
 
-__all__ = ["Checkpointer", "save_checkpoint", "load_checkpoint", "latest_committed", "CheckpointError",
+__all__ = ["Checkpointer", "save_checkpoint", "load_checkpoint", "latest_committed",
+           "CheckpointError",
            "ContractMismatchError"]
