@@ -18,7 +18,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
+from trainer.actor import update
+from trainer.actor.model import offload_actor, onload_actor, strip_wrapper_names
+from trainer.checkpoint.layout import CheckpointError
+from trainer.checkpoint.shards import state_dicts
 from trainer.config import FSDPConfig, TrainConfig
 from trainer.models.base import GenerativeModelAdapter
 from trainer.profiling import ComputeMeter
@@ -48,24 +53,18 @@ class Actor:
 
     def train_on(self, batch, advantages: torch.Tensor, rollout_id: int) -> dict[str, float]:
         """Replay and update (``trainer.actor.update.train_on``)."""
-        from trainer.actor.update import train_on
-        return train_on(self, batch, advantages, rollout_id)
+        return update.train_on(self, batch, advantages, rollout_id)
 
     # ---- Stateful (checkpoints) ---------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """{"model", "optim"} as DCP writes them (``trainer.checkpoint.shards.state_dicts``);
         the actor must be on its device (``onloaded``)."""
-        from trainer.checkpoint.shards import state_dicts
         return state_dicts(self.model, self.optimizer, self.trainable_only)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Set the model and optimizer from ``state`` (``state_dict``'s layout, filled by DCP).
         A LoRA run's frozen base is absent on purpose, so loading is strict only in full mode;
         every trainable tensor must have been loaded."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-        from trainer.actor.model import strip_wrapper_names
-        from trainer.checkpoint.layout import CheckpointError
         lora = self.trainable_only
         result = set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                                 optim_state_dict=state["optim"],
@@ -90,13 +89,11 @@ class _Onloaded:
         self.was_offloaded = actor.offloaded is not None
 
     def __enter__(self) -> Actor:
-        from trainer.actor.model import onload_actor
         if self.was_offloaded:
             onload_actor(self.actor.model, self.actor.optimizer, self.actor.offloaded)
             self.actor.offloaded = None
         return self.actor
 
     def __exit__(self, *exc) -> None:
-        from trainer.actor.model import offload_actor
         if self.was_offloaded:
             self.actor.offloaded = offload_actor(self.actor.model, self.actor.optimizer)
