@@ -45,7 +45,7 @@ def test_sigkill_during_saves_never_leaves_a_trusted_partial_checkpoint(tmp_path
     ctx = mp.get_context("forkserver")
     # torch._dynamo: AdamW's constructor imports it lazily (~5 s under load, per child)
     ctx.set_forkserver_preload(["torch", "torch._dynamo", "trainer.checkpoint",
-                                "trainer.actor.model", "test_checkpoint_harness"])
+                                "trainer.actor.model", "trainer.loop", "test_checkpoint_harness"])
     checker = h.make_trainer(model_dir, root, lora=False)
     rng = random.Random(20240607)
     latest_n, mid_save = 0, 0
