@@ -37,6 +37,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 import bench_step  # noqa: E402
 import floors  # noqa: E402
 import host_lead  # noqa: E402
+import trainer.actor.update as update_module  # noqa: E402
 import trainer.loop as loop_module  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 
@@ -103,7 +104,7 @@ def profile_train_stage(args, out: Path) -> None:
     os.environ.setdefault("MASTER_PORT", "29534")
     dist.init_process_group("nccl", rank=0, world_size=1)
     trainer = loop_module.Trainer(cfg, rank=0, world=1, device=torch.device("cuda"))
-    real_train_on, last = loop_module.train_on, args.rollouts - 1
+    real_train_on, last = update_module.train_on, args.rollouts - 1
 
     def traced(tr, batch, advantages, rollout_id):
         if rollout_id != last:
@@ -126,13 +127,13 @@ def profile_train_stage(args, out: Path) -> None:
         trace.unlink()
         return metrics
 
-    loop_module.train_on = traced
+    update_module.train_on = traced  # the actor's update, which Actor.train_on calls
     try:
         for r in range(args.rollouts):
             m = trainer.train_step(r)
             print(f"step {r}: train {m['perf/train_time']:.4f} s", flush=True)
     finally:
-        loop_module.train_on = real_train_on
+        update_module.train_on = real_train_on
         trainer.close()
     del trainer
     gc.collect()

@@ -2,17 +2,15 @@
 of it (8 samples, 2 groups), a LoRA config and a stand-in trainer for ``update.train_on``."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from engine_fixtures import (ADAPTER_PATH, FixtureAdapter, build_fixture_model_dir,
                              make_request)
+from trainer.actor.actor import Actor
 from trainer.actor.model import build_optimizer
 from trainer.config import load_config
 from trainer.engine import launch_embedded_engine
-from trainer.profiling import ComputeMeter
 
 PROMPTS = ["a red panda"] * 4 + ["a teacup"] * 4
 IDS = [f"prompt:{g}:sample:{s}" for g in (7, 9) for s in range(4)]
@@ -48,8 +46,6 @@ def lora_cfg(*sets):
 
 
 def stand_in_trainer(adapter, cfg, model):
-    optimizer = build_optimizer(model, cfg)
-    return SimpleNamespace(
-        cfg=cfg, adapter=adapter, model=model, optimizer=optimizer, lr_steps=0,
-        device=torch.device("cpu"), meter=ComputeMeter(), outside=ComputeMeter(),
-        auto_micro_batch=None, ema=None)
+    """The actor ``update.train_on`` takes, on the CPU, without EMA."""
+    return Actor(adapter, model, build_optimizer(model, cfg.train), train=cfg.train,
+                 fsdp=cfg.fsdp, device="cpu", trainable_only=cfg.lora.rank > 0)

@@ -47,14 +47,14 @@ def test_plan_updates_reports_every_problem():
 def test_lr_schedule_warmup_then_shapes():
     cfg = load_config(None, ["train.lr=1.0", "train.min_lr=0.1", "train.lr_warmup_iters=4",
                              "train.lr_decay_iters=10", "train.lr_scheduler=cosine"])
-    assert [lr_at_step(s, cfg) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
-    assert lr_at_step(4, cfg) == pytest.approx(1.0)
-    assert lr_at_step(9, cfg) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)))
-    assert lr_at_step(100, cfg) == pytest.approx(0.1)
+    assert [lr_at_step(s, cfg.train) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_at_step(4, cfg.train) == pytest.approx(1.0)
+    assert lr_at_step(9, cfg.train) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_at_step(100, cfg.train) == pytest.approx(0.1)
     cfg.train.lr_scheduler = "linear"
-    assert lr_at_step(9, cfg) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert lr_at_step(9, cfg.train) == pytest.approx(0.1 + 0.9 * 0.5)
     cfg.train.lr_scheduler = "constant"
-    assert lr_at_step(50, cfg) == 1.0
+    assert lr_at_step(50, cfg.train) == 1.0
 
 
 def test_adam_fused_is_the_same_maths():
@@ -67,7 +67,7 @@ def test_adam_fused_is_the_same_maths():
                                  f"train.adam_fused={str(fused).lower()}"])
         model = Tiny()
         model.load_state_dict(runs["init"])
-        opt = build_optimizer(model, cfg)
+        opt = build_optimizer(model, cfg.train)
         assert opt.defaults["fused"] is (True if fused else None)
         for _ in range(3):
             model(x).square().mean().backward()
@@ -75,7 +75,7 @@ def test_adam_fused_is_the_same_maths():
             opt.zero_grad()
         runs[fused] = model.state_dict()
     # the default (None) picks by device: foreach for CPU parameters
-    assert build_optimizer(Tiny(), load_config(None, [])).defaults["fused"] is None
+    assert build_optimizer(Tiny(), load_config(None, []).train).defaults["fused"] is None
     moved = [k for k in runs["init"] if not torch.equal(runs["init"][k], runs[False][k])]
     assert moved
     for k in runs[False]:

@@ -45,7 +45,7 @@ def test_sigkill_during_saves_never_leaves_a_trusted_partial_checkpoint(tmp_path
     ctx = mp.get_context("forkserver")
     # torch._dynamo: AdamW's constructor imports it lazily (~5 s under load, per child)
     ctx.set_forkserver_preload(["torch", "torch._dynamo", "trainer.checkpoint",
-                                "trainer.actor.model", "test_checkpoint_harness"])
+                                "trainer.actor.model", "trainer.loop", "test_checkpoint_harness"])
     checker = h.make_trainer(model_dir, root, lora=False)
     rng = random.Random(20240607)
     latest_n, mid_save = 0, 0
@@ -72,7 +72,7 @@ def test_sigkill_during_saves_never_leaves_a_trusted_partial_checkpoint(tmp_path
         if any(layout.commit_problems(d) for _, d in layout.iteration_dirs(root / "t2i")):
             mid_save += 1  # this kill landed inside a save: its directory is not trusted
         if n:
-            assert load_checkpoint(checker, root) == found
+            assert load_checkpoint(checker.checkpointer, root) == found
             assert (checker.next_rollout, checker.policy_version) == (n, n)
             for i, p in enumerate(checker.model.parameters()):
                 assert torch.equal(p.detach(), h.expected_weight(n, i, p.shape)), (n, i)

@@ -41,7 +41,7 @@ def _two_saves(model_dir, root):
     for step in (1, 2):
         h.train_step(trainer)
         weights[step] = h.trainable_weights(trainer)
-        assert save_checkpoint(trainer, step) is not None
+        assert save_checkpoint(trainer.checkpointer, step) is not None
     return weights
 
 
@@ -52,7 +52,7 @@ def _shard(iter_dir):
 def _assert_resumed_from(model_dir, root, weights, step, caplog, reason):
     fresh = h.make_trainer(model_dir, root, lora=False)
     with caplog.at_level(logging.WARNING, "trainer.checkpoint"):
-        got = load_checkpoint(fresh, root)
+        got = load_checkpoint(fresh.checkpointer, root)
     assert got.name == layout.iter_name(step)
     assert fresh.next_rollout == step
     for name, t in h.trainable_weights(fresh).items():
@@ -124,7 +124,7 @@ def test_nothing_verifies_is_one_error_naming_each_iteration(model_dir, tmp_path
     for n in (1, 2):
         (root / "t2i" / layout.iter_name(n) / layout.COMMITTED).unlink()
     with pytest.raises(layout.CheckpointError) as e:
-        load_checkpoint(h.make_trainer(model_dir, root, lora=False), root)
+        load_checkpoint(h.make_trainer(model_dir, root, lora=False).checkpointer, root)
     assert "iter_0000001: no COMMITTED" in str(e.value)
     assert "iter_0000002: no COMMITTED" in str(e.value)
 
@@ -138,7 +138,7 @@ def _fill_the_disk_unless(mounted: bool, monkeypatch) -> None:
 
     def full(*a, **k):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "simulated")
-    monkeypatch.setattr(save_mod, "write_shards", full)
+    monkeypatch.setattr(save_mod, "write_dcp", full)
 
 
 @contextlib.contextmanager
@@ -166,7 +166,7 @@ def _saved_once_then_disk_full(tmp_path, monkeypatch):
         trainer.metrics = Recorder()
         h.train_step(trainer)
         first = h.trainable_weights(trainer)
-        assert save_checkpoint(trainer, 1) is not None
+        assert save_checkpoint(trainer.checkpointer, 1) is not None
         _fill_the_disk_unless(mounted, monkeypatch)
         h.train_step(trainer)
         yield trainer, root, model_dir, first
@@ -180,7 +180,8 @@ def test_disk_full_save_is_counted_cleaned_and_training_continues(tmp_path, capl
     to mount, ENOSPC is raised from the DCP write instead (same path from there on)."""
     with _saved_once_then_disk_full(tmp_path, monkeypatch) as (trainer, root, model_dir, first):
         with caplog.at_level(logging.WARNING, "trainer.checkpoint"):
-            assert save_checkpoint(trainer, 2) is None      # no exception: training goes on
+            # no exception: training goes on
+            assert save_checkpoint(trainer.checkpointer, 2) is None
         assert "ENOSPC" in caplog.text and "No space left on device" in caplog.text
         assert trainer.checkpoint_failures == 1
         assert trainer.metrics.rows == [(2, {"train/checkpoint_failures": 1.0})]
@@ -188,7 +189,7 @@ def test_disk_full_save_is_counted_cleaned_and_training_continues(tmp_path, capl
         assert not [p for p in (root / "t2i").iterdir() if p.name.startswith(".trash")]
         h.train_step(trainer)                                # the run trains on
         fresh = h.make_trainer(model_dir, root, lora=False)
-        assert load_checkpoint(fresh, root).name == layout.iter_name(1)
+        assert load_checkpoint(fresh.checkpointer, root).name == layout.iter_name(1)
         for name, t in h.trainable_weights(fresh).items():
             assert torch.equal(t, first[name]), name
 
@@ -200,7 +201,7 @@ def test_failed_final_save_raises_naming_the_os_error(tmp_path, caplog, monkeypa
     with _saved_once_then_disk_full(tmp_path, monkeypatch) as (trainer, root, _, _):
         with caplog.at_level(logging.WARNING, "trainer.checkpoint"):
             with pytest.raises(layout.CheckpointError) as e:
-                save_checkpoint(trainer, 2, final=True)
+                save_checkpoint(trainer.checkpointer, 2, final=True)
         msg = str(e.value)
         assert "final checkpoint (step 2) was not saved" in msg
         assert "rank 0 (OSError ENOSPC: No space left on device" in msg
@@ -220,12 +221,12 @@ def test_rotation_keeps_another_timelines_checkpoints_unless_overwrite(model_dir
     again = h.make_trainer(model_dir, root, lora=False)
     h.train_step(again)
     with pytest.raises(layout.CheckpointError, match=r"\['iter_0000001', 'iter_0000002'\]"):
-        save_checkpoint(again, 1)
+        save_checkpoint(again.checkpointer, 1)
     assert [n for n, _ in layout.committed_iterations(root / "t2i")] == [1, 2]
     told = h.make_trainer(model_dir, root, lora=False, extra=["checkpoint.overwrite=true"])
     h.train_step(told)
     with caplog.at_level(logging.WARNING, "trainer.checkpoint"):
-        assert save_checkpoint(told, 1) is not None
+        assert save_checkpoint(told.checkpointer, 1) is not None
     assert "deleting committed checkpoint" in caplog.text and "iter_0000002" in caplog.text
     assert [n for n, _ in layout.committed_iterations(root / "t2i")] == [1]
 
@@ -241,11 +242,11 @@ def test_resume_cuts_metrics_and_tensorboard_at_the_resumed_step(model_dir, tmp_
         h.train_step(trainer)
         trainer.metrics.log(step, {"x": float(step)}, console=False)
         if step == 3:
-            assert save_checkpoint(trainer, 3) is not None
+            assert save_checkpoint(trainer.checkpointer, 3) is not None
     trainer.metrics.close()
     fresh = h.make_trainer(model_dir, root, lora=False)
     fresh.metrics = MetricsLogger(run, tensorboard=True)
-    load_checkpoint(fresh, root)
+    load_checkpoint(fresh.checkpointer, root)
     for step in (4, 5):
         fresh.metrics.log(step, {"x": 10.0 * step}, console=False)
     fresh.metrics.close()

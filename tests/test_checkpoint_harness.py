@@ -102,21 +102,32 @@ class DiffusersDirAdapter(TinyNetAdapter):
 
 
 class FakeTrainer(TrainerState):
-    """The attributes of ``trainer.loop.Trainer`` that checkpoints read and restore; its
-    counters and RNG are the real ``TrainerState``."""
+    """What ``trainer.loop.Trainer`` hands its checkpointer: a real ``Actor`` and the real
+    ``TrainerState`` (counters and RNG), under the loop's own ``build_checkpointer``."""
 
     def __init__(self, cfg, adapter, model_path: str, *, rank: int = 0, world: int = 1,
                  device: str = "cpu"):
+        from trainer.actor.actor import Actor
         from trainer.actor.model import build_actor, build_optimizer
         import torch.distributed as dist
         self.cfg, self.adapter, self.model_path = cfg, adapter, str(model_path)
         self.rank, self.world = rank, world
         self.device = torch.device(device)
-        self.offloaded = None
-        self.model = build_actor(adapter, cfg, self.device,
-                                 distributed=dist.is_available() and dist.is_initialized())
-        self.optimizer = build_optimizer(self.model, cfg)
+        model = build_actor(adapter, cfg.train, cfg.fsdp, cfg.lora, self.device,
+                            distributed=dist.is_available() and dist.is_initialized(),
+                            compile=cfg.model.compile)
+        self.actor = Actor(adapter, model, build_optimizer(model, cfg.train), train=cfg.train,
+                           fsdp=cfg.fsdp, device=self.device, trainable_only=cfg.lora.rank > 0)
+        self.model, self.optimizer = model, self.actor.optimizer
         self.metrics = None
+
+    @property
+    def checkpointer(self):
+        """Built on each use, so a test's later ``metrics`` stand-in is the one it logs to."""
+        from trainer.loop import build_checkpointer
+        return build_checkpointer(self.cfg, actor=self.actor, state=self, adapter=self.adapter,
+                                  model_path=self.model_path, rank=self.rank, world=self.world,
+                                  metrics=self.metrics)
 
 
 def tiny_config(save_root: Path, model_path: Path, *, lora: bool, extra: list[str] = ()):
@@ -157,7 +168,7 @@ def train_step(trainer: FakeTrainer) -> dict:
     torch.nn.utils.clip_grad_norm_([p for p in trainer.model.parameters() if p.requires_grad],
                                    trainer.cfg.train.clip_grad)
     for group in trainer.optimizer.param_groups:
-        group["lr"] = lr_at_step(trainer.lr_steps, trainer.cfg)
+        group["lr"] = lr_at_step(trainer.lr_steps, trainer.cfg.train)
     trainer.optimizer.step()
     trainer.optimizer.zero_grad(set_to_none=True)
     trainer.lr_steps += 1
@@ -189,7 +200,7 @@ def crash_child(model_path: str, save_root: str, log_path: str) -> None:
     from trainer.checkpoint import latest_committed, load_checkpoint, save_checkpoint
     trainer = make_trainer(Path(model_path), Path(save_root), lora=False)
     if latest_committed(save_root) is not None:
-        load_checkpoint(trainer, save_root)
+        load_checkpoint(trainer.checkpointer, save_root)
     n = trainer.next_rollout
     with open(log_path, "a", buffering=1) as log:
         log.write(f"start {n}\n")
@@ -199,7 +210,7 @@ def crash_child(model_path: str, save_root: str, log_path: str) -> None:
                 for i, p in enumerate(trainer.model.parameters()):
                     p.copy_(expected_weight(n, i, p.shape))
             trainer.next_rollout = trainer.policy_version = trainer.lr_steps = n
-            if save_checkpoint(trainer, n) is None:
+            if save_checkpoint(trainer.checkpointer, n) is None:
                 raise RuntimeError(f"save {n} failed")
             log.write(f"saved {n}\n")
 
@@ -231,12 +242,13 @@ def _failure_injection(trainer: FakeTrainer, step: int) -> dict:
             raise OSError("injected: disk full")
         save_mod.write_rng = failing_write_rng
     try:
-        out["failed_save_returned"] = str(save_checkpoint(trainer, step))
+        out["failed_save_returned"] = str(save_checkpoint(trainer.checkpointer, step))
         out["failures_after_write_error"] = trainer.checkpoint_failures
     finally:
         save_mod.write_rng = real_write_rng
     from trainer.checkpoint.save import checkpoint_root
-    task_dir = checkpoint_root(trainer.cfg) / trainer.cfg.model.task
+    cfg = trainer.cfg
+    task_dir = checkpoint_root(cfg.checkpoint.save, cfg.logging.run_dir) / cfg.model.task
     if trainer.rank == 0:  # rank 0 removed the partial save before returning
         out["partial_dir_left"] = (task_dir / layout_mod.iter_name(step)).exists()
         (task_dir / layout_mod.iter_name(step)).mkdir()  # a crash leftover to rotate away
@@ -244,7 +256,7 @@ def _failure_injection(trainer: FakeTrainer, step: int) -> dict:
             raise PermissionError(f"injected: cannot remove {path}")
         layout_mod.remove_tree = failing_remove
     try:
-        save_checkpoint(trainer, step + 1)
+        save_checkpoint(trainer.checkpointer, step + 1)
         out["rotation_error"] = None
     except CheckpointError as exc:
         out["rotation_error"] = str(exc)
@@ -276,15 +288,17 @@ def worker_main(argv: list[str]) -> int:
         if phase == "reference":
             for _ in range(RESUME_STEPS):
                 train_step(trainer)
+            actor = trainer.actor
             if trainer.device.type == "cuda":  # as the loop leaves it with --offload-train
-                trainer.offloaded = offload_actor(trainer.model, trainer.optimizer)
-            saved = save_checkpoint(trainer, RESUME_STEPS)
+                actor.offloaded = offload_actor(actor.model, actor.optimizer)
+            with actor.onloaded():  # as the loop saves
+                saved = save_checkpoint(trainer.checkpointer, RESUME_STEPS)
             assert saved is not None, "reference save failed"
-            if trainer.offloaded is not None:
-                onload_actor(trainer.model, trainer.optimizer, trainer.offloaded)
-                trainer.offloaded = None
+            if actor.offloaded is not None:
+                onload_actor(actor.model, actor.optimizer, actor.offloaded)
+                actor.offloaded = None
         else:
-            load_checkpoint(trainer, root)
+            load_checkpoint(trainer.checkpointer, root)
         state = {"policy_version": trainer.policy_version, "lr_steps": trainer.lr_steps,
                  "next_rollout": trainer.next_rollout}
         record = train_step(trainer)

@@ -47,14 +47,14 @@ def step_record(tr):
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_resume_in_one_process_is_bit_exact(model_dir, tmp_path, lora):
     tr = trained(model_dir, tmp_path, lora)
-    assert save_checkpoint(tr, K) is not None
+    assert save_checkpoint(tr.checkpointer, K) is not None
     ref = step_record(tr)
 
     fresh = h.make_trainer(model_dir, tmp_path, lora=lora)
     h.seed_all(99)
     control = step_record(h.make_trainer(model_dir, tmp_path / "unused", lora=lora))
     assert not torch.equal(control["loss"], ref["loss"])  # without the resume it differs
-    assert load_checkpoint(fresh, tmp_path).name == layout.iter_name(K)
+    assert load_checkpoint(fresh.checkpointer, tmp_path).name == layout.iter_name(K)
     assert (fresh.next_rollout, fresh.policy_version, fresh.lr_steps) == (K, K, K)
     assert_same_step(ref, step_record(fresh))
 
@@ -66,10 +66,10 @@ def test_a_compiled_actors_checkpoint_resumes_into_an_eager_one(model_dir, tmp_p
     before = compile_events()
     tr = trained(model_dir, tmp_path, True, extra=["model.compile=blocks"])
     assert compile_events() > before  # the blocks did run compiled
-    assert save_checkpoint(tr, K) is not None
+    assert save_checkpoint(tr.checkpointer, K) is not None
     saved = h.trainable_weights(tr)
     fresh = h.make_trainer(model_dir, tmp_path, lora=True)
-    assert load_checkpoint(fresh, tmp_path).name == layout.iter_name(K)
+    assert load_checkpoint(fresh.checkpointer, tmp_path).name == layout.iter_name(K)
     got = h.trainable_weights(fresh)
     assert got.keys() == saved.keys()
     for name in saved:
@@ -80,7 +80,7 @@ def test_checkpoint_files_and_sidecars(model_dir, tmp_path):
     from ipc.protocol import manifest_hash
     from torch.distributed.checkpoint import FileSystemReader
     tr = trained(model_dir, tmp_path, lora=True)
-    d = save_checkpoint(tr, K)
+    d = save_checkpoint(tr.checkpointer, K)
     assert d == tmp_path / "t2i" / "iter_0000003"
     for name in ("fsdp/.metadata", "rng_rank0.pt", "trainer_state.json",
                  "weight_sync_manifest.json", "adapter_contract.json", "COMMITTED"):
@@ -114,11 +114,11 @@ def test_checkpoint_files_and_sidecars(model_dir, tmp_path):
 def test_rotation_keeps_newest_n(model_dir, tmp_path):
     tr = h.make_trainer(model_dir, tmp_path, lora=False)
     for n in range(1, 6):
-        save_checkpoint(tr, n)
+        save_checkpoint(tr.checkpointer, n)
     assert [n for n, _ in layout.iteration_dirs(tmp_path / "t2i")] == [4, 5]
     tr.cfg.checkpoint.max_actor_ckpt_to_keep = 0
     for n in (6, 7, 8):
-        save_checkpoint(tr, n)
+        save_checkpoint(tr.checkpointer, n)
     assert [n for n, _ in layout.iteration_dirs(tmp_path / "t2i")] == [4, 5, 6, 7, 8]
 
 
@@ -135,7 +135,7 @@ def test_failed_write_is_counted_and_training_goes_on(model_dir, tmp_path, monke
     import trainer.checkpoint.shards as shards
     tr = trained(model_dir, tmp_path, lora=False)
     tr.metrics = RecordingMetrics()
-    first = save_checkpoint(tr, 1)
+    first = save_checkpoint(tr.checkpointer, 1)
     real_save = shards.dcp.save
 
     def disk_full(*args, **kwargs):
@@ -143,7 +143,7 @@ def test_failed_write_is_counted_and_training_goes_on(model_dir, tmp_path, monke
 
     monkeypatch.setattr(shards.dcp, "save", disk_full)
     with caplog.at_level(logging.ERROR, "trainer.checkpoint"):
-        assert save_checkpoint(tr, 2) is None
+        assert save_checkpoint(tr.checkpointer, 2) is None
     assert "CHECKPOINT FAILED" in caplog.text and "No space left" in caplog.text
     assert tr.checkpoint_failures == 1
     assert tr.metrics.rows == [(2, {"train/checkpoint_failures": 1.0})]
@@ -153,37 +153,37 @@ def test_failed_write_is_counted_and_training_goes_on(model_dir, tmp_path, monke
 
     monkeypatch.setattr(shards.dcp, "save", real_save)
     h.train_step(tr)  # training went on
-    assert save_checkpoint(tr, 3) is not None
+    assert save_checkpoint(tr.checkpointer, 3) is not None
     assert [n for n, _ in layout.iteration_dirs(tmp_path / "t2i")] == [1, 3]  # leftover gone
     resumed = h.make_trainer(model_dir, tmp_path, lora=False)
-    load_checkpoint(resumed, tmp_path)
+    load_checkpoint(resumed.checkpointer, tmp_path)
     assert resumed.checkpoint_failures == 1  # the counter survives a resume
 
 
 def test_resume_refuses_a_different_contract(model_dir, tmp_path):
     tr = trained(model_dir, tmp_path / "ckpt", lora=True, steps=1)
-    save_checkpoint(tr, 1)
+    save_checkpoint(tr.checkpointer, 1)
     other_base = tmp_path / "other_base"
     shutil.copytree(model_dir, other_base)
     h.save_tinynet(other_base, seed=1)  # same architecture, other weights
     changed = h.make_trainer(other_base, tmp_path / "ckpt", lora=True,
                              extra=["lora.alpha=16", 'lora.target_modules=["to_q"]'])
     with pytest.raises(ContractMismatchError) as e:
-        load_checkpoint(changed, tmp_path / "ckpt")
+        load_checkpoint(changed.checkpointer, tmp_path / "ckpt")
     text = str(e.value)
     for key in ("alpha: checkpoint has 8.0, current config has 16.0", "target_modules:",
                 "base_model_hash:"):
         assert key in text
     full = h.make_trainer(model_dir, tmp_path / "ckpt", lora=False)
     with pytest.raises(ContractMismatchError, match="mode: checkpoint has 'lora'"):
-        load_checkpoint(full, tmp_path / "ckpt")
+        load_checkpoint(full.checkpointer, tmp_path / "ckpt")
 
 
 def test_resume_without_a_committed_checkpoint_says_why(model_dir, tmp_path):
     (tmp_path / "t2i" / "iter_0000004" / "fsdp").mkdir(parents=True)
     tr = h.make_trainer(model_dir, tmp_path, lora=False)
     with pytest.raises(CheckpointError, match="iter_0000004: no COMMITTED marker"):
-        load_checkpoint(tr, tmp_path)
+        load_checkpoint(tr.checkpointer, tmp_path)
 
 
 @pytest.mark.slow
@@ -221,7 +221,8 @@ def test_fingerprint_without_a_driver_matches_the_drivers(model_dir, tmp_path):
     from trainer.checkpoint.contract import sampling_fingerprint
     from trainer.rollout.artifacts import sampling_fingerprint as drivers
     tr = h.make_trainer(model_dir, tmp_path, lora=False, extra=["rollout.sampling={\"eta\": 0.3}"])
-    assert sampling_fingerprint(tr) == drivers(tr.cfg.rollout.sampling.to_dict())
+    assert sampling_fingerprint(None, tr.cfg.rollout.sampling) == drivers(
+        tr.cfg.rollout.sampling.to_dict())
 
 
 @pytest.mark.slow
@@ -255,13 +256,13 @@ def test_real_trainer_resumes_exactly(tiny_model_dir, tmp_path):
     try:
         first.train_step(0)
         first.next_rollout = 1
-        assert save_checkpoint(first, 1) is not None
+        assert save_checkpoint(first.checkpointer, 1) is not None
         want = first.train_step(1)
     finally:
         first.close()
     second = Trainer(cfg, rank=0, world=1, device="cpu")
     try:
-        load_checkpoint(second, tmp_path / "ckpt")
+        load_checkpoint(second.checkpointer, tmp_path / "ckpt")
         assert (second.next_rollout, second.policy_version, second.lr_steps) == \
             (1, 1, first.lr_steps // 2)
         sent = dict(sync_payload(second.model, "full", name_map=second._engine_names()))

@@ -29,7 +29,7 @@ def _lora_model(adapter, cfg):
     torch.manual_seed(0)
     model = adapter.load_train_model(dtype=torch.float32)
     model.requires_grad_(False)
-    model = apply_lora(model, **lora_options(cfg, adapter))
+    model = apply_lora(model, **lora_options(cfg.lora, adapter))
     with torch.no_grad():  # a policy whose LoRA is live (B != 0), so updates move it
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -154,10 +154,12 @@ def test_auto_micro_batch_uses_the_probe_and_the_budget(adapter, batch, monkeypa
 
 def test_lora_actor_keeps_the_frozen_base_in_the_compute_dtype(adapter):
     cfg = lora_cfg("fsdp.param_dtype=bf16")
-    model = build_actor(adapter, cfg, torch.device("cpu"), distributed=False)
+    model = build_actor(adapter, cfg.train, cfg.fsdp, cfg.lora, torch.device("cpu"),
+                        distributed=False)
     dtypes = {(p.requires_grad, p.dtype) for p in model.parameters()}
     assert dtypes == {(False, torch.bfloat16), (True, torch.float32)}
-    full = build_actor(adapter, load_config(None, ["fsdp.param_dtype=bf16"]),
+    full_cfg = load_config(None, ["fsdp.param_dtype=bf16"])
+    full = build_actor(adapter, full_cfg.train, full_cfg.fsdp, full_cfg.lora,
                        torch.device("cpu"), distributed=False)
     assert {p.dtype for p in full.parameters()} == {torch.float32}  # full: fp32 master
 
@@ -357,13 +359,14 @@ def test_the_first_step_decides_before_its_actor_offload(monkeypatch, fits):
         colocate=OffloadPolicy("as_needed", offload_rollout=True, offload_train=True,
                                device="cuda"),
         driver=SimpleNamespace(last_engine_memory=engine), device=torch.device("cuda"),
-        model="actor", optimizer=None, offloaded=None, timer=StageTimer(sync=False))
+        actor=SimpleNamespace(model="actor", optimizer=None, offloaded=None),
+        timer=StageTimer(sync=False))
     # the first step: the actor measured 30 GiB resident, 50 GiB at its peak
     loop.Trainer._offload_after_train(trainer, (30 * gib, 50 * gib))
     assert trainer.colocate.decided
     assert offloads == ([] if fits else ["actor"])  # fits: no offload, so no onload next step
-    assert trainer.offloaded is (None if fits else host)
+    assert trainer.actor.offloaded is (None if fits else host)
     if not fits:  # what the step reports as moved: the host copies' bytes
-        assert trainer.colocate.metrics(trainer.offloaded)["perf/offload_gb"] == 12 / 1e9
+        assert trainer.colocate.metrics(trainer.actor.offloaded)["perf/offload_gb"] == 12 / 1e9
     loop.Trainer._offload_after_train(trainer, None)  # a later step follows the decision
     assert len(offloads) == (0 if fits else 2)

@@ -2,7 +2,6 @@
 round trip; export of the EMA tensors) and trainer.evaluation (eval tables, EMA weights)."""
 from __future__ import annotations
 
-import types
 
 import pytest
 import torch
@@ -88,21 +87,24 @@ def test_eval_weights_syncs_the_average_then_the_live_weights():
     _set(model, lambda i, p: p + 1.0)
     ema.step(30)
     seen = []
-    trainer = types.SimpleNamespace(ema=ema, cfg=load_config("tiny", ["ema.enabled=true"]))
-    trainer.sync_weights = lambda: seen.append(model[0].weight.detach().clone()) or {"ok": 1.0}
-    with eval_weights(trainer):
+
+    def sync():
+        seen.append(model[0].weight.detach().clone())
+        return {"ok": 1.0}
+    with eval_weights(ema, True, sync):
         pass
     assert len(seen) == 2
     assert torch.equal(seen[0], ema.shadow["0.weight"]) and torch.equal(seen[1], model[0].weight)
-    trainer.cfg.data.eval_use_ema = False
-    with eval_weights(trainer):
+    with eval_weights(ema, False, sync):
         pass
     assert len(seen) == 2  # no swap, no sync
-    trainer.cfg.data.eval_use_ema = True
-    trainer.sync_weights = lambda: {}  # an engine without weight sync: refuse, restore the live
+    with eval_weights(None, True, sync):
+        pass
+    assert len(seen) == 2  # no EMA: nothing to swap in
     live = model[0].weight.detach().clone()
+    # an engine without weight sync: refuse, restore the live weights
     with pytest.raises(RuntimeError, match="eval_use_ema"):
-        with eval_weights(trainer):
+        with eval_weights(ema, True, lambda: {}):
             pass
     assert torch.equal(model[0].weight, live)
 
@@ -110,12 +112,13 @@ def test_eval_weights_syncs_the_average_then_the_live_weights():
 def test_eval_tables():
     ode = load_config("tiny", ["data.eval_mode=ode", "data.eval_num_inference_steps=40",
                                "data.eval_guidance_scale=4.5"])
-    table = SamplingConfig.from_dict(eval_sampling(ode))
+    table = SamplingConfig.from_dict(eval_sampling(ode.data, ode.rollout.sampling))
     assert table.sde_step_mode == "ode" and table.num_inference_steps == 40
     assert table.guidance_scale == 4.5 and table.noise_steps(None) == []
     sde = load_config("tiny", ["data.eval_sde_indices=[2, 3]"])
-    table = SamplingConfig.from_dict(eval_sampling(sde))
+    table = SamplingConfig.from_dict(eval_sampling(sde.data, sde.rollout.sampling))
     assert table.noise_steps(None) == [2, 3] and table.noise_steps(5) == [2, 3]  # never resampled
     default = load_config("tiny")
-    assert SamplingConfig.from_dict(eval_sampling(default)).noise_steps(4) == \
+    table = SamplingConfig.from_dict(eval_sampling(default.data, default.rollout.sampling))
+    assert table.noise_steps(4) == \
         SamplingConfig.from_dict(default.rollout.sampling).noise_steps(None)

@@ -166,17 +166,15 @@ def test_restart_budget_counts_every_engine_restarted():
     from types import SimpleNamespace
 
     from trainer.engine.recovery import refusal
-    trainer = SimpleNamespace(cfg=SimpleNamespace(rollout=SimpleNamespace(
-        engine="embedded", engine_max_restarts=3)), engine_restarts=2)
-    assert refusal(trainer, {1: "died"}) is None
-    assert refusal(trainer, {0: "died", 1: "died"}) == \
+    rollouts = SimpleNamespace(restartable=True, max_restarts=3, restarts=2)
+    assert refusal(rollouts, {1: "died"}) is None
+    assert refusal(rollouts, {0: "died", 1: "died"}) == \
         "restarting 2 engines would exceed the budget (2 of rollout.engine_max_restarts=3 used)"
-    trainer.engine_restarts = 3
-    assert refusal(trainer, {1: "died"}) == \
+    rollouts.restarts = 3
+    assert refusal(rollouts, {1: "died"}) == \
         "restart budget spent (3 of rollout.engine_max_restarts=3)"
-    trainer.cfg.rollout.engine = "sglang"
-    trainer.engine_restarts = 0
-    assert "SGLang server is not restarted" in refusal(trainer, {0: "died"})
+    rollouts.restartable, rollouts.restarts = False, 0  # an SGLang server
+    assert "SGLang server is not restarted" in refusal(rollouts, {0: "died"})
 
 
 def test_transfer_failure_of_a_stopped_engine_on_several_ranks_stops_with_the_reason():

@@ -40,7 +40,7 @@ def train_sd3(base, root, lora, steps=2):
         tr.optimizer.step()
         tr.optimizer.zero_grad()
     tr.next_rollout = tr.policy_version = steps
-    assert save_checkpoint(tr, steps) is not None
+    assert save_checkpoint(tr.checkpointer, steps) is not None
     return tr
 
 

@@ -33,7 +33,7 @@ def train_two_steps(family, base, root):
         tr.optimizer.step()
         tr.optimizer.zero_grad()
     tr.next_rollout = tr.policy_version = 2
-    assert save_checkpoint(tr, 2) is not None
+    assert save_checkpoint(tr.checkpointer, 2) is not None
     return tr
 
 

@@ -56,7 +56,7 @@ def _actor_bytes(trainer) -> int:
     from trainer.actor.model import _local, actor_tensors
 
     return sum(_local(t).untyped_storage().nbytes()
-               for t in actor_tensors(trainer.model, trainer.optimizer))
+               for t in actor_tensors(trainer.actor.model, trainer.actor.optimizer))
 
 
 def test_offload_frees_the_actor_and_changes_nothing(tmp_path, process_group):

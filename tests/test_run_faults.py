@@ -16,7 +16,7 @@ import pytest
 from trainer.checkpoint import layout
 from trainer.config import load_config
 from trainer.rundir import RunDirError, RunDirLock, claim_run_dir
-from trainer.watchdog import TrainingStalledError, check_progress
+from trainer.watchdog import ProgressWatch, TrainingStalledError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -300,43 +300,36 @@ def test_a_failed_artifact_write_is_counted_not_raised(tmp_path, caplog):
 
 
 # ---- issue 49: a run that never trained ------------------------------------------------------
-class _Untrained:
-    def __init__(self, run_dir: Path, lr_steps: int = 0):
-        self.cfg = _cfg(run_dir, "checkpoint.save_interval=1")
-        self.lr_steps = lr_steps
-        self._rollouts_without_step = 2
-
-
-def test_no_checkpoint_of_an_untrained_model_and_the_run_ends_nonzero(tmp_path, caplog):
+def test_no_checkpoint_of_an_untrained_model_and_the_run_ends_nonzero(caplog):
     from trainer.checkpoint.trained import UntrainedRunError, worth_saving
-    run = _Untrained(tmp_path)
     with caplog.at_level("WARNING", logger="trainer.checkpoint"):
-        assert not worth_saving(run, 1, False)
+        assert not worth_saving(0, 2, 1, 1, False)
     assert "no optimizer step has been taken yet" in caplog.text
     with pytest.raises(UntrainedRunError, match="without a single optimizer step"):
-        worth_saving(run, 2, True)
+        worth_saving(0, 2, 1, 2, True)
     assert isinstance(UntrainedRunError("x"), TrainingStalledError)   # launch: exit 1, one line
-    assert worth_saving(_Untrained(tmp_path, lr_steps=3), 2, True)
+    assert worth_saving(3, 0, 1, 2, True)
 
-class _Run:
-    def __init__(self, limit: int):
-        self.cfg = _cfg(Path("unused"), f"train.max_rollouts_without_step={limit}")
+
+def _watch(limit: int) -> ProgressWatch:
+    cfg = _cfg(Path("unused"), f"train.max_rollouts_without_step={limit}")
+    return ProgressWatch(cfg.train.max_rollouts_without_step)
 
 
 def test_stall_guard_counts_consecutive_empty_rollouts():
-    run = _Run(3)
+    run = _watch(3)
     empty = {"train/optimizer_steps": 0.0, "reward/failed_groups": 4.0}
-    check_progress(run, 0, dict(empty))
-    check_progress(run, 1, dict(empty))
-    check_progress(run, 2, {"train/optimizer_steps": 2.0})          # a step resets the streak
-    check_progress(run, 3, dict(empty))
-    check_progress(run, 4, dict(empty))
+    run.check(0, dict(empty))
+    run.check(1, dict(empty))
+    run.check(2, {"train/optimizer_steps": 2.0})          # a step resets the streak
+    run.check(3, dict(empty))
+    run.check(4, dict(empty))
     with pytest.raises(TrainingStalledError, match=r"last 3 rollouts \(3..5.*4 group\(s\) "
                                                    r"failed their reward checks"):
-        check_progress(run, 5, dict(empty))
-    never = _Run(0)
+        run.check(5, dict(empty))
+    never = _watch(0)
     for i in range(50):
-        check_progress(never, i, {"train/optimizer_steps": 0.0})
+        never.check(i, {"train/optimizer_steps": 0.0})
 
 
 # ---- end to end: python -m trainer launch --config toy -------------------------------------

@@ -32,21 +32,24 @@ def test_world_one_fsdp_keeps_gathered_blocks_and_trains_the_same(adapter, batch
     from trainer.actor.model import (accumulate_unsharded, block_units, reshard_after_forward,
                                      shard_frozen)
 
+    def _block_units(cfg):
+        return block_units(cfg.fsdp, cfg.lora)
+
     if dist.is_initialized():
         pytest.skip("a process group is already up in this process")
-    assert reshard_after_forward(lora_cfg()) is True  # no process group: nothing to keep
-    assert shard_frozen(lora_cfg()) is True
-    assert accumulate_unsharded(lora_cfg()) is False
+    assert reshard_after_forward(lora_cfg().fsdp) is True  # no process group: nothing to keep
+    assert shard_frozen(lora_cfg().fsdp) is True
+    assert accumulate_unsharded(lora_cfg().fsdp) is False
     with one_rank_group(tmp_path):
-        assert accumulate_unsharded(lora_cfg()) is True
-        assert accumulate_unsharded(lora_cfg("fsdp.accumulate_unsharded=false")) is False
-        assert reshard_after_forward(lora_cfg()) is False
-        assert reshard_after_forward(lora_cfg("fsdp.reshard_after_forward=true")) is True
-        assert shard_frozen(lora_cfg()) is False
-        assert shard_frozen(lora_cfg("fsdp.shard_frozen=true")) is True
-        assert block_units(lora_cfg()) is False
-        assert block_units(lora_cfg("fsdp.shard_frozen=true")) is True
-        assert block_units(lora_cfg("lora.rank=0", "fsdp.trainable_mode=full")) is True
+        assert accumulate_unsharded(lora_cfg().fsdp) is True
+        assert accumulate_unsharded(lora_cfg("fsdp.accumulate_unsharded=false").fsdp) is False
+        assert reshard_after_forward(lora_cfg().fsdp) is False
+        assert reshard_after_forward(lora_cfg("fsdp.reshard_after_forward=true").fsdp) is True
+        assert shard_frozen(lora_cfg().fsdp) is False
+        assert shard_frozen(lora_cfg("fsdp.shard_frozen=true").fsdp) is True
+        assert _block_units(lora_cfg()) is False
+        assert _block_units(lora_cfg("fsdp.shard_frozen=true")) is True
+        assert _block_units(lora_cfg("lora.rank=0", "fsdp.trainable_mode=full")) is True
         out, weights = {}, {}
         adv = torch.linspace(-1.0, 1.0, len(batch))
         variants = {"default": [], "reshard": ["fsdp.reshard_after_forward=true"],
@@ -54,14 +57,16 @@ def test_world_one_fsdp_keeps_gathered_blocks_and_trains_the_same(adapter, batch
                     "per_block": ["fsdp.block_units=true"]}
         for key, sets in variants.items():
             cfg = lora_cfg(*sets, "train.micro_batch_size=2")
-            model = build_actor(adapter, cfg, torch.device("cpu"), distributed=True)
+            model = build_actor(adapter, cfg.train, cfg.fsdp, cfg.lora, torch.device("cpu"),
+                                distributed=True)
             units = sum(isinstance(m, FSDPModule) for m in model.modules())
             blocks = len(adapter.transformer_blocks(model.base_model.model))
             assert units == (1 + blocks if key in ("sharded_base", "per_block") else 1), key
             kinds = {n: isinstance(p, DTensor) for n, p in model.named_parameters()}
             assert all(kinds[n] for n in kinds if "lora_" in n), key
             assert all(kinds[n] == (key == "sharded_base") for n in kinds if "lora_" not in n)
-            out[key] = update.train_on(stand_in_trainer(adapter, cfg, model), batch, adv, rollout_id=3)
+            actor = stand_in_trainer(adapter, cfg, model)
+            out[key] = update.train_on(actor, batch, adv, rollout_id=3)
             weights[key] = {n: (p.full_tensor() if isinstance(p, DTensor) else p).clone()
                             for n, p in model.named_parameters()}
         assert out["default"]["train/grad_norm"] > 0
@@ -99,7 +104,8 @@ def _accumulating_versus_per_micro_batch(adapter, batch, device: str, monkeypatc
         cfg = lora_cfg("lora.rank=0", "fsdp.trainable_mode=full", "fsdp.param_dtype=bf16",
                        "fsdp.block_units=true", "train.micro_batch_size=2", "model.compile=none",
                        f"fsdp.accumulate_unsharded={str(accumulate).lower()}")
-        model = build_actor(adapter, cfg, torch.device(device), distributed=True)
+        model = build_actor(adapter, cfg.train, cfg.fsdp, cfg.lora, torch.device(device),
+                            distributed=True)
         units = [m for m in model.modules() if isinstance(m, FSDPModule)]
         trainer = stand_in_trainer(adapter, cfg, model)
         trainer.device = torch.device(device)
@@ -194,8 +200,8 @@ def _adam_run(params: list[torch.Tensor], max_norm: float, fold: bool, monkeypat
     from torch.distributed.tensor import DTensor
 
     optimizer = torch.optim.AdamW(params, lr=0.1, weight_decay=0.01, **adam_kwargs)
-    trainer = SimpleNamespace(optimizer=optimizer, cfg=SimpleNamespace(
-        train=SimpleNamespace(adam_on_local_shards=True, fold_clip=fold)))
+    actor = SimpleNamespace(optimizer=optimizer, train_cfg=SimpleNamespace(
+        adam_on_local_shards=True, fold_clip=fold))
     real_mul, scaling_passes = torch._foreach_mul_, []
     monkeypatch.setattr(torch, "_foreach_mul_",
                         lambda *a, **k: scaling_passes.append(1) or real_mul(*a, **k))
@@ -203,7 +209,7 @@ def _adam_run(params: list[torch.Tensor], max_norm: float, fold: bool, monkeypat
         for p, g in zip(params, _grads(seed)):
             p.grad = as_grad(3.0 * g)
         _, coef = update.grad_norm_and_clip_coef(params, max_norm)
-        update.step_optimizer(trainer, params, coef)
+        update.step_optimizer(actor, params, coef)
     monkeypatch.setattr(torch, "_foreach_mul_", real_mul)
     assert bool(scaling_passes) is not (fold and adam_kwargs.get("fused", False))
 
@@ -280,7 +286,8 @@ def test_skip_on_device_steps_like_the_host_check(device, adapter, batch, tmp_pa
             cfg = lora_cfg(f"train.skip_on_device={key == 'device'}", "train.adam_fused=true",
                        "train.lr=0.0625", "train.lr_warmup_iters=4",
                        "train.micro_batch_size=2")
-            model = build_actor(adapter, cfg, torch.device(device), distributed=True)
+            model = build_actor(adapter, cfg.train, cfg.fsdp, cfg.lora, torch.device(device),
+                                distributed=True)
             trainer = stand_in_trainer(adapter, cfg, model)
             trainer.device = torch.device(device)
             assert update.skips_on_device(trainer) is (key == "device")
@@ -345,7 +352,8 @@ def test_the_update_queues_its_gpu_work_without_waiting_for_it(adapter, batch, t
         _strict(on_gpu.select)(torch.tensor([0, 1]))
     with one_rank_group(tmp_path, "nccl"):
         cfg = lora_cfg("train.adam_fused=true", "train.micro_batch_size=2")
-        model = build_actor(adapter, cfg, torch.device("cuda"), distributed=True)
+        model = build_actor(adapter, cfg.train, cfg.fsdp, cfg.lora, torch.device("cuda"),
+                            distributed=True)
         trainer = stand_in_trainer(adapter, cfg, model)
         trainer.device = torch.device("cuda")
         assert update.skips_on_device(trainer)

@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from trainer.actor.model import strip_wrapper_names
+from trainer.config import EMAConfig
 
 
 def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -88,6 +89,14 @@ class ParameterEMA:
     def state_dict(self) -> dict:
         return {"shadow": self.shadow, "updates": torch.tensor(self.updates, dtype=torch.int64)}
 
+    def load_state_dict(self, state: dict) -> None:
+        """``state_dict()``'s layout, its shadow already filled in place (DCP's load)."""
+        if state["shadow"] is not self.shadow:
+            with torch.no_grad():
+                for name, tensor in state["shadow"].items():
+                    self.shadow[name].copy_(tensor)
+        self.updates = int(state["updates"])
+
     def save(self, directory: Path) -> None:
         """DCP write of the shadow (every rank calls it under torch.distributed)."""
         with _quiet_single_process():
@@ -121,11 +130,11 @@ def ema_model_tensors(iter_dir: Path, tensors: dict[str, torch.Tensor]) -> dict[
     return {k: shadow[k].to(t.dtype) if k in shadow else t for k, t in tensors.items()}
 
 
-def build_ema(model: nn.Module, cfg) -> ParameterEMA | None:
-    """The run's EMA (``[ema]`` section), None when it is off."""
-    if not cfg.ema.enabled:
+def build_ema(model: nn.Module, ema: EMAConfig) -> ParameterEMA | None:
+    """The run's EMA (the ``[ema]`` section), None when it is off."""
+    if not ema.enabled:
         return None
-    return ParameterEMA(model, decay=cfg.ema.decay, update_interval=cfg.ema.update_interval)
+    return ParameterEMA(model, decay=ema.decay, update_interval=ema.update_interval)
 
 
 @contextlib.contextmanager

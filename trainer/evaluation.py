@@ -17,7 +17,7 @@ Torch-free except ``eval_weights``'s caller's objects, so preflight can check th
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 #: Keys of a training table that mean nothing for an evaluation without SDE steps.
 _STEP_KEYS_OFF_FOR_ODE = {"sde_indices": None, "sde_pool": None, "num_sde_steps": 0,
@@ -25,9 +25,10 @@ _STEP_KEYS_OFF_FOR_ODE = {"sde_indices": None, "sde_pool": None, "num_sde_steps"
                           "init_same_noise": False, "timestep_fraction": None}
 
 
-def eval_sampling(cfg: Any) -> dict[str, Any]:
-    """The sampling table of an evaluation rollout (validated by trainer.config.sampling)."""
-    data, table = cfg.data, cfg.rollout.sampling.to_dict()
+def eval_sampling(data: Any, sampling: dict[str, Any]) -> dict[str, Any]:
+    """The sampling table of an evaluation rollout from the ``[data]`` section and the
+    training's ``rollout.sampling`` (validated by trainer.config.sampling)."""
+    table = sampling.to_dict() if hasattr(sampling, "to_dict") else dict(sampling)
     if data.eval_num_inference_steps is not None:
         table["num_inference_steps"] = data.eval_num_inference_steps
     if data.eval_guidance_scale is not None:
@@ -42,18 +43,19 @@ def eval_sampling(cfg: Any) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def eval_weights(trainer: Any) -> Iterator[None]:
-    """The engine holds the EMA weights inside the block (when asked for), the live ones after."""
-    ema = getattr(trainer, "ema", None)
-    if ema is None or not trainer.cfg.data.eval_use_ema:
+def eval_weights(ema: Any, use_ema: bool, sync_weights: Callable[[], dict]) -> Iterator[None]:
+    """The engine holds the EMA weights inside the block (when ``use_ema``:
+    ``data.eval_use_ema``), the live ones after; ``sync_weights`` pushes the actor's weights
+    into the engine and returns its stats ({} when this engine takes no weight sync)."""
+    if ema is None or not use_ema:
         yield
         return
     try:
         with ema.swapped_in():
-            if not trainer.sync_weights():  # {}: this engine has no weight sync from the actor
+            if not sync_weights():  # {}: this engine has no weight sync from the actor
                 raise RuntimeError("data.eval_use_ema needs an engine the actor syncs weights "
                                    "into; this one was not updated, the eval would score the "
                                    "live weights under the EMA's name")
             yield
     finally:
-        trainer.sync_weights()  # the live weights are back in the actor: the engine follows
+        sync_weights()  # the live weights are back in the actor: the engine follows

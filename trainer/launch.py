@@ -193,7 +193,7 @@ def rank_main(argv: list[str]) -> int:
         trainer = Trainer(cfg, rank=rank, world=world, device=device)
         if cfg.checkpoint.load:
             from trainer.checkpoint import load_checkpoint
-            load_checkpoint(trainer, cfg.checkpoint.load)
+            load_checkpoint(trainer.checkpointer, cfg.checkpoint.load)
         trainer.train()
         if dist.is_initialized() and world > 1:
             # every rank done with its collectives before any tears the group down (a rank

@@ -8,9 +8,9 @@ The only cross-rank traffic is FSDP's own collectives, a handful of scalar all-r
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -18,34 +18,37 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-import ipc
+from trainer.actor.actor import Actor
 from trainer.actor.model import (PendingOnload, build_actor, build_optimizer, lora_spec,
                                  offload_actor, onload_actor, shard_actor, strip_wrapper_names)
 from trainer.actor.colocate import Footprint, OffloadPolicy, actor_footprint
 from trainer.actor.sync import sync_payload
-from trainer.actor.update import train_on
-from trainer.checkpoint import save_checkpoint
+from trainer.checkpoint import Checkpointer, save_checkpoint
+from trainer.checkpoint.contract import (adapter_contract, sampling_fingerprint,
+                                         weight_sync_manifest)
+from trainer.checkpoint.layout import ADAPTER_CONTRACT, WEIGHT_SYNC_MANIFEST
+from trainer.checkpoint.save import checkpoint_root
 from trainer.checkpoint.trained import worth_saving
 from trainer.config import Config, write_resolved
 from trainer.ema import build_ema
-from trainer.engine import launch_embedded_engine
 from trainer.engine.recovery import call_with_recovery
 from trainer.engine.sglang.sync import connect_sglang
 from trainer.evaluation import eval_sampling, eval_weights
 from trainer.utils.host_gc import HostGarbageCollection, resolve_gc_mode
 from trainer.metrics import MetricsLogger, step_metrics
-from trainer.compute.mfu import trainer_mfu
-from trainer.models.compile import compile_events, compile_wanted
-from trainer.profiling import ComputeMeter, ProfileWindow, StageTimer, add_times, nvtx_range
+from trainer.compute.mfu import step_mfu
+from trainer.models.compile import compile_events
+from trainer.profiling import ProfileWindow, StageTimer, add_times, nvtx_range
 from trainer.progress import RunProgress
 from trainer.prompts import PromptSampler, load_records
 from trainer.rewards import build_reward_manager_from_config, compute_advantages
 from trainer.rollout import RolloutDriver
+from trainer.rollout.service import RolloutService, embedded_starter, engine_warmup
 from trainer.state import TrainerState
 from trainer.toy import weights_dir
 from trainer.utils.values import import_dotpath
 from trainer.visuals import log_pictures, log_samples, pick_samples
-from trainer.watchdog import check_progress
+from trainer.watchdog import ProgressWatch
 
 log = logging.getLogger("trainer")
 
@@ -56,9 +59,50 @@ def resolve_model_path(cfg: Config) -> str:
     return cfg.model.model_path
 
 
+def _delegated(component: str, name: str) -> property:
+    """A counter of ``TrainerState`` read and set on the component that keeps it."""
+    return property(lambda self: getattr(getattr(self, component), name),
+                    lambda self, value: setattr(getattr(self, component), name, value))
+
+
+def build_checkpointer(cfg: Config, *, actor: Actor, state, adapter, model_path: str,
+                       driver=None, rank: int = 0, world: int = 1,
+                       metrics=None) -> Checkpointer:
+    """The run's checkpointer: the actor's shards and the EMA as DCP parts, ``state`` (the
+    run's counters and RNG, a ``TrainerState``) in ``trainer_state.json``, the weight-sync
+    manifest and the adapter contract beside them."""
+    ck = cfg.checkpoint
+    fingerprint = sampling_fingerprint(driver, cfg.rollout.sampling)
+    def contract() -> dict:
+        return adapter_contract(cfg, adapter, model_path)
+
+    def record() -> dict:
+        return {"task": cfg.model.task, "adapter": cfg.model.adapter_path,
+                "model_path": str(model_path),
+                "trainable_mode": "lora" if cfg.lora.rank > 0 else "full",
+                "weight_sync_mode": cfg.sync_mode, "sampling": cfg.rollout.sampling.to_dict(),
+                "sampling_fingerprint": fingerprint,
+                "generation_seed": cfg.rollout.generation_seed,
+                "torch_version": torch.__version__, "time": time.time()}
+
+    def sidecars() -> dict[str, tuple[dict, int | None]]:
+        return {WEIGHT_SYNC_MANIFEST: (weight_sync_manifest(actor.model, cfg, adapter), None),
+                ADAPTER_CONTRACT: (contract(), 2)}
+    parts = {"fsdp": actor} if actor.ema is None else {"fsdp": actor, "ema": actor.ema}
+    return Checkpointer(root=checkpoint_root(ck.save, cfg.logging.run_dir),
+                        task=cfg.model.task, parts=parts, state=state, record=record,
+                        sidecars=sidecars, on_failure=state.record_checkpoint_failure,
+                        rank=rank, world=world, keep=ck.max_actor_ckpt_to_keep,
+                        overwrite=bool(ck.overwrite), metrics=metrics,
+                        contract=contract, fingerprint=fingerprint)
+
+
 class Trainer(TrainerState):
-    """One rank's run: actor, engine, rollout driver, rewards, the loop. Its counters and
-    RNG are ``TrainerState`` (``state_dict`` / ``load_state_dict``, what checkpoints save)."""
+    """One rank's run: the actor, the rollout service (engine, sender, drivers), rewards, the
+    checkpointer, the loop. Its counters and RNG are ``TrainerState`` (``state_dict`` /
+    ``load_state_dict``, one of the checkpointer's parts); each counter lives with the
+    component that moves it (the actor: the LR step; the rollout service: the policy version,
+    failed syncs, engine restarts; the checkpointer's failure count here)."""
 
     def __init__(self, cfg: Config, *, rank: int = 0, world: int = 1,
                  device: torch.device | str = "cpu") -> None:
@@ -72,9 +116,6 @@ class Trainer(TrainerState):
         if rank == 0:
             write_resolved(cfg, self.run_dir)
         self.timer = StageTimer(sync=self.device.type == "cuda")
-        self.meter = ComputeMeter()  # model compute inside the step (perf/compute/*)
-        # named parts of what lies outside it (perf/outside/*): grad clip + optimizer steps
-        self.outside = ComputeMeter()
         self.profile = ProfileWindow(cfg.logging.profile_steps)
         self.metrics = MetricsLogger(self.run_dir, enabled=rank == 0,
                                      tensorboard=cfg.logging.tensorboard,
@@ -84,38 +125,54 @@ class Trainer(TrainerState):
         self.model_path = resolve_model_path(cfg)
         self.adapter = import_dotpath(cfg.model.adapter_path)(self.model_path,
                                                               **cfg.model.adapter_options)
-        self.model = self._load_in_waves()
-        self.optimizer = build_optimizer(self.model, cfg)
-        self.ema = build_ema(self.model, cfg)
-        self.offloaded = None
+        self.actor = self._build_actor()
         self.state_stream = (torch.cuda.Stream(self.device) if self.device.type == "cuda"
                              and cfg.fsdp.overlap_state_onload else None)
-        self.auto_micro_batch: int | None = None  # train.micro_batch_size=auto, once resolved
         self.recompile_streak = 0  # consecutive steps that compiled something
         self.colocate = OffloadPolicy(cfg.fsdp.offload_policy,
                                       offload_rollout=cfg.rollout.offload_rollout,
                                       offload_train=cfg.fsdp.offload_train, device=self.device)
         self.host_gc = HostGarbageCollection(resolve_gc_mode(cfg.train.gc, self.device))
+        self.watch = ProgressWatch(cfg.train.max_rollouts_without_step)
         self._build_data()
-        self._build_engine()
+        self._build_rollouts()
         self._build_reward()
+        self.checkpointer = self._build_checkpointer()
         self.sync_weights(first=True)
 
+    # ---- the counters (TrainerState's), where the components moving them keep them ----
+    policy_version = _delegated("rollouts", "policy_version")
+    sync_failures = _delegated("rollouts", "sync_failures")
+    engine_restarts = _delegated("rollouts", "restarts")
+    lr_steps = _delegated("actor", "lr_steps")
+    # read-only views for callers that inspect a run (tests, bench)
+    model = property(lambda self: self.actor.model)
+    engine = property(lambda self: self.rollouts.engine)
+    sender = property(lambda self: self.rollouts.sender)
+
     # ---- construction -----------------------------------------------------------------
+    def _build_actor(self) -> Actor:
+        cfg = self.cfg
+        model = self._load_in_waves()
+        return Actor(self.adapter, model, build_optimizer(model, cfg.train), train=cfg.train,
+                     fsdp=cfg.fsdp, device=self.device, ema=build_ema(model, cfg.ema),
+                     trainable_only=cfg.lora.rank > 0)
+
     def _load_in_waves(self):
         """--fsdp-load-wave-size N: only N ranks materialise the base model at a time (a
         barrier between waves) to bound host memory and model-directory read contention."""
-        wave = self.cfg.fsdp.load_wave_size
+        cfg = self.cfg
+        wave = cfg.fsdp.load_wave_size
+        build = functools.partial(build_actor, self.adapter, cfg.train, cfg.fsdp, cfg.lora,
+                                  self.device, self.distributed, compile=cfg.model.compile)
         if not self.distributed or wave <= 0 or wave >= self.world:
-            return build_actor(self.adapter, self.cfg, self.device, self.distributed)
+            return build()
         model = None
         for start in range(0, self.world, wave):
             if start <= self.rank < start + wave:
-                model = build_actor(self.adapter, self.cfg, self.device, self.distributed,
-                                    shard=False)
+                model = build(shard=False)
             dist.barrier()
-        return shard_actor(model, self.adapter, self.cfg)
-
+        return shard_actor(model, self.adapter, cfg.fsdp, cfg.lora)
 
     def _build_data(self) -> None:
         cfg = self.cfg
@@ -131,56 +188,36 @@ class Trainer(TrainerState):
                              f"divisible by the world size {self.world}")
         self.groups_per_rank = cfg.rollout.rollout_batch_size // self.world
 
-    def _build_engine(self) -> None:
-        cfg = self.cfg
-        self.sender = None
-        if self.device.type == "cpu":
-            # NOTE: trainer and engine time-share the cores; with both processes spinning
-            # OpenMP threads over all of them, a tiny forward ran many times slower (figures:
-            # bench/reports/2026-12-04_cpu-h200_comment-figures.md).
-            threads = max(1, (os.cpu_count() or 2) // (2 * self.world))
-            torch.set_num_threads(threads)
-            os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by the engine process
-        if cfg.rollout.engine == "sglang":
-            self.engine, self.sender = connect_sglang(cfg, self.rank, self.run_dir,
-                                                      self.adapter)
+    def _build_rollouts(self) -> None:
+        """The rollout service (engine + weight sender) and its two drivers."""
+        cfg, r = self.cfg, self.cfg.rollout
+        if r.engine == "sglang":
+            start = functools.partial(connect_sglang, cfg, self.rank, self.run_dir, self.adapter)
         else:
-            send_end, recv_end = ipc.channel_pair()
-            self.engine = launch_embedded_engine(
-                adapter_path=cfg.model.adapter_path, model_path=self.model_path,
-                adapter_options=cfg.model.adapter_options, device=str(self.device),
-                dtype=cfg.rollout.engine_dtype, lora=lora_spec(cfg, self.adapter)
-                if cfg.sync_mode == "adapter" else None,
-                weight_sync_conn=recv_end, compile=cfg.model.compile,
-                warmup=self._engine_warmup(),
-                call_timeout_floor_s=cfg.rollout.engine_timeout_floor_s,
-                call_timeout_per_image_s=cfg.rollout.engine_timeout_per_sample_s)
-            self.sender = ipc.WeightSender(send_end, backend=cfg.weight_sync.backend,
-                                           bucket_bytes=cfg.weight_sync.bucket_size_mb << 20,
-                                           timeout_s=cfg.weight_sync.timeout_s)
-        artifact_root = cfg.rollout.artifact_root or str(self.run_dir / "artifacts")
-        self.driver = RolloutDriver(
-            self.adapter, [self.engine], sampling=cfg.rollout.sampling,
-            seed=cfg.rollout.generation_seed, task=cfg.model.task,
-            artifact_root=artifact_root if cfg.rollout.write_artifacts and self.rank == 0
-            else None, retention=cfg.rollout.artifact_retention_rollouts,
-            wave_size=cfg.rollout.wave_size,
-            sample_id_mode=cfg.rollout.sampling.sample_id_mode)
-        self.eval_driver = RolloutDriver(
-            self.adapter, [self.engine], sampling=eval_sampling(cfg),
-            seed=cfg.rollout.generation_seed, task=cfg.model.task, wave_size=cfg.rollout.wave_size,
-            sample_id_mode=cfg.rollout.sampling.sample_id_mode)
+            start = embedded_starter(
+                cfg.model, r, cfg.weight_sync, model_path=self.model_path, device=self.device,
+                lora=lora_spec(cfg.lora, self.adapter) if cfg.sync_mode == "adapter" else None,
+                warmup=engine_warmup(r, cfg.model.compile, self.device))
+        self.rollouts = RolloutService(start, rank=self.rank, world=self.world,
+                                       device=self.device, restartable=r.engine == "embedded",
+                                       max_restarts=r.engine_max_restarts)
+        artifact_root = r.artifact_root or str(self.run_dir / "artifacts")
+        id_mode = r.sampling.sample_id_mode
+        self.driver = self.rollouts.attach(RolloutDriver(
+            self.adapter, [self.rollouts.engine], sampling=r.sampling,
+            seed=r.generation_seed, task=cfg.model.task,
+            artifact_root=artifact_root if r.write_artifacts and self.rank == 0
+            else None, retention=r.artifact_retention_rollouts,
+            wave_size=r.wave_size, sample_id_mode=id_mode))
+        self.eval_driver = self.rollouts.attach(RolloutDriver(
+            self.adapter, [self.rollouts.engine],
+            sampling=eval_sampling(cfg.data, r.sampling), seed=r.generation_seed,
+            task=cfg.model.task, wave_size=r.wave_size, sample_id_mode=id_mode))
 
-    def _engine_warmup(self) -> dict | None:
-        """The geometry of a training request, compiled before the first rollout."""
-        if not compile_wanted(self.cfg.model.compile, self.device):
-            return None
-        r = self.cfg.rollout
-        return {"height": int(r.sampling.height),
-                "width": int(r.sampling.width),
-                # CFG runs the conditional and the empty-prompt halves as one forward
-                "batch": (r.wave_size or 1) * r.n_samples_per_prompt
-                * (2 if float(r.sampling.guidance_scale) != 1.0 else 1)}
+    def _build_checkpointer(self) -> Checkpointer:
+        return build_checkpointer(self.cfg, actor=self.actor, state=self, adapter=self.adapter,
+                                  model_path=self.model_path, driver=self.driver,
+                                  rank=self.rank, world=self.world, metrics=self.metrics)
 
     def _build_reward(self) -> None:
         r = self.cfg.reward
@@ -192,23 +229,27 @@ class Trainer(TrainerState):
     def rollout(self, rollout_id: int):
         records = self.sampler.groups_for_rollout(rollout_id, self.cfg.rollout.rollout_batch_size)
         mine = records[self.rank * self.groups_per_rank:(self.rank + 1) * self.groups_per_rank]
-        def generate():  # self.engine / self.driver: new ones after an engine restart
+        def generate():  # the service's engine: a new one after an engine restart
             if self.cfg.rollout.offload_rollout:
                 with self.timer.stage("engine_resume"):
-                    self.engine.resume()
+                    self.rollouts.engine.resume()
             with self.timer.stage("rollout"):
                 return self.driver.generate(mine, self.cfg.rollout.n_samples_per_prompt,
                                             rollout_id=rollout_id,
                                             policy_version=self.policy_version,
                                             progress=self.cfg.logging.progress and self.rank == 0,
                                             while_waiting=self.host_gc.while_engine_works)
-        batch = call_with_recovery(self, "rollout", generate)
-        return batch
+        return self._recovered("rollout", generate)
+
+    def _recovered(self, stage: str, call, collective: bool = False):
+        """``call()``, restarting and re-syncing a failed engine (trainer.engine.recovery)."""
+        return call_with_recovery(self.rollouts, stage, call, resync=self.resync_engine,
+                                  collective=collective)
 
     def score(self, batch) -> tuple[torch.Tensor, dict[str, float]]:
         r = self.cfg.reward
         with self.timer.stage("reward"):
-            with self.meter.region("reward_model", self.reward_device):
+            with self.actor.meter.region("reward_model", self.reward_device):
                 components, metrics = self.reward.score(batch.images, batch.prompts,
                                                         batch.metadata)
             weights = self.reward.weights or {c: 1.0 for c in components}
@@ -227,68 +268,27 @@ class Trainer(TrainerState):
         metrics["reward/failed_groups"] = float(len(failed))
         return adv, metrics
 
-    def train_on(self, batch, advantages: torch.Tensor, rollout_id: int) -> dict[str, float]:
-        """Replay and update (trainer.actor.update): --num-updates-per-batch disjoint optimizer
-        updates; pi_old frozen before the first optimizer step."""
-        return train_on(self, batch, advantages, rollout_id)
-
-    def _coll_device(self) -> torch.device:
-        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
-
     def _engine_names(self) -> dict[str, str]:
         """Trainer parameter name (wrappers stripped) -> the engine's name (adapter's map)."""
         if getattr(self, "_name_map", None) is None:
-            names = [strip_wrapper_names(n) for n, _ in self.model.named_parameters()]
+            names = [strip_wrapper_names(n) for n, _ in self.actor.model.named_parameters()]
             self._name_map = self.adapter.weight_name_map(names)
         return self._name_map
 
     def sync_weights(self, first: bool = False) -> dict[str, float]:
-        """Push the actor's weights into the engine; the version advances only on success."""
-        if self.sender is None:
-            return {}
+        """Push the actor's weights into the engine (the rollout service's ``push``: the
+        version advances only on success). The first sync is full, whatever the mode."""
         cfg = self.cfg
-        mode = cfg.sync_mode
+        mode = cfg.sync_mode if not first or cfg.sync_mode != "adapter" else "full"
         scaling = (cfg.lora.alpha or cfg.lora.rank) / max(1, cfg.lora.rank)
-        version = 0 if first else self.policy_version + 1
-        attempts = cfg.weight_sync.max_retries + 1
-        for attempt in range(attempts):
-            try:
-                with self.timer.stage("weight_sync"):
-                    payload = sync_payload(self.model, mode if not first or mode != "adapter"
-                                           else "full", scaling=scaling, first=first,
-                                           name_map=self._engine_names())
-                    stats = self.sender.sync(version, payload,
-                                             mode="full" if first and mode == "adapter" else mode)
-                # The engine's checksum covers all its weights: comparable when the sync did
-                # (an adapter-mode step moves only LoRA tensors; ipc already compared both
-                # sides' checksums of the bytes moved).
-                if cfg.weight_sync.verify_engine_checksum and (mode != "adapter" or first) \
-                        and not getattr(self.sender, "self_verifying", False):
-                    with self.timer.stage("weight_sync/verify"):
-                        got = self.engine.checksum()
-                    if got != stats.checksum:
-                        raise ipc.WeightSyncError(
-                            "post-write", [f"engine checksum {got} != sent {stats.checksum} "
-                                           "after commit"], version)
-                self.policy_version = version
-                seconds = float(getattr(stats, "seconds", 0.0))
-                gb = float(getattr(stats, "bytes", 0)) / 1e9
-                out = {"weight_sync/seconds": seconds, "train/weight_sync_gb": gb,
-                       "weight_sync/gb_per_s": gb / seconds if seconds > 0 else 0.0,
-                       "train/weight_sync_tensors": float(getattr(stats, "tensors", 0)),
-                       "weight_sync/handle_opens": float(getattr(stats, "handle_opens", 0))}
-                # where the sync's time goes: prepare (scan + manifest), begin (receiver's
-                # accept), write (gathers + copy kernels + fence), commit (receiver's check)
-                out.update({f"weight_sync/{k}_s": float(v)
-                            for k, v in (getattr(stats, "timings", None) or {}).items()})
-                return out
-            except ipc.WeightSyncError as exc:
-                self.sync_failures += 1
-                log.error("weight sync of version %d failed (attempt %d/%d): %s",
-                          version, attempt + 1, attempts, exc)
-                if attempt + 1 == attempts:
-                    raise
-        return {}
+        return self.rollouts.push(
+            0 if first else self.policy_version + 1,
+            lambda: sync_payload(self.actor.model, mode, scaling=scaling, first=first,
+                                 name_map=self._engine_names()),
+            mode=mode, attempts=cfg.weight_sync.max_retries + 1, timer=self.timer,
+            # the engine's checksum covers all its weights: comparable when the sync did (an
+            # adapter-mode step moves only LoRA tensors; ipc compared the bytes moved)
+            verify=cfg.weight_sync.verify_engine_checksum and mode != "adapter")
 
     def _offload_after_train(self, actor_now: tuple[int, int] | None) -> None:
         """The actor's offload at the end of a step. On the first CUDA step (``actor_now``:
@@ -302,7 +302,7 @@ class Trainer(TrainerState):
                 engine_peak=engine.get("memory_peak_bytes", 0)))
         if self.colocate.actor_offload:
             with self.timer.stage("offload"):
-                self.offloaded = offload_actor(self.model, self.optimizer)
+                self.actor.offloaded = offload_actor(self.actor.model, self.actor.optimizer)
 
     def train_step(self, rollout_id: int) -> dict[str, float]:
         t0, compiles_before = time.perf_counter(), compile_events()
@@ -312,34 +312,37 @@ class Trainer(TrainerState):
         first_measure = not self.colocate.decided and self.device.type == "cuda"
         if self.colocate.engine_release:
             with self.timer.stage("engine_release"):
-                self.engine.release()
+                self.rollouts.engine.release()
         state_onload = PendingOnload()
-        if self.offloaded is not None:
+        actor = self.actor
+        if actor.offloaded is not None:
             with self.timer.stage("onload", current_stream_only=True):
                 # the optimizer state lands on a side stream while the first update's forwards
                 # and backwards run; its first step waits for it (PendingOnload)
-                state_onload = onload_actor(self.model, self.optimizer, self.offloaded,
+                state_onload = onload_actor(actor.model, actor.optimizer, actor.offloaded,
                                             state_stream=self.state_stream)
-                self.offloaded = None
+                actor.offloaded = None
         if first_measure:
             torch.cuda.reset_peak_memory_stats(self.device)
         with self.timer.stage("train"):
-            metrics.update(self.train_on(batch, advantages, rollout_id))
+            metrics.update(actor.train_on(batch, advantages, rollout_id))
             state_onload.wait()  # a stage without an optimizer step must not leave it pending
-        metrics.update(call_with_recovery(self, "weight sync", self.sync_weights, collective=True))
+        metrics.update(self._recovered("weight sync", self.sync_weights, collective=True))
         self._offload_after_train(actor_footprint(self.device) if first_measure else None)
-        metrics.update(self.colocate.metrics(self.offloaded))
+        metrics.update(self.colocate.metrics(actor.offloaded))
         self.profile.after(rollout_id)
         step_time = time.perf_counter() - t0
         times = self.timer.pop()
         recompiles = float(compile_events() - compiles_before + sum(self.driver.last_compiles))
         compute = add_times({f"engine_{k}": v for k, v in self.driver.last_compute_s.items()},
-                            self.meter.pop())
+                            actor.meter.pop())
         metrics.update(step_metrics(
             step_time=step_time, stage_times=times, recompiles=recompiles, compute=compute,
-            outside=self.outside.pop(), samples=len(batch), sde_steps=len(batch.sde_indices),
+            outside=actor.outside.pop(), samples=len(batch), sde_steps=len(batch.sde_indices),
             world=self.world, counters=self.counters(), device=self.device))
-        metrics.update(trainer_mfu(self, batch, times, step_time))  # perf/mfu/*: compute.mfu
+        metrics.update(step_mfu(self.adapter, self.device, self.cfg.rollout.sampling,  # perf/mfu/*
+                                self.cfg.train, self.cfg.logging.peak_tflops, batch, times,
+                                step_time))
         self._watch_recompiles(rollout_id, recompiles)
         self.host_gc.step_done()
         return self._reduce_metrics(metrics)
@@ -372,7 +375,7 @@ class Trainer(TrainerState):
             if not keys:
                 continue
             vec = torch.tensor([metrics[k] for k in keys], dtype=torch.float64,
-                               device=self._coll_device())
+                               device=self.actor.coll_device())
             dist.all_reduce(vec, op=op)
             if op == dist.ReduceOp.SUM:
                 vec /= self.world
@@ -384,8 +387,9 @@ class Trainer(TrainerState):
         if not self.eval_records:
             return {}
         cfg = self.cfg
-        with self.timer.stage("eval"), torch.no_grad(), eval_weights(self):
-            batch = call_with_recovery(self, "eval", lambda: self.eval_driver.generate(
+        with self.timer.stage("eval"), torch.no_grad(), \
+                eval_weights(self.actor.ema, cfg.data.eval_use_ema, self.sync_weights):
+            batch = self._recovered("eval", lambda: self.eval_driver.generate(
                 self.eval_records, cfg.data.n_samples_per_eval_prompt, rollout_id=None,
                 policy_version=self.policy_version, write_artifacts=False,
                 progress=cfg.logging.progress and self.rank == 0))
@@ -427,15 +431,15 @@ class Trainer(TrainerState):
         progress = RunProgress(cfg.train.num_rollouts, self.next_rollout,
                                enabled=cfg.logging.progress and self.rank == 0)
         self.timer = progress.watch(self.timer, cfg.train.num_updates_per_batch)
-        hook = self.optimizer.register_step_post_hook(progress.optimizer_stepped)
+        hook = self.actor.optimizer.register_step_post_hook(progress.optimizer_stepped)
         if self.next_rollout == 0 and self.eval_records:
             history["eval_start"] = self.evaluate(0, "eval")
             self.metrics.log(0, history["eval_start"])
-            log_pictures(self, 0, evaluated=True)
+            log_pictures(self.metrics, self.run_dir, 0, None, evaluated=True)
         last = {}
         for rollout_id in range(self.next_rollout, cfg.train.num_rollouts):
             metrics = self.train_step(rollout_id)
-            check_progress(self, rollout_id, metrics)
+            self.watch.check(rollout_id, metrics)
             self.next_rollout = rollout_id + 1
             step = rollout_id + 1
             is_last = step == cfg.train.num_rollouts
@@ -447,7 +451,8 @@ class Trainer(TrainerState):
             if step % max(1, cfg.logging.log_interval) == 0 or is_last:
                 self.metrics.log(step, metrics, console=not progress.enabled)
                 progress.write(self.metrics.console_line(step, metrics))
-                log_pictures(self, step, evaluated=evaluated)
+                log_pictures(self.metrics, self.run_dir, step, self.last_samples,
+                             evaluated=evaluated)
             self.maybe_save(step, is_last)
             last = metrics
         progress.close()
@@ -461,24 +466,23 @@ class Trainer(TrainerState):
         """Every save_interval rollouts and at the end; save_interval -1 never saves. A failed
         final save raises (the run ends non-zero: its result is not on disk)."""
         ck = self.cfg.checkpoint
-        if not worth_saving(self, step, is_last):  # untrained: skip, or raise at the end
+        # untrained: skip, or raise at the end
+        if not worth_saving(self.actor.lr_steps, self.watch.streak, ck.save_interval, step,
+                            is_last):
             return
         if ck.save_interval < 0:
             return
         if is_last or (ck.save_interval and step % ck.save_interval == 0):
-            with nvtx_range("checkpoint"):
-                save_checkpoint(self, step, final=is_last)
+            with nvtx_range("checkpoint"), self.actor.onloaded():
+                save_checkpoint(self.checkpointer, step, final=is_last)
 
     def close(self) -> None:
         host_gc = getattr(self, "host_gc", None)
         if host_gc is not None:
             host_gc.close()
-        for obj in (getattr(self, "sender", None), getattr(self, "engine", None)):
-            if obj is not None:
-                try:
-                    obj.close()
-                except Exception as exc:  # closing must not mask the run's own error
-                    log.warning("close failed: %s", exc)
+        rollouts = getattr(self, "rollouts", None)
+        if rollouts is not None:
+            rollouts.close()
         self.metrics.close()
 
 

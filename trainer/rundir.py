@@ -150,10 +150,9 @@ def lock_checkpoint_root(cfg) -> None:
     """Hold ``cfg``'s checkpoint root for this run (see the module docstring); a root this
     process holds already is kept. The lock goes with the run dir's lock when this process
     holds that one, else it lasts until the process ends."""
-    from trainer.checkpoint.save import checkpoint_root  # local: torch (see the top)
     if cfg.checkpoint.save_interval < 0 and not cfg.checkpoint.save:
         return  # this run never saves
-    root = checkpoint_root(cfg)
+    root = _checkpoint_root(cfg)
     if root.resolve() in _HELD:
         return
     lock = CheckpointRootLock(root, owner_run_dir=cfg.logging.run_dir).acquire()
@@ -185,16 +184,15 @@ def _adopt_recorded_save(cfg):
 def previous_run(cfg) -> list[str]:
     """What in the run's directories shows an earlier run (empty: nothing)."""
     from trainer.checkpoint.layout import committed_iterations  # local: torch (see the top)
-    from trainer.checkpoint.save import checkpoint_root
     found = []
     metrics = Path(cfg.logging.run_dir) / "metrics.jsonl"
     if metrics.is_file() and metrics.stat().st_size > 0:
         lines = sum(1 for _ in metrics.open())
         found.append(f"{metrics} ({lines} lines)")
-    committed = committed_iterations(checkpoint_root(cfg) / cfg.model.task)
+    committed = committed_iterations(_checkpoint_root(cfg) / cfg.model.task)
     if committed:
         found.append(f"committed checkpoints {[n for n, _ in committed]} under "
-                     f"{checkpoint_root(cfg) / cfg.model.task}")
+                     f"{_checkpoint_root(cfg) / cfg.model.task}")
     return found
 
 
@@ -202,7 +200,6 @@ def _newer_than_explicit_load(cfg) -> list[int]:
     """Committed iterations of the save root newer than what ``--load`` resumes (an explicit
     ``iter_N``, or the newest committed iteration of a root: this run's or another's)."""
     from trainer.checkpoint.layout import committed_iterations, latest_committed, parse_iter
-    from trainer.checkpoint.save import checkpoint_root  # local: torch (see the top)
     if not cfg.checkpoint.load:
         return []
     load = Path(cfg.checkpoint.load)
@@ -211,7 +208,7 @@ def _newer_than_explicit_load(cfg) -> list[int]:
     if chosen is None:
         return []
     n = parse_iter(chosen.name)
-    task_dir = (checkpoint_root(cfg) / cfg.model.task).resolve()
+    task_dir = (_checkpoint_root(cfg) / cfg.model.task).resolve()
     return [m for m, _ in committed_iterations(task_dir) if m > n]
 
 
@@ -233,7 +230,7 @@ def claim_run_dir(cfg, *, check_only: bool = False):
     if newer and not ck.overwrite:
         from trainer.checkpoint.save import checkpoint_root  # local: torch (see the top)
         problems.append(f"--load {ck.load} is older than the committed iterations {newer} of "
-                        f"this run's --save {checkpoint_root(cfg)}: saving would replace "
+                        f"this run's --save {_checkpoint_root(cfg)}: saving would replace "
                         f"them. Pass --overwrite to truncate that timeline, --resume to "
                         f"continue from the newest, or another --save")
     if ck.resume and found and not ck.load \
@@ -253,23 +250,21 @@ def claim_run_dir(cfg, *, check_only: bool = False):
     if ck.resume:
         if ck.load:
             return cfg
-        from trainer.checkpoint.save import checkpoint_root  # local: torch (see the top)
         if any("committed checkpoints" in f for f in found):
             log.info("--resume: continuing from the newest verified checkpoint under %s",
-                     checkpoint_root(cfg))
+                     _checkpoint_root(cfg))
             return dataclasses.replace(cfg, checkpoint=dataclasses.replace(
-                ck, load=str(checkpoint_root(cfg))))
+                ck, load=str(_checkpoint_root(cfg))))
         log.warning("--resume: %s holds no run yet; starting at step 0", cfg.logging.run_dir)
     return cfg
 
 
 def _no_checkpoint_to_resume(cfg, found: list[str]) -> str:
-    from trainer.checkpoint.save import checkpoint_root  # local: torch (see the top)
     recorded = recorded_checkpoint_save(cfg.logging.run_dir)
     hint = (f" (the run dir's config.json names --save {recorded})"
-            if recorded and Path(recorded) != checkpoint_root(cfg) else "")
+            if recorded and Path(recorded) != _checkpoint_root(cfg) else "")
     return (f"--resume: run dir {cfg.logging.run_dir} holds a run (" + "; ".join(found)
-            + f") but no committed checkpoint under {checkpoint_root(cfg) / cfg.model.task}"
+            + f") but no committed checkpoint under {_checkpoint_root(cfg) / cfg.model.task}"
             + hint + ": pass the --save it was saved to, --load a checkpoint, or --overwrite "
                      "to start over (its metrics and TensorBoard are cleared)")
 
@@ -341,3 +336,8 @@ def warn_if_prompt_data_changed(cfg) -> bool:
                 now.get("prompt_data"), f" (sha256 {now['sha256'][:12]})"
                 if now.get("sha256") else "")
     return True
+
+
+def _checkpoint_root(cfg) -> Path:
+    from trainer.checkpoint.save import checkpoint_root  # local: torch (see the top)
+    return checkpoint_root(cfg.checkpoint.save, cfg.logging.run_dir)

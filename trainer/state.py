@@ -2,8 +2,11 @@
 optimizer (torchtitan's ``Stateful``): the counters below and this rank's RNG.
 
 ``state_dict()`` gives them under the names ``trainer_state.json`` stores (plus ``"rng"``, the
-per-rank file's content); ``load_state_dict()`` restores them. Checkpoint save and load call
-these two and read or set no counter themselves.
+per-rank file's content); ``load_state_dict()`` restores them. The checkpointer holds this as
+its ``state`` part and calls these two only. In ``trainer.loop.Trainer`` the counters are
+read and set where the component moving them keeps them (``lr_steps``: the ``Actor``;
+``policy_version``, ``sync_failures``, ``engine_restarts``: the ``RolloutService``); a test
+double keeps them as plain attributes.
 
 Design choices:
 

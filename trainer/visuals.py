@@ -284,21 +284,20 @@ def write_reward_curve(run_dir: str | Path) -> Path:
     return path
 
 
-def log_pictures(trainer, step: int, *, evaluated: bool) -> None:
-    """The loop's logged-step pictures (rank 0): the last rollout's chosen samples
-    (``pick_samples``) as a captioned grid (and captioned images on W&B), and after an eval the
-    reward curve, to the run directory, TensorBoard and W&B alike. ``trainer.last_samples`` is
-    ``(images, prompts, rewards)``, or with a fourth item, the samples' sources (editing)."""
-    if trainer.rank != 0 or not trainer.metrics.enabled:
+def log_pictures(metrics, run_dir: Path, step: int, samples, *, evaluated: bool) -> None:
+    """The loop's logged-step pictures (rank 0's ``metrics``, the only enabled one): the last
+    rollout's chosen ``samples`` (``pick_samples``: images, prompts, rewards, and for editing
+    the samples' sources as a fourth item; or None) as a captioned grid (captioned images on
+    W&B), and after an eval the reward curve, to the run directory, TensorBoard and W&B."""
+    if not metrics.enabled:
         return
-    samples = getattr(trainer, "last_samples", None)
     if samples is not None and step > 0:
         images, prompts, rewards, *sources = samples
-        log_samples(trainer.metrics, "train/samples", step, images, prompts, rewards,
-                    path=trainer.run_dir / "train_samples" / f"step{step:05d}.png",
+        log_samples(metrics, "train/samples", step, images, prompts, rewards,
+                    path=run_dir / "train_samples" / f"step{step:05d}.png",
                     sources=sources[0] if sources else None)
     if evaluated:
         # drawn in memory, written by the logger: a full disk is counted, not fatal
-        curve = draw_reward_curve(*reward_series(read_metrics(trainer.run_dir / "metrics.jsonl")))
-        trainer.metrics.image("reward_curve", step, curve,
-                              path=trainer.run_dir / "reward_curve.png")
+        curve = draw_reward_curve(*reward_series(read_metrics(run_dir / "metrics.jsonl")))
+        metrics.image("reward_curve", step, curve,
+                              path=run_dir / "reward_curve.png")

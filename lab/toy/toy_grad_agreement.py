@@ -31,13 +31,13 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 def policy_gradient(trainer, batch, advantages: torch.Tensor, rows: torch.Tensor,
                     micro: int = 8) -> torch.Tensor:
     """Flattened gradient of the mean clipped loss over ``rows`` at ratio 1."""
-    params = [p for g in trainer.optimizer.param_groups for p in g["params"]]
-    trainer.optimizer.zero_grad(set_to_none=True)
+    params = [p for g in trainer.actor.optimizer.param_groups for p in g["params"]]
+    trainer.actor.optimizer.zero_grad(set_to_none=True)
     for chunk in rows.split(micro):
-        forward_backward(trainer, batch.select(chunk), advantages[chunk],
+        forward_backward(trainer.actor, batch.select(chunk), advantages[chunk],
                          len(chunk) / len(rows), None)
     grad = torch.cat([p.grad.detach().flatten().double() for p in params])
-    trainer.optimizer.zero_grad(set_to_none=True)
+    trainer.actor.optimizer.zero_grad(set_to_none=True)
     return grad
 
 

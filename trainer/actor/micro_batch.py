@@ -13,6 +13,8 @@ one micro-batch. ``train.micro_batch_memory_gb`` replaces the measured free memo
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import logging
 
 import torch
@@ -20,7 +22,10 @@ import torch.distributed as dist
 
 from trainer.actor.micro_step import forward_backward
 
-log = logging.getLogger("trainer")
+if TYPE_CHECKING:
+    from trainer.actor.actor import Actor
+
+log = logging.getLogger("actor")
 
 _GB = float(2 ** 30)
 
@@ -45,41 +50,41 @@ def largest_fitting_divisor(per_update: int, bytes_per_sample: float,
     return fits[-1]
 
 
-def resolve_micro_batch(trainer, batch, advantages: torch.Tensor, per_update: int) -> int:
+def resolve_micro_batch(actor: Actor, batch, advantages: torch.Tensor, per_update: int) -> int:
     """The micro-batch size for this run: the configured integer, or ``auto`` resolved once
     (on the first update) and kept for the run."""
-    t = trainer.cfg.train
+    t = actor.train_cfg
     if t.micro_batch_size != "auto":
         return int(t.micro_batch_size)
-    cached = trainer.auto_micro_batch
+    cached = actor.auto_micro_batch
     if cached is not None and per_update % cached == 0:
         return cached
-    per_sample, budget, how = _cost_and_budget(trainer, batch, advantages)
+    per_sample, budget, how = _cost_and_budget(actor, batch, advantages)
     micro = largest_fitting_divisor(per_update, per_sample, budget)
     if dist.is_available() and dist.is_initialized():
-        dev = trainer._coll_device()
+        dev = actor.coll_device()
         m = torch.tensor([micro], dtype=torch.int64, device=dev)
         dist.all_reduce(m, op=dist.ReduceOp.MIN)
         micro = int(m.item())  # every rank's choice divides the same per_update
     log.info("micro_batch_size=auto -> %d of %d samples per update (%s)", micro, per_update,
              how)
-    trainer.auto_micro_batch = micro
+    actor.auto_micro_batch = micro
     return micro
 
 
-def _cost_and_budget(trainer, batch, advantages) -> tuple[float, float, str]:
-    t = trainer.cfg.train
-    if trainer.device.type != "cuda":
+def _cost_and_budget(actor: Actor, batch, advantages) -> tuple[float, float, str]:
+    t = actor.train_cfg
+    if actor.device.type != "cuda":
         return 0.0, 0.0, "CPU: the whole update"
-    per_sample = probe_sample_bytes(trainer, batch, advantages)
+    per_sample = probe_sample_bytes(actor, batch, advantages)
     if t.micro_batch_memory_gb is not None:
         return per_sample, t.micro_batch_memory_gb * _GB, (
             f"probe {per_sample / _GB:.2f} GiB per sample, budget "
             f"{t.micro_batch_memory_gb:g} GiB set")
-    free, _ = torch.cuda.mem_get_info(trainer.device)
-    cached = torch.cuda.memory_reserved(trainer.device) - torch.cuda.memory_allocated(
-        trainer.device)
-    grads = _grad_bytes(trainer.model)
+    free, _ = torch.cuda.mem_get_info(actor.device)
+    cached = torch.cuda.memory_reserved(actor.device) - torch.cuda.memory_allocated(
+        actor.device)
+    grads = _grad_bytes(actor.model)
     budget = (free + cached) * t.micro_batch_memory_fraction - grads
     return per_sample, budget, (f"probe {per_sample / _GB:.2f} GiB per sample, "
                                 f"{budget / _GB:.1f} GiB available")
@@ -94,18 +99,18 @@ def _grad_bytes(model) -> int:
     return total
 
 
-def probe_sample_bytes(trainer, batch, advantages) -> float:
+def probe_sample_bytes(actor: Actor, batch, advantages) -> float:
     """Peak memory one sample's forward + backward adds, less its gradients (GPU only).
 
     The probe's loss is scaled by 0, its gradients are dropped and no optimizer step runs, so
     the policy is untouched."""
-    dev = trainer.device
+    dev = actor.device
     torch.cuda.synchronize(dev)
     before = torch.cuda.memory_allocated(dev)
     torch.cuda.reset_peak_memory_stats(dev)
-    trainer.model.train()
-    forward_backward(trainer, batch.select([0]), advantages[[0]], 0.0, None)
+    actor.model.train()
+    forward_backward(actor, batch.select([0]), advantages[[0]], 0.0, None)
     torch.cuda.synchronize(dev)
     peak = torch.cuda.max_memory_allocated(dev)
-    trainer.optimizer.zero_grad(set_to_none=True)
-    return max(float(peak - before - _grad_bytes(trainer.model)), 1.0)
+    actor.optimizer.zero_grad(set_to_none=True)
+    return max(float(peak - before - _grad_bytes(actor.model)), 1.0)

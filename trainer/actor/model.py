@@ -22,7 +22,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from trainer.patches.fsdp_grad_copy_in import install as install_flat_copy_in
 from trainer.patches.fsdp_one_rank_unshard import install as install_flat_unshard
-from trainer.config import Config
+from trainer.config import FSDPConfig, LoRAConfig, TrainConfig
 from trainer.utils.dtypes import TORCH_DTYPES
 from trainer.lora_init import load_lora_init
 from trainer.models.base import GenerativeModelAdapter
@@ -38,20 +38,20 @@ def strip_wrapper_names(name: str) -> str:
     return name.replace(_AC_SEGMENT, "")
 
 
-def lora_options(cfg: Config, adapter: GenerativeModelAdapter) -> dict:
+def lora_options(lora: LoRAConfig, adapter: GenerativeModelAdapter) -> dict:
     """``trainer.models.lora.apply_lora`` keywords for this run's LoRA layers."""
-    return {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha or cfg.lora.rank,
-            "target_modules": list(cfg.lora.target_modules or adapter.lora_target_modules()),
-            "dropout": cfg.lora.dropout}
+    return {"rank": lora.rank, "alpha": lora.alpha or lora.rank,
+            "target_modules": list(lora.target_modules or adapter.lora_target_modules()),
+            "dropout": lora.dropout}
 
 
-def lora_spec(cfg: Config, adapter: GenerativeModelAdapter) -> dict | None:
+def lora_spec(lora: LoRAConfig, adapter: GenerativeModelAdapter) -> dict | None:
     """What the engine needs to build the same LoRA layers (so adapter-mode names match)."""
-    if cfg.lora.rank <= 0:
+    if lora.rank <= 0:
         return None
-    return {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha or cfg.lora.rank,
-            "target_modules": list(cfg.lora.target_modules or adapter.lora_target_modules()),
-            "merge": cfg.lora.engine_merge}
+    return {"rank": lora.rank, "alpha": lora.alpha or lora.rank,
+            "target_modules": list(lora.target_modules or adapter.lora_target_modules()),
+            "merge": lora.engine_merge}
 
 
 def inner_model(model: nn.Module) -> nn.Module:
@@ -89,51 +89,52 @@ def _world_one() -> bool:
     return dist.is_initialized() and dist.get_world_size() == 1
 
 
-def reshard_after_forward(cfg: Config) -> bool:
+def reshard_after_forward(fsdp: FSDPConfig) -> bool:
     """fsdp.reshard_after_forward, with None resolved: keep the gathered blocks at world 1."""
-    if cfg.fsdp.reshard_after_forward is not None:
-        return bool(cfg.fsdp.reshard_after_forward)
+    if fsdp.reshard_after_forward is not None:
+        return bool(fsdp.reshard_after_forward)
     return not _world_one()
 
 
-def shard_frozen(cfg: Config) -> bool:
+def shard_frozen(fsdp: FSDPConfig) -> bool:
     """fsdp.shard_frozen, with None resolved: shard the frozen parameters only at world > 1."""
-    if cfg.fsdp.shard_frozen is not None:
-        return bool(cfg.fsdp.shard_frozen)
+    if fsdp.shard_frozen is not None:
+        return bool(fsdp.shard_frozen)
     return not _world_one()
 
 
-def block_units(cfg: Config) -> bool:
+def block_units(fsdp: FSDPConfig, lora: LoRAConfig) -> bool:
     """fsdp.block_units, with None resolved: one unit per block unless the frozen parameters
     stay out of FSDP2 at world 1 (then the only unit is the root's, holding the adapter)."""
-    if cfg.fsdp.block_units is not None:
-        return bool(cfg.fsdp.block_units)
-    return not (_world_one() and not shard_frozen(cfg) and cfg.lora.rank > 0)
+    if fsdp.block_units is not None:
+        return bool(fsdp.block_units)
+    return not (_world_one() and not shard_frozen(fsdp) and lora.rank > 0)
 
 
-def accumulate_unsharded(cfg: Config) -> bool:
+def accumulate_unsharded(fsdp: FSDPConfig) -> bool:
     """fsdp.accumulate_unsharded, with None resolved: on at world 1, where the gathered
     parameters and unsharded gradients are no more than the shards."""
-    if cfg.fsdp.accumulate_unsharded is not None:
-        return bool(cfg.fsdp.accumulate_unsharded)
+    if fsdp.accumulate_unsharded is not None:
+        return bool(fsdp.accumulate_unsharded)
     return _world_one()
 
 
-def apply_fsdp(model: nn.Module, blocks: list[nn.Module], cfg: Config) -> nn.Module:
-    mp = MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[cfg.fsdp.param_dtype],
-                              reduce_dtype=TORCH_DTYPES[cfg.fsdp.reduce_dtype])
-    kwargs = {"mp_policy": mp, "reshard_after_forward": reshard_after_forward(cfg)}
-    if not shard_frozen(cfg):
+def apply_fsdp(model: nn.Module, blocks: list[nn.Module], fsdp: FSDPConfig,
+               lora: LoRAConfig) -> nn.Module:
+    mp = MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[fsdp.param_dtype],
+                              reduce_dtype=TORCH_DTYPES[fsdp.reduce_dtype])
+    kwargs = {"mp_policy": mp, "reshard_after_forward": reshard_after_forward(fsdp)}
+    if not shard_frozen(fsdp):
         # left to the module as plain tensors: no gather copy, no mixed-precision cast (a LoRA
         # base is loaded in the compute dtype already), no DTensor dispatch
         frozen = {p for p in model.parameters() if not p.requires_grad}
         if frozen:
             kwargs["ignored_params"] = frozen
-    if cfg.fsdp.cpu_offload:
+    if fsdp.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     install_flat_copy_in()  # one rank: gradients copied flat, not through _chunk_cat (slow)
     install_flat_unshard()  # one rank: parameters cast in one foreach copy, not one by one
-    for block in blocks if block_units(cfg) else []:
+    for block in blocks if block_units(fsdp, lora) else []:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model
@@ -150,50 +151,50 @@ def current_blocks(model: nn.Module, adapter: GenerativeModelAdapter) -> list[nn
     return [parents.get(id(b), b) for b in blocks]
 
 
-def build_actor(adapter: GenerativeModelAdapter, cfg: Config, device: torch.device,
-                distributed: bool, shard: bool = True) -> nn.Module:
+def build_actor(adapter: GenerativeModelAdapter, train: TrainConfig, fsdp: FSDPConfig,
+                lora: LoRAConfig, device: torch.device, distributed: bool, shard: bool = True,
+                *, compile: str = "auto") -> nn.Module:
     """Load, LoRA, master dtype, device, AC; then FSDP2 when ``distributed`` and ``shard``
     (``shard=False`` leaves the collective ``fully_shard`` to ``shard_actor``, for wave
-    loading: fully_shard must run on all ranks together)."""
-    torch.manual_seed(cfg.train.seed)  # LoRA init: identical on every rank
-    lora = cfg.lora.rank > 0
+    loading: fully_shard must run on all ranks together). ``compile``: ``model.compile``."""
+    torch.manual_seed(train.seed)  # LoRA init: identical on every rank
+    use_lora = lora.rank > 0
     # LoRA: the frozen base is stored in the compute dtype (half the memory and offload traffic
     # of fp32, no cast per forward); only the trainable tensors get the master dtype below.
-    load_dtype = TORCH_DTYPES[cfg.fsdp.param_dtype] if lora else torch.float32
+    load_dtype = TORCH_DTYPES[fsdp.param_dtype] if use_lora else torch.float32
     model = adapter.load_train_model(dtype=load_dtype, device="cpu")
-    if lora:
+    if use_lora:
         model.requires_grad_(False)
-        model = apply_lora(model, **lora_options(cfg, adapter))
+        model = apply_lora(model, **lora_options(lora, adapter))
     else:
         model.requires_grad_(True)
-    master = TORCH_DTYPES[cfg.fsdp.master_dtype] if cfg.fsdp.master_dtype else None
+    master = TORCH_DTYPES[fsdp.master_dtype] if fsdp.master_dtype else None
     if master is not None:
         for p in model.parameters():
             if p.requires_grad:
                 p.data = p.data.to(master)
-    if lora and cfg.lora.init_path:  # after the master cast: loaded at full precision
-        load_lora_init(model, cfg.lora.init_path, rank=cfg.lora.rank,
-                       alpha=cfg.lora.alpha or cfg.lora.rank)
+    if use_lora and lora.init_path:  # after the master cast: loaded at full precision
+        load_lora_init(model, lora.init_path, rank=lora.rank, alpha=lora.alpha or lora.rank)
     model.to(device)
-    assert_trainable_boundary(model, lora)
-    if cfg.fsdp.activation_checkpointing:
+    assert_trainable_boundary(model, use_lora)
+    if fsdp.activation_checkpointing:
         apply_activation_checkpointing(model, adapter.transformer_blocks(inner_model(model)))
-    if compile_wanted(cfg.model.compile, device):
+    if compile_wanted(compile, device):
         # before fully_shard: its hooks then wrap the compiled forward (torchtitan's order)
         compile_blocks(current_blocks(model, adapter), adapter.block_dynamic_dims)
     if distributed and shard:
-        apply_fsdp(model, current_blocks(model, adapter), cfg)
+        apply_fsdp(model, current_blocks(model, adapter), fsdp, lora)
     return model
 
 
-def shard_actor(model: nn.Module, adapter: GenerativeModelAdapter, cfg: Config) -> nn.Module:
+def shard_actor(model: nn.Module, adapter: GenerativeModelAdapter, fsdp: FSDPConfig,
+                lora: LoRAConfig) -> nn.Module:
     """FSDP2 over a model ``build_actor(..., shard=False)`` built."""
-    return apply_fsdp(model, current_blocks(model, adapter), cfg)
+    return apply_fsdp(model, current_blocks(model, adapter), fsdp, lora)
 
 
-def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
-    t = cfg.train
     fused = t.adam_fused
     if fused is None:  # fused on a GPU (faster, less memory), the CPU keeps foreach
         fused = bool(params) and all(p.device.type == "cuda" for p in params)
@@ -202,9 +203,8 @@ def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
                              **({"fused": True} if fused else {}))
 
 
-def lr_at_step(step: int, cfg: Config) -> float:
+def lr_at_step(step: int, t: TrainConfig) -> float:
     """Learning rate of optimizer step ``step`` (0-based): linear warmup, then the schedule."""
-    t = cfg.train
     if t.lr_warmup_iters > 0 and step < t.lr_warmup_iters:
         return t.lr * (step + 1) / t.lr_warmup_iters
     if t.lr_scheduler == "constant" or not t.lr_decay_iters:

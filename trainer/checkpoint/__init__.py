@@ -1,7 +1,8 @@
 """Crash-safe checkpoints (torch.distributed.checkpoint), exact resume, and export.
 
-    save_checkpoint(trainer, step) -> Path | None     every rank; None = failed and counted
-    load_checkpoint(trainer, path) -> Path            every rank; newest COMMITTED iteration
+    Checkpointer(root, task, parts={"fsdp": actor, "ema": ema}, state=run_state, ...)
+    save_checkpoint(checkpointer, step) -> Path | None   every rank; None = failed and counted
+    load_checkpoint(checkpointer, path) -> Path          every rank; newest COMMITTED iteration
     latest_committed(path, task="t2i") -> Path | None
 
 ``python -m trainer export`` lives in ``trainer.checkpoint.export`` (imported on demand: it
@@ -10,7 +11,8 @@ needs diffusers and peft).
 from trainer.checkpoint.contract import ContractMismatchError
 from trainer.checkpoint.layout import CheckpointError, latest_committed
 from trainer.checkpoint.load import load_checkpoint
-from trainer.checkpoint.save import save_checkpoint
+from trainer.checkpoint.save import Checkpointer, save_checkpoint
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_committed", "CheckpointError",
+__all__ = ["Checkpointer", "save_checkpoint", "load_checkpoint", "latest_committed",
+           "CheckpointError",
            "ContractMismatchError"]

@@ -208,13 +208,15 @@ def weight_sync_manifest(model: torch.nn.Module, cfg, adapter=None) -> dict[str,
             "hash": manifest_hash(entries), "entries": [list(e) for e in entries]}
 
 
-def sampling_fingerprint(trainer) -> str:
+def sampling_fingerprint(driver: Any, sampling: dict[str, Any]) -> str:
     """The rollout driver's fingerprint (the one in every sidecar), or, with no driver built,
-    the same function of the configured sampling (kept equal to
+    the same function of the configured ``sampling`` (kept equal to
     ``trainer.rollout.artifacts.sampling_fingerprint`` by a test; not imported, because the
     rollout package pulls in safetensors and the engine client)."""
-    fp = getattr(getattr(trainer, "driver", None), "fingerprint", None)
+    fp = getattr(driver, "fingerprint", None)
     if isinstance(fp, str):
         return fp
-    blob = json.dumps(trainer.cfg.rollout.sampling.to_dict(), sort_keys=True, default=str).encode()
+    if hasattr(sampling, "to_dict"):  # the typed config; the drivers hash its table
+        sampling = sampling.to_dict()
+    blob = json.dumps(sampling, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]

@@ -1,10 +1,11 @@
-"""``load_checkpoint(trainer, path)``: exact resume from the newest COMMITTED iteration.
+"""``load_checkpoint(checkpointer, path)``: exact resume from the newest COMMITTED iteration.
 
-Restores the model (LoRA: the adapter; the base was already reloaded from --model-path) and
-the optimizer, then hands ``trainer_state.json`` and this rank's RNG to
-``trainer.load_state_dict`` (``trainer.state.TrainerState``: policy version, LR step, next
-rollout, failure counters, RNG), after checking that the adapter contract matches the current
-config.
+Restores every DCP part of the ``Checkpointer`` (``trainer.checkpoint.save``): the actor's
+model (LoRA: the adapter; the base was already reloaded from --model-path) and optimizer, the
+EMA; then hands ``trainer_state.json`` and this rank's RNG to the run state's
+``load_state_dict`` (``trainer.state.TrainerState``: policy version, LR step, next rollout,
+failure counters, RNG), after checking that the adapter contract (``contract()``, the
+current run's) matches the saved one.
 
 Design choices:
 
@@ -32,10 +33,13 @@ import time
 from pathlib import Path
 
 from trainer.checkpoint import layout
-from trainer.checkpoint.contract import (ContractMismatchError, adapter_contract,
-                                         contract_mismatches, sampling_fingerprint)
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from trainer.checkpoint.contract import ContractMismatchError, contract_mismatches
 from trainer.checkpoint.rng import read_rng
-from trainer.checkpoint.shards import read_shards
+from trainer.checkpoint.save import Checkpointer
+from trainer.checkpoint.shards import _shape_problems, _single_process_ok
 from trainer.utils.collectives import broadcast_from_rank0
 
 log = logging.getLogger("trainer.checkpoint")
@@ -52,14 +56,28 @@ def _set_aside_rejected(chosen: Path) -> None:
                         target.name, chosen)
 
 
-def load_checkpoint(trainer, path: str | Path) -> Path:
-    """Restore ``trainer`` from the newest committed checkpoint under ``path``; every rank
-    calls this together. Returns the loaded ``iter_*`` directory."""
-    cfg = trainer.cfg
+def read_dcp(part, directory: Path) -> None:
+    """Fill ``part.state_dict()`` from ``directory`` in place (resharding to the current
+    world), then hand it to ``part.load_state_dict``. A part holding a "model" checks first
+    that the checkpoint's tensors fit it, naming every misfit."""
+    state = part.state_dict()
+    if "model" in state:
+        problems = _shape_problems(state["model"], directory)
+        if problems:
+            raise layout.CheckpointError(f"checkpoint {directory} does not fit the model:\n  - "
+                                         + "\n  - ".join(problems))
+    with _single_process_ok():
+        dcp.load(state, checkpoint_id=str(directory),
+                 no_dist=not (dist.is_available() and dist.is_initialized()))
+    part.load_state_dict(state)
+
+
+def _choose(ck: Checkpointer, path: str | Path) -> Path:
+    """Rank 0 picks the newest verified iteration under ``path``; every rank gets it."""
     chosen, error = None, None
-    if trainer.rank == 0:
+    if ck.rank == 0:
         try:
-            found = layout.resolve_checkpoint(path, cfg.model.task)
+            found = layout.resolve_checkpoint(path, ck.task)
             if layout.parse_iter(Path(path).name) is None:  # newest-of-a-directory resume
                 _set_aside_rejected(found)
             chosen = str(found)
@@ -68,35 +86,39 @@ def load_checkpoint(trainer, path: str | Path) -> Path:
     chosen, error = broadcast_from_rank0((chosen, error))
     if error is not None:
         raise layout.CheckpointError(f"cannot resume from --load {path}: {error}")
-    iter_dir = Path(chosen)
+    return Path(chosen)
 
+
+def load_checkpoint(ck: Checkpointer, path: str | Path) -> Path:
+    """Restore ``ck``'s parts from the newest committed checkpoint under ``path``; every rank
+    calls this together. Returns the loaded ``iter_*`` directory."""
+    iter_dir = _choose(ck, path)
     saved = layout.read_json(iter_dir / layout.ADAPTER_CONTRACT)
-    problems = contract_mismatches(saved, adapter_contract(cfg, trainer.adapter,
-                                                           trainer.model_path))
+    problems = contract_mismatches(saved, ck.contract())
     if problems:
         raise ContractMismatchError(iter_dir, problems)
     state = layout.read_json(iter_dir / layout.TRAINER_STATE)
-    if state.get("sampling_fingerprint") != sampling_fingerprint(trainer):
+    fingerprint = ck.fingerprint
+    if state.get("sampling_fingerprint") != fingerprint:
         log.warning("resuming %s with a different sampling config (fingerprint %s -> %s): "
                     "rollouts will not continue the saved run exactly", iter_dir,
-                    state.get("sampling_fingerprint"), sampling_fingerprint(trainer))
-
-    read_shards(trainer.model, trainer.optimizer, saved["mode"] == "lora",
-                iter_dir / layout.FSDP_DIR)
-    if getattr(trainer, "ema", None) is not None:  # resumed exactly: shadow and update count
-        if not (iter_dir / "ema").is_dir():
-            raise layout.CheckpointError(f"{iter_dir} has no EMA state but ema.enabled is set")
-        trainer.ema.load(iter_dir / "ema")
-    rng_path = iter_dir / layout.rng_file(trainer.rank)
+                    state.get("sampling_fingerprint"), fingerprint)
+    for name, part in ck.parts.items():  # resumed exactly: the EMA's shadow and update count
+        if not (iter_dir / name).is_dir():
+            raise layout.CheckpointError(
+                f"{iter_dir} has no EMA state but ema.enabled is set" if name == "ema"
+                else f"{iter_dir} has no {name} state but this run has one")
+        read_dcp(part, iter_dir / name)
+    rng_path = iter_dir / layout.rng_file(ck.rank)
     rng = read_rng(rng_path) if rng_path.is_file() else None
     if rng is None:
         log.warning("%s has no RNG state for rank %d (saved with world size %s, now %d): "
-                    "RNG not restored on this rank", iter_dir, trainer.rank,
-                    state.get("world_size"), trainer.world)
-    trainer.load_state_dict({**state, "rng": rng})  # counters, engine re-sync, then the RNG
-    metrics = getattr(trainer, "metrics", None)
-    if trainer.rank == 0 and callable(getattr(metrics, "truncate_after", None)):
-        metrics.truncate_after(int(state["iteration"]))
+                    "RNG not restored on this rank", iter_dir, ck.rank,
+                    state.get("world_size"), ck.world)
+    ck.state.load_state_dict({**state, "rng": rng})  # counters, engine re-sync, then the RNG
+    if ck.rank == 0 and callable(getattr(ck.metrics, "truncate_after", None)):
+        ck.metrics.truncate_after(int(state["iteration"]))
     log.info("resumed from %s: next rollout %d, policy version %d, lr step %d", iter_dir,
-             trainer.next_rollout, trainer.policy_version, trainer.lr_steps)
+             int(state["rollout_id"]) + 1, int(state["policy_version"]),
+             int(state["lr_scheduler_steps"]))
     return iter_dir

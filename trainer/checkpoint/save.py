@@ -1,4 +1,17 @@
-"""``save_checkpoint(trainer, step)``: one crash-safe checkpoint of a training run.
+"""``Checkpointer``: crash-safe checkpoints of a training run over named ``Stateful`` parts
+(as torchtitan's checkpoint manager: each part has ``state_dict`` / ``load_state_dict``, and
+the checkpointer reaches for nothing else). ``save_checkpoint(checkpointer, step)`` writes one.
+
+Parts and where they go:
+
+* the DCP parts (``parts``, by directory name: ``fsdp`` the actor's model and optimizer,
+  ``ema`` the EMA when there is one): ``dcp.save(part.state_dict())`` into ``iter_n/<name>``;
+  loading fills a fresh ``state_dict()`` in place and hands it to ``load_state_dict``;
+* the run's state (``state``: ``trainer.state.TrainerState``, the counters and this rank's
+  RNG): the counters go to ``trainer_state.json`` with ``record()`` (what the run was), the
+  RNG to this rank's RNG file;
+* ``sidecars()``: rank 0's JSON files describing the run (the weight-sync manifest and the
+  adapter contract), which resume checks.
 
 Order (docs/design.md#checkpoints): rotation by rank 0, broadcast -> DCP shards -> per-rank RNG ->
 JSON sidecars (rank 0) -> MIN all-reduce of every rank's success -> COMMITTED (rank 0) ->
@@ -8,7 +21,8 @@ Failure policy: a rotation failure raises on every rank (rank 0's result is broa
 rank is left waiting in a collective). A failed write (DCP, RNG, sidecars, or the commit
 itself; disk full included: DCP wraps the OSError in a ``CheckpointException``, which is a
 ``BaseException``) on any rank is logged loudly on every rank with the OS error, counted in
-``trainer.checkpoint_failures`` (the loop logs it as ``train/checkpoint_failures``), its
+``on_failure`` (the run's ``checkpoint_failures``; the loop logs it as
+``train/checkpoint_failures``), its
 partial directory is removed by rank 0 and no COMMITTED marker exists; training goes on,
 the previous committed checkpoint stays the resume point and the next save retries. The
 exception is the run's final save (``final=True``): no later save can retry it, so the
@@ -22,8 +36,8 @@ Design choices:
 * ``iter_<n>`` uses the loop's step (rollouts completed); trainer_state records the last
   rollout id (n - 1), and resume starts at that id + 1.
 * An actor offloaded to host memory (--offload-train) is brought back for the save and
-  offloaded again afterwards: DCP reads the device shards, whose storage is freed while
-  offloaded.
+  offloaded again afterwards by the loop (``Actor.onloaded``): DCP reads the device shards,
+  whose storage is freed while offloaded.
 """
 from __future__ import annotations
 
@@ -31,72 +45,78 @@ import errno
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable, Protocol
 
-import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from trainer.actor.model import offload_actor, onload_actor
 from trainer.checkpoint import layout
-from trainer.checkpoint.contract import adapter_contract, sampling_fingerprint, \
-    weight_sync_manifest
 from trainer.checkpoint.rng import write_rng
-from trainer.checkpoint.shards import write_shards
+from trainer.checkpoint.shards import _single_process_ok
 from trainer.utils.collectives import all_ranks_ok, broadcast_from_rank0, failures_by_rank
 
 log = logging.getLogger("trainer.checkpoint")
 
 
-def checkpoint_root(cfg) -> Path:
-    return Path(cfg.checkpoint.save or Path(cfg.logging.run_dir) / "checkpoints")
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def trainer_state(trainer, step: int, counters: dict) -> dict:
-    """``trainer_state.json``: the trainer's counters (``TrainerState.state_dict``) and what
-    the run was."""
-    cfg = trainer.cfg
-    return {
-        "format": layout.FORMAT_VERSION,
-        "iteration": int(step),
-        **counters,
-        "task": cfg.model.task,
-        "adapter": cfg.model.adapter_path,
-        "model_path": str(trainer.model_path),
-        "trainable_mode": "lora" if cfg.lora.rank > 0 else "full",
-        "weight_sync_mode": cfg.sync_mode,
-        "sampling": cfg.rollout.sampling.to_dict(),
-        "sampling_fingerprint": sampling_fingerprint(trainer),
-        "generation_seed": cfg.rollout.generation_seed,
-        "world_size": int(trainer.world),
-        "torch_version": torch.__version__,
-        "time": time.time(),
-    }
+@dataclass
+class Checkpointer:
+    """Where and what to save (module docstring); every rank holds one."""
+
+    root: Path                       # --save, or <run_dir>/checkpoints
+    task: str                        # model.task: the task directory under the root
+    parts: dict[str, Stateful]       # DCP parts by directory name ("fsdp", "ema")
+    state: Stateful                  # counters + "rng": trainer_state.json and the RNG file
+    record: Callable[[], dict]       # what the run was, beside the counters in trainer_state
+    sidecars: Callable[[], dict[str, tuple[dict, int | None]]]  # rank 0: {file: (json, indent)}
+    on_failure: Callable[[], int]    # counts a failed save; returns the new count
+    rank: int = 0
+    world: int = 1
+    keep: int = 0                    # checkpoint.max_actor_ckpt_to_keep
+    overwrite: bool = False          # checkpoint.overwrite
+    metrics: Any = None              # rank 0 logs train/checkpoint_failures on a failure
+    contract: Callable[[], dict] | None = None  # load: this run's adapter contract
+    fingerprint: str | None = None   # load: this run's sampling fingerprint
 
 
-def _write(trainer, step: int, iter_dir: Path) -> None:
-    """Shards, this rank's RNG, and (rank 0) the JSON sidecars, in that order."""
-    lora = trainer.cfg.lora.rank > 0
+def checkpoint_root(save: str | None, run_dir: str | Path) -> Path:
+    """``checkpoint.save``, or ``<run_dir>/checkpoints`` when only --save-interval is set."""
+    return Path(save or Path(run_dir) / "checkpoints")
+
+
+def write_dcp(state: dict[str, Any], directory: Path) -> None:
+    """One DCP part (every rank calls it under torch.distributed)."""
+    with _single_process_ok():
+        dcp.save(state, checkpoint_id=str(directory),
+                 no_dist=not (dist.is_available() and dist.is_initialized()))
+
+
+def _write(ck: Checkpointer, step: int, iter_dir: Path) -> None:
+    """Every DCP part, this rank's RNG, and (rank 0) the JSON sidecars, in that order."""
     iter_dir.mkdir(parents=True, exist_ok=True)
-    write_shards(trainer.model, trainer.optimizer, lora, iter_dir / layout.FSDP_DIR)
-    if getattr(trainer, "ema", None) is not None:  # trainer.ema: its own DCP directory
-        trainer.ema.save(iter_dir / "ema")
-    state = trainer.state_dict()
+    for name, part in ck.parts.items():
+        write_dcp(part.state_dict(), iter_dir / name)
+    state = ck.state.state_dict()
     rng = state.pop("rng")
-    write_rng(iter_dir / layout.rng_file(trainer.rank), rng)
-    if trainer.rank == 0:
-        layout.atomic_write_json(iter_dir / layout.TRAINER_STATE, trainer_state(trainer, step, state))
-        layout.atomic_write_json(iter_dir / layout.WEIGHT_SYNC_MANIFEST,
-                                 weight_sync_manifest(trainer.model, trainer.cfg,
-                                                      trainer.adapter), indent=None)
-        layout.atomic_write_json(iter_dir / layout.ADAPTER_CONTRACT,
-                                 adapter_contract(trainer.cfg, trainer.adapter,
-                                                  trainer.model_path))
+    write_rng(iter_dir / layout.rng_file(ck.rank), rng)
+    if ck.rank == 0:
+        layout.atomic_write_json(iter_dir / layout.TRAINER_STATE,
+                                 {"format": layout.FORMAT_VERSION, "iteration": int(step),
+                                  **state, **ck.record(), "world_size": int(ck.world)})
+        for name, (content, indent) in ck.sidecars().items():
+            layout.atomic_write_json(iter_dir / name, content, indent=indent)
 
 
-def _commit(trainer, root: Path, task: str, step: int, iter_dir: Path) -> None:
-    layout.write_commit_marker(iter_dir, step, trainer.world)
-    layout.write_latest(root, task, step)
-
+def _commit(ck: Checkpointer, step: int, iter_dir: Path) -> None:
+    layout.write_commit_marker(iter_dir, step, ck.world)
+    layout.write_latest(ck.root, ck.task, step)
 
 # Free space under which a failed write is taken for a full disk (see describe_failure).
 NEARLY_FULL_BYTES = 1 << 20
@@ -141,9 +161,9 @@ def describe_failure(exc: BaseException, written: Path | None = None) -> str:
     return said if full is None else f"{full}; the writer reported {said}"
 
 
-def _remove_partial(trainer, iter_dir: Path) -> None:
+def _remove_partial(ck: Checkpointer, iter_dir: Path) -> None:
     """Rank 0 removes a failed save's directory (it was never committed)."""
-    if trainer.rank != 0 or not iter_dir.exists():
+    if ck.rank != 0 or not iter_dir.exists():
         return
     try:
         layout.remove_tree(iter_dir)
@@ -153,16 +173,15 @@ def _remove_partial(trainer, iter_dir: Path) -> None:
                   describe_failure(exc))
 
 
-def _count_failure(trainer, step: int, what: str, task_dir: Path, final: bool) -> None:
+def _count_failure(ck: Checkpointer, step: int, what: str, task_dir: Path, final: bool) -> None:
     """Log and count a failed save; the run's final save raises (see the module docstring)."""
-    n = trainer.record_checkpoint_failure()
+    n = ck.on_failure()
     log.error("!!! CHECKPOINT FAILED: %s at step %d (rank %d); no COMMITTED marker was written, "
               "the previous committed checkpoint stays the resume point; %s "
-              "(train/checkpoint_failures = %d)", what, step, trainer.rank,
+              "(train/checkpoint_failures = %d)", what, step, ck.rank,
               "this was the run's final save" if final else "training continues", n)
-    metrics = getattr(trainer, "metrics", None)
-    if metrics is not None and trainer.rank == 0:
-        metrics.log(step, {"train/checkpoint_failures": float(n)}, console=False)
+    if ck.metrics is not None and ck.rank == 0:
+        ck.metrics.log(step, {"train/checkpoint_failures": float(n)}, console=False)
     if final:
         committed = layout.committed_iterations(task_dir)
         newest = (f"the newest committed checkpoint is {committed[-1][1]}" if committed
@@ -171,25 +190,13 @@ def _count_failure(trainer, step: int, what: str, task_dir: Path, final: bool) -
                                      f"{what}; the trained weights are not on disk ({newest})")
 
 
-def save_checkpoint(trainer, step: int, *, final: bool = False) -> Path | None:
-    """Save ``trainer`` as iteration ``step``; every rank calls this together.
-
-    Returns the committed ``iter_*`` directory, or None when the write failed (counted,
-    logged, training continues). Raises CheckpointError when rotation fails, and when the
-    write of the run's ``final`` save fails.
-    """
-    cfg = trainer.cfg
-    root, task = checkpoint_root(cfg), cfg.model.task
-    task_dir = root / task
-    iter_dir = task_dir / layout.iter_name(step)
-    t0 = time.perf_counter()
-
+def _rotate(ck: Checkpointer, task_dir: Path, step: int) -> None:
+    """Rank 0 makes room (``max_actor_ckpt_to_keep``); a failure raises on every rank."""
     error = None
-    if trainer.rank == 0:
+    if ck.rank == 0:
         try:
             task_dir.mkdir(parents=True, exist_ok=True)
-            removed = layout.rotate(task_dir, cfg.checkpoint.max_actor_ckpt_to_keep, step,
-                                    overwrite=bool(getattr(cfg.checkpoint, "overwrite", False)))
+            removed = layout.rotate(task_dir, ck.keep, step, overwrite=ck.overwrite)
             if removed:
                 log.info("checkpoint rotation removed %s", [p.name for p in removed])
         except Exception as exc:  # reported on every rank below
@@ -199,40 +206,46 @@ def save_checkpoint(trainer, step: int, *, final: bool = False) -> Path | None:
         raise layout.CheckpointError(f"checkpoint rotation in {task_dir} failed on rank 0 "
                                      f"before saving iteration {step}: {error}")
 
-    offloaded = getattr(trainer, "offloaded", None)
+
+def save_checkpoint(ck: Checkpointer, step: int, *, final: bool = False) -> Path | None:
+    """Save ``ck``'s parts as iteration ``step``; every rank calls this together.
+
+    Returns the committed ``iter_*`` directory, or None when the write failed (counted,
+    logged, training continues). Raises CheckpointError when rotation fails, and when the
+    write of the run's ``final`` save fails.
+    """
+    task_dir = ck.root / ck.task
+    iter_dir = task_dir / layout.iter_name(step)
+    t0 = time.perf_counter()
+    _rotate(ck, task_dir, step)
+
     ok, cause = True, ""
     try:
-        if offloaded is not None:
-            onload_actor(trainer.model, trainer.optimizer, offloaded)
-            trainer.offloaded = None
-        _write(trainer, step, iter_dir)
+        _write(ck, step, iter_dir)
     except (Exception, CheckpointException) as exc:
         cause = describe_failure(exc, written=iter_dir)
-        log.error("checkpoint write of %s failed on rank %d: %s", iter_dir, trainer.rank, cause,
+        log.error("checkpoint write of %s failed on rank %d: %s", iter_dir, ck.rank, cause,
                   exc_info=not isinstance(exc, (OSError, CheckpointException)))
         ok = False
-    finally:
-        if offloaded is not None:
-            trainer.offloaded = offload_actor(trainer.model, trainer.optimizer)
     if not all_ranks_ok(ok):
         causes = failures_by_rank(None if ok else cause)
-        _remove_partial(trainer, iter_dir)
-        _count_failure(trainer, step, f"writing {iter_dir} failed on " + "; ".join(
+        _remove_partial(ck, iter_dir)
+        _count_failure(ck, step, f"writing {iter_dir} failed on " + "; ".join(
             f"rank {rank} ({text})" for rank, text in sorted(causes.items())), task_dir, final)
         return None
 
     error = None
-    if trainer.rank == 0:
+    if ck.rank == 0:
         try:
-            _commit(trainer, root, task, step, iter_dir)
+            _commit(ck, step, iter_dir)
         except Exception as exc:
             error = describe_failure(exc, written=iter_dir)
             log.error("committing %s failed: %s", iter_dir, error)
             if not (iter_dir / layout.COMMITTED).exists():
-                _remove_partial(trainer, iter_dir)
+                _remove_partial(ck, iter_dir)
     error = broadcast_from_rank0(error)
     if error is not None:
-        _count_failure(trainer, step, f"committing {iter_dir} failed on rank 0 ({error})",
+        _count_failure(ck, step, f"committing {iter_dir} failed on rank 0 ({error})",
                        task_dir, final)
         return None
     log.info("checkpoint %s committed in %.2fs", iter_dir, time.perf_counter() - t0)

@@ -25,20 +25,21 @@ class UntrainedRunError(TrainingStalledError):
     """The run ended without a single optimizer step."""
 
 
-def worth_saving(trainer, step: int, is_last: bool) -> bool:
-    """Whether the loop's save at ``step`` may go ahead (see the module docstring); raises
+def worth_saving(lr_steps: int, rollouts_without_step: int, save_interval: int, step: int,
+                 is_last: bool) -> bool:
+    """Whether the loop's save at ``step`` may go ahead (see the module docstring), given the
+    actor's optimizer steps so far and the watchdog's streak of rollouts without one; raises
     UntrainedRunError at the run's last step when no optimizer step was ever taken."""
-    if int(getattr(trainer, "lr_steps", 0)) > 0:
+    if int(lr_steps) > 0:
         return True
-    streak = int(getattr(trainer, "_rollouts_without_step", 0))
     if is_last:
         raise UntrainedRunError(
-            f"the run ended after rollout {step} without a single optimizer step ({streak} "
-            f"rollout(s) in this launch made none), so nothing was trained and no checkpoint "
-            f"was saved; see the warnings above for why each rollout made no step (NaN or "
-            f"failed rewards, identical rewards in every group, non-finite gradients)")
-    ck = trainer.cfg.checkpoint
-    if ck.save_interval > 0 and step % ck.save_interval == 0:
+            f"the run ended after rollout {step} without a single optimizer step "
+            f"({int(rollouts_without_step)} rollout(s) in this launch made none), so nothing was "
+            f"trained and no checkpoint was saved; see the warnings above for why each rollout "
+            f"made no step (NaN or failed rewards, identical rewards in every group, non-finite "
+            f"gradients)")
+    if save_interval > 0 and step % save_interval == 0:
         log.warning("skipping the checkpoint of step %d: no optimizer step has been taken yet, "
                     "so it would hold the untrained model", step)
     return False

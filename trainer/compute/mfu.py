@@ -107,20 +107,18 @@ def _text_tokens(conditions: dict) -> int:
     return max(lengths) if lengths else 0
 
 
-def trainer_mfu(trainer: Any, batch: Any, stage_times: dict[str, float],
-                step_time: float) -> dict[str, float]:
-    """The loop's one call: this step's MFU metrics from the trainer's config and device."""
+def step_mfu(adapter: Any, device: Any, sampling: Any, train: Any, peak_tflops: Any,
+             batch: Any, stage_times: dict[str, float], step_time: float) -> dict[str, float]:
+    """The loop's one call: this step's MFU metrics from the adapter's FLOP count, the
+    ``rollout.sampling`` and ``[train]`` sections, and the device's peak."""
     import torch
 
-    cfg = trainer.cfg
-
-    name = torch.cuda.get_device_name(trainer.device) if trainer.device.type == "cuda" else None
-    peak = peak_flops(name, cfg.logging.peak_tflops)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    peak = peak_flops(name, peak_tflops)
     if peak is None:
         return {}
-    steps = int(cfg.rollout.sampling.num_inference_steps)
-    flops = stage_flops(trainer.adapter, batch, num_inference_steps=steps,
-                        trained_rows_factor=anchor_forwards(cfg.train.anchor,
-                                                            cfg.train.num_updates_per_batch),
-                        kl_reference=float(cfg.train.kl_coef) > 0)
+    flops = stage_flops(adapter, batch, num_inference_steps=int(sampling.num_inference_steps),
+                        trained_rows_factor=anchor_forwards(train.anchor,
+                                                            train.num_updates_per_batch),
+                        kl_reference=float(train.kl_coef) > 0)
     return mfu_metrics(flops, stage_times, step_time, peak)

@@ -208,7 +208,7 @@ def iter_prompt_lines(path: str | Path) -> Iterator[PromptLine]:
     bad lines come back with their problems instead of stopping the read. Raises OSError (and
     pyarrow's errors for a damaged parquet file) for a file that cannot be read at all."""
     path, index = str(path), 0
-    stem, base_dir = Path(path).stem, os.path.dirname(os.path.abspath(path))
+    stem = Path(path).stem
     for line in _raw_lines(path):
         line = _checked(line, stem, index)
         index += line.record is not None

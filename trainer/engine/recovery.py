@@ -1,8 +1,14 @@
 """Engine restarts: an engine that missed a deadline or died is replaced and re-synced, on
 one rank or many.
 
-    batch = call_with_recovery(trainer, "rollout", lambda: trainer.driver.generate(...))
-    stats = call_with_recovery(trainer, "weight sync", trainer.sync_weights, collective=True)
+    batch = call_with_recovery(rollouts, "rollout", lambda: driver.generate(...),
+                               resync=resync_engine)
+    stats = call_with_recovery(rollouts, "weight sync", sync_weights, resync=resync_engine,
+                               collective=True)
+
+``rollouts`` is the rank's ``trainer.rollout.service.RolloutService`` (engine, sender, drivers,
+policy version, restart budget); ``resync(version)`` re-sends the actor's weights to the
+engine as that policy version (the loop's ``resync_engine``).
 
 ``call_with_recovery`` runs a call that talks to the engine. ``EngineUnavailableError`` (a
 missed deadline, a dead process, a closed pipe; the engine's own exceptions are not retried)
@@ -16,10 +22,10 @@ takes part in the same steps:
 2. Budget: restarting the failed engines must stay within ``rollout.engine_max_restarts``
    (engines restarted in the whole run, all ranks counted); otherwise every rank raises the
    same ``EngineError`` naming the rank(s), the stage and the cause.
-3. Restart: each failed rank kills its engine and builds a new one and its weight sender
-   (``_build_engine``); the rollout drivers are kept, now serving the new engine.
+3. Restart: each failed rank's service kills its engine and starts a new one and its weight
+   sender (``RolloutService.restart``); the rollout drivers are kept, now serving the new engine.
 4. Re-sync, by all ranks (it gathers FSDP shards, a collective): a rank-local call (a
-   rollout's or an eval's generate) is followed by ``resync_engine`` at the current policy
+   rollout's or an eval's generate) is followed by ``resync`` at the current policy
    version on every rank, then every engine's version is checked, then the failed ranks run
    the call again while the others keep their result. A ``collective`` call (the weight
    sync) is itself the re-sync: every rank rolls its policy version back to where the call
@@ -43,7 +49,7 @@ Design choices:
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch.distributed as dist
 
@@ -51,37 +57,40 @@ from ipc import WeightSyncError
 from trainer.utils.collectives import all_ranks_ok, failures_by_rank
 from trainer.engine.embedded.client import EngineError, EngineUnavailableError
 
+if TYPE_CHECKING:
+    from trainer.rollout.service import RolloutService
+
 log = logging.getLogger("trainer")
 
 
-def _multi_rank(trainer) -> bool:
-    return int(getattr(trainer, "world", 1)) > 1 and dist.is_available() \
-        and dist.is_initialized()
+def _multi_rank(rollouts: RolloutService) -> bool:
+    return int(rollouts.world) > 1 and dist.is_available() and dist.is_initialized()
 
 
-def agree_on_failures(trainer, failure: BaseException | None) -> dict[int, str]:
+def agree_on_failures(rollouts: RolloutService, failure: BaseException | None) -> dict[int, str]:
     """{rank: message} of every rank whose engine call failed, the same on every rank;
     every rank calls this together (one all-reduce; an all-gather when something failed)."""
     message = None if failure is None else str(failure)
-    if not _multi_rank(trainer):
-        return {} if message is None else {int(getattr(trainer, "rank", 0)): message}
+    if not _multi_rank(rollouts):
+        return {} if message is None else {int(rollouts.rank): message}
     if all_ranks_ok(message is None):
         return {}
     return failures_by_rank(message)
 
 
-def engine_down_behind(trainer, exc: WeightSyncError) -> EngineUnavailableError | None:
+def engine_down_behind(rollouts: RolloutService,
+                       exc: WeightSyncError) -> EngineUnavailableError | None:
     """The failure of a weight sync whose engine process is dead or stopped, as an engine
     failure to restart (world 1; more ranks: an EngineError, see the module docstring);
     None when the engine looks alive (the sync's own error stands)."""
-    down = getattr(trainer.engine, "down", None)
+    down = getattr(rollouts.engine, "down", None)
     state = down() if callable(down) else None
     if state is None:
         return None
-    cause = (f"engine process {trainer.engine.pid} is {state}; the weight transfer failed: "
+    cause = (f"engine process {rollouts.engine.pid} is {state}; the weight transfer failed: "
              f"{str(exc).splitlines()[-1].strip(' -')}")
-    if _multi_rank(trainer):
-        raise EngineError(f"engine failed during weight sync on rank {trainer.rank}: {cause}; "
+    if _multi_rank(rollouts):
+        raise EngineError(f"engine failed during weight sync on rank {rollouts.rank}: {cause}; "
                           "not restarting it: the transfer stopped part-way through the ranks' "
                           "gathers") from exc
     return EngineUnavailableError(cause)
@@ -92,11 +101,11 @@ def describe(stage: str, failed: dict[int, str]) -> str:
                      for rank, text in sorted(failed.items()))
 
 
-def refusal(trainer, failed: dict[int, str]) -> str | None:
+def refusal(rollouts: RolloutService, failed: dict[int, str]) -> str | None:
     """Why the failed engines are not restarted, or None (the same answer on every rank)."""
-    if trainer.cfg.rollout.engine != "embedded":
+    if not rollouts.restartable:
         return "an SGLang server is not restarted by the trainer"
-    used, limit = int(trainer.engine_restarts), int(trainer.cfg.rollout.engine_max_restarts)
+    used, limit = int(rollouts.restarts), int(rollouts.max_restarts)
     if used >= limit:
         return f"restart budget spent ({used} of rollout.engine_max_restarts={limit})"
     if used + len(failed) > limit:
@@ -105,52 +114,33 @@ def refusal(trainer, failed: dict[int, str]) -> str | None:
     return None
 
 
-def replace_engine(trainer) -> None:
-    """Kill this rank's engine and weight sender and build new ones (no re-sync here)."""
-    for part, end in ((trainer.engine, "kill"), (getattr(trainer, "sender", None), "close")):
-        if part is None:
-            continue
-        try:
-            getattr(part, end)()
-        except Exception as exc:  # the old engine is being replaced whatever state it is in
-            log.warning("ending the failed engine's %s: %s", type(part).__name__, exc)
-    drivers = {name: getattr(trainer, name) for name in ("driver", "eval_driver")
-               if getattr(trainer, name, None) is not None}
-    trainer._build_engine()
-    # The rollout drivers stay, serving the new engine: their seeds (an eval over several
-    # seeds sets its own) and last rollout's statistics (the step's metrics, whose keys every
-    # rank must have alike for the all-reduce) are kept.
-    for name, driver in drivers.items():
-        driver.engines = [trainer.engine]
-        setattr(trainer, name, driver)
-
-
-def check_engine_version(trainer) -> None:
-    reported = trainer.engine.version
-    if reported != trainer.policy_version:
-        raise EngineError(f"the engine of rank {getattr(trainer, 'rank', 0)} reports weight "
+def check_engine_version(rollouts: RolloutService) -> None:
+    reported = rollouts.engine.version
+    if reported != rollouts.policy_version:
+        raise EngineError(f"the engine of rank {rollouts.rank} reports weight "
                           f"version {reported} after the re-sync, the trainer is at "
-                          f"{trainer.policy_version}")
+                          f"{rollouts.policy_version}")
 
 
-def resync_all(trainer, stage: str) -> None:
+def resync_all(rollouts: RolloutService, stage: str, resync: Callable[[int], None]) -> None:
     """Every rank re-sends its weights as the current policy version and checks its engine's
     version (a collective call, recovered like any other)."""
-    version = int(trainer.policy_version)
+    version = int(rollouts.policy_version)
 
-    def resync() -> None:
-        trainer.resync_engine(version)
-        check_engine_version(trainer)
-    call_with_recovery(trainer, f"{stage} (re-sync)", resync, collective=True)
+    def resync_now() -> None:
+        resync(version)
+        check_engine_version(rollouts)
+    call_with_recovery(rollouts, f"{stage} (re-sync)", resync_now, resync=resync,
+                       collective=True)
 
 
-def call_with_recovery(trainer, stage: str, call: Callable[[], Any], *,
-                       collective: bool = False) -> Any:
+def call_with_recovery(rollouts: RolloutService, stage: str, call: Callable[[], Any], *,
+                       resync: Callable[[int], None], collective: bool = False) -> Any:
     """``call()``, restarting failed engines (see the module docstring); every rank calls
     this together. ``collective``: the call itself takes part in collectives (so every rank
     runs it again after a restart) and is a re-sync (so no separate one is needed)."""
-    version_at_start = trainer.policy_version
-    rank = int(getattr(trainer, "rank", 0))
+    version_at_start = rollouts.policy_version
+    rank = int(rollouts.rank)
     result, pending, restarted = None, True, False
     while True:
         failure = None
@@ -158,32 +148,32 @@ def call_with_recovery(trainer, stage: str, call: Callable[[], Any], *,
             try:
                 result = call()
                 if collective and restarted:
-                    check_engine_version(trainer)
+                    check_engine_version(rollouts)
                 pending = False
             except EngineUnavailableError as exc:
                 failure = exc
             except WeightSyncError as exc:
-                failure = engine_down_behind(trainer, exc)
+                failure = engine_down_behind(rollouts, exc)
                 if failure is None:
                     raise
-        failed = agree_on_failures(trainer, failure)
+        failed = agree_on_failures(rollouts, failure)
         if not failed:
             return result
-        why = refusal(trainer, failed)
+        why = refusal(rollouts, failed)
         if why is not None:
             raise EngineError(f"{describe(stage, failed)}; not restarting it: {why}") from failure
-        used, limit = int(trainer.engine_restarts), int(trainer.cfg.rollout.engine_max_restarts)
-        trainer.engine_restarts = used + len(failed)
+        rollouts.restarts += len(failed)
         then = (f"running the {stage} again on every rank from version {version_at_start}"
                 if collective else f"re-syncing every rank's engine to version {version_at_start}")
         log.error("%s; restarting the engine of rank(s) %s (restarts %d of %d), then %s",
-                  describe(stage, failed), sorted(failed), trainer.engine_restarts, limit, then)
+                  describe(stage, failed), sorted(failed), rollouts.restarts,
+                  rollouts.max_restarts, then)
         if rank in failed:
-            replace_engine(trainer)
+            rollouts.restart()
         restarted = True
         if collective:
-            trainer.policy_version = version_at_start  # the call runs again from its start
+            rollouts.policy_version = version_at_start  # the call runs again from its start
             pending = True
         else:
-            resync_all(trainer, stage)
+            resync_all(rollouts, stage, resync)
             pending = rank in failed

@@ -27,7 +27,7 @@ def check_data(c: Checker) -> None:
         if d.eval_max_prompts is not None:
             c.at_least("data.eval_max_prompts", d.eval_max_prompts, 1)
         if c.one_of("data.eval_mode", d.eval_mode, EVAL_MODES):
-            _, problems = SamplingConfig.check(eval_sampling(c.cfg))
+            _, problems = SamplingConfig.check(eval_sampling(c.cfg.data, c.cfg.rollout.sampling))
             for problem in problems:
                 c.error(f"eval sampling (data.eval_mode={d.eval_mode!r}, data.eval_sde_indices, "
                         f"data.eval_num_inference_steps, data.eval_guidance_scale over "

@@ -16,12 +16,12 @@ def _dummy_batch(cfg: Config) -> dict:
     """Keywords of ``dummy_batch_problems``: the run's image size and first prompt records
     (none when the prompt data cannot be read: the data rules report that)."""
     from trainer.prompts import load_records  # local: numpy; the toy world only when asked
-    sampling = cfg.rollout.sampling if isinstance(cfg.rollout.sampling, dict) else {}
+    sampling = cfg.rollout.sampling
     try:
         records = load_records(cfg.data.prompt_data, limit=2)
     except Exception:  # any reason: the data rules report unreadable prompt data themselves
         records = []
-    return {"height": int(sampling.get("height", 64)), "width": int(sampling.get("width", 64)),
+    return {"height": int(sampling.height), "width": int(sampling.width),
             "records": records}
 
 
