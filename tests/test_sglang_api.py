@@ -455,3 +455,16 @@ def test_checker_catches_a_corrupted_tensor_inside_the_window(server, adapter, m
         with pytest.raises(SGLangSyncError, match="checksum mismatch"):
             sender.sync(52, model.named_parameters())
     assert checks[-1].full and client.committed_version == 51
+
+
+def test_extension_config_against_a_stock_server_is_an_error(server, tiny_model_dir, tmp_path):
+    """rollout.sglang_extension on, but the server has no extension route: the trainer stops
+    and says how to start the server, instead of syncing another way than configured."""
+    from trainer.config import load_config
+    from trainer.engine.sglang.sync import connect_sglang
+    from trainer.engine.sglang.transport import TransportError
+
+    overrides = trainer_overrides(tiny_model_dir("qwen_image"), server.url, tmp_path)
+    cfg = load_config("tiny", overrides + ["rollout.sglang_extension=true"])
+    with pytest.raises(TransportError, match="SGLANG_PLUGINS=flowgrpo"):
+        connect_sglang(cfg, 0, tmp_path, server.adapter)
