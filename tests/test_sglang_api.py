@@ -373,7 +373,8 @@ def _recorded(policy: VerifyPolicy) -> list:
 
 
 def _served_sizes(model) -> dict[str, int]:
-    return {n: t.numel() * t.element_size() for n, t in _as_served(model.named_parameters()).items()}
+    served = _as_served(model.named_parameters())
+    return {n: t.numel() * t.element_size() for n, t in served.items()}
 
 
 def test_sampled_syncs_hash_only_their_window_and_cover_the_model(server, adapter):
@@ -400,7 +401,8 @@ def test_sampled_syncs_hash_only_their_window_and_cover_the_model(server, adapte
         assert stats.hashed_bytes == sum(sizes[n] for n in asked)
         assert stats.hashed_bytes <= budget + 2 * max(sizes.values())
         served = server.served_tensors()
-        assert all(torch.equal(served[n], t) for n, t in _as_served(model.named_parameters()).items())
+        sent = _as_served(model.named_parameters())
+        assert all(torch.equal(served[n], t) for n, t in sent.items())
         covered |= set(asked)
     assert covered == set(sizes) and client.committed_version == 20 + math.ceil(total / budget)
     sender.request_full()  # what the loop does after a checkpoint
@@ -468,3 +470,31 @@ def test_extension_config_against_a_stock_server_is_an_error(server, tiny_model_
     cfg = load_config("tiny", overrides + ["rollout.sglang_extension=true"])
     with pytest.raises(TransportError, match="SGLANG_PLUGINS=flowgrpo"):
         connect_sglang(cfg, 0, tmp_path, server.adapter)
+
+
+def test_a_saved_checkpoint_makes_the_next_sync_verify_every_tensor(server, tiny_model_dir,
+                                                                    tmp_path):
+    """The loop's hook: after a step's sampled sync, saving a checkpoint makes the next sync
+    ask SGLang's checker for every served tensor."""
+    from trainer.checkpoint import latest_committed
+    from trainer.config import load_config
+    from trainer.loop import Trainer
+
+    overrides = trainer_overrides(tiny_model_dir("qwen_image"), server.url, tmp_path)
+    trainer = Trainer(load_config("tiny", overrides), rank=0, world=1, device="cpu")
+    try:
+        sizes = _served_sizes(_policy_copy(trainer, server.adapter))
+        policy = VerifyPolicy(budget_bytes=sum(sizes.values()) // 5)
+        checks = _recorded(policy)
+        trainer.sender.verify = policy
+        trainer.sync_weights()           # a new policy's first sync: full
+        trainer.train_step(0)            # sampled
+        assert [c.full for c in checks] == [True, False]
+        assert set(server.weight_requests[-1].expected_named_tensors_sha256) < set(sizes)
+        trainer.maybe_save(1, is_last=True)
+        assert latest_committed(tmp_path / "run" / "checkpoints") is not None
+        trainer.sync_weights()
+        assert checks[-1].full
+        assert set(server.weight_requests[-1].expected_named_tensors_sha256) == set(sizes)
+    finally:
+        trainer.close()
