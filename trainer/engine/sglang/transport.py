@@ -151,6 +151,10 @@ class SGLangTransport:
     def __init__(self, descriptor: dict[str, Any], *, bucket_bytes: int = 512 << 20,
                  timeout_s: float = 60.0, client: Any = None) -> None:
         self.descriptor, self.client = descriptor, client
+        # the receiver refuses versions below its committed one and outlives trainer runs: this
+        # connection's version v goes to it as base + v, above whatever an earlier run committed
+        committed = descriptor.get("committed_version")
+        self.version_base = 0 if committed is None else int(committed) + 1
         self.packing = Packing(descriptor["packing"], descriptor["names"])
         self._conn = Client(descriptor["address"], family="AF_UNIX",
                             authkey=bytes.fromhex(descriptor["authkey"]))
@@ -162,7 +166,8 @@ class SGLangTransport:
 
     def sync(self, version: int, payload: Iterable[tuple[str, Any]], *, mode: str = "full"
              ) -> SyncStats:
-        """Send ``payload`` ((name, tensor) in our names) as weight version ``version``.
+        """Send ``payload`` ((name, tensor) in our names) as weight version ``version`` (the
+        receiver records ``version_base + version``).
         Raises ipc.WeightSyncError (a packing problem is a pre-write one: nothing sent)."""
         from ipc import WeightSyncError
 
@@ -170,7 +175,7 @@ class SGLangTransport:
             named = list(self.packing.payload(payload))
         except ValueError as exc:
             raise WeightSyncError("pre-write", [str(exc)], version) from None
-        stats = self.sender.sync(version, named, mode=mode)
+        stats = self.sender.sync(self.version_base + version, named, mode=mode)
         if self.client is not None:
             self.client.committed_version = int(version)
         return stats
