@@ -35,7 +35,14 @@ What stands in, and why (nothing else does):
 3. The worker's GPU UUID (SGLang picks the payload exported from its own GPU by it): a CPU has
    none, so ``server.set_device_uuid(uuid)`` answers ``current_platform.get_device_uuid`` in
    the worker for the test of that selection.
-4. SGLang's native Qwen2.5-VL text encoder does not import against the installed transformers
+4. With ``extension=True``, the two functions the extension hooks at server start are the
+   fixture's own: the worker's pipeline is built as above (not by ``build_pipeline``, whose
+   checkpoint loading this fixture does step by step), and the HTTP app by ``build_app`` (not
+   ``create_app``). The extension's hook functions are applied to them as SGLang's hook
+   registry applies them: ``install_weight_receiver`` puts our ipc receiver on the native DiT,
+   ``add_receiver_route`` adds ``GET /flowgrpo/weight_receivers``; both see the HTTP port as
+   ``server_args.port`` (their rendezvous, trainer/engine/sglang/receiver.py).
+5. SGLang's native Qwen2.5-VL text encoder does not import against the installed transformers
    (``Qwen2_5_VLCausalLMOutputWithPast`` is gone): SGLang's own loader then falls back to
    transformers' ``Qwen2_5_VLModel``, and that is what encodes (SGLang's behaviour, untouched).
 
@@ -190,7 +197,7 @@ def _free_port() -> int:
 class _Worker:
     """The worker side: SGLang's pipeline and its post-training mixins (module docstring)."""
 
-    def __init__(self, model_dir: str, extension: bool) -> None:
+    def __init__(self, model_dir: str, extension: bool, port: int) -> None:
         from sglang.multimodal_gen.runtime.distributed import parallel_state
         from sglang.multimodal_gen.runtime.entrypoints.post_training import io_struct
         from sglang.multimodal_gen.runtime.pipelines_core.schedule_batch import Req
@@ -202,11 +209,16 @@ class _Worker:
         if extension:
             _load_extension()
         self.server_args = server_args(model_dir)
+        self.server_args.port = port
         set_global_server_args(self.server_args)
         parallel_state.maybe_init_distributed_environment_and_model_parallel(
             1, 1, distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
         pipeline_cls = _attr(NATIVE_PIPELINES[family_of(model_dir)][0])
         self.pipeline = pipeline_cls(model_dir, self.server_args)
+        if extension:  # replacement 4: the extension's build_pipeline hook, on this pipeline
+            from trainer.engine.sglang import extension as ext
+
+            ext.install_weight_receiver(lambda *a, **k: self.pipeline, self.server_args)
         self.Req, self.io = Req, io_struct
 
         class Worker(gpu_worker_post_training_mixin.GPUWorkerPostTrainingMixin):
@@ -266,12 +278,12 @@ def _load_extension() -> None:
     HookRegistry.apply_hooks()
 
 
-def _worker_main(conn, model_dir: str, extension: bool) -> None:
+def _worker_main(conn, model_dir: str, extension: bool, port: int) -> None:
     torch.set_num_threads(1)  # tiny model: intra-op threads only spin (tests/conftest.py)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            worker = _Worker(model_dir, extension)
+            worker = _Worker(model_dir, extension, port)
         conn.send_bytes(pickle.dumps(("ready", None)))
     except BaseException:
         conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
@@ -293,12 +305,12 @@ def _worker_main(conn, model_dir: str, extension: bool) -> None:
 class WorkerProcess:
     """The spawned worker and the one pipe to it; every call has a deadline."""
 
-    def __init__(self, model_dir, *, extension: bool = False) -> None:
+    def __init__(self, model_dir, *, extension: bool = False, port: int = 0) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.lock = threading.Lock()
-        self.process = ctx.Process(target=_worker_main, args=(child, str(model_dir), extension),
-                                   daemon=True)
+        self.process = ctx.Process(target=_worker_main,
+                                   args=(child, str(model_dir), extension, port), daemon=True)
         self.process.start()
         child.close()
         self._reply("starting SGLang's pipeline", 600.0)
@@ -359,9 +371,11 @@ class SGLangServer:
         return out
 
 
-def build_app(server: SGLangServer, *, weights_api: bool = True):
+def build_app(server: SGLangServer, *, weights_api: bool = True, args=None):
     """SGLang's own post-training routers (plus a /health) in front of ``server``'s worker;
-    ``weights_api=False`` leaves the weight routes out (a server that cannot take a sync)."""
+    ``weights_api=False`` leaves the weight routes out (a server that cannot take a sync).
+    ``args``: the server's ``ServerArgs`` when the extension is loaded (its route is added as
+    its ``create_app`` hook adds it: replacement 4)."""
     from fastapi import FastAPI
 
     s = _http_modules()
@@ -372,6 +386,10 @@ def build_app(server: SGLangServer, *, weights_api: bool = True):
     if weights_api:
         app.include_router(s["weights_api"].router)
     app.add_api_route("/health", lambda: {"status": "ok"}, methods=["GET"])
+    if args is not None:
+        from trainer.engine.sglang import extension
+
+        app = extension.add_receiver_route(lambda *a, **k: app, server_args=args)
     return app
 
 
@@ -387,22 +405,28 @@ def serve_sglang(model_dir, *, weights_api: bool = True, extension: bool = False
     s = _http_modules()
     client = s["async_scheduler_client"]
     previous = client.__dict__.get("forward")  # an outer serve_sglang's worker, if any
-    s["set_global_server_args"](server_args(model_dir, s))
+    args = server_args(model_dir, s)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    args.port = sock.getsockname()[1]
+    s["set_global_server_args"](args)
     if extension:
         with _process_state_kept():
             _load_extension()
     strategy = torch.multiprocessing.get_sharing_strategy()
     # CPU tensors travel SGLang's payload through torch's reductions in shared-memory files
     torch.multiprocessing.set_sharing_strategy("file_system")
-    worker = WorkerProcess(model_dir, extension=extension)
     server = None
     try:
-        sglang = SGLangServer("", worker, adapter_class(family_of(model_dir))(str(model_dir)))
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        sglang.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        server = uvicorn.Server(uvicorn.Config(build_app(sglang, weights_api=weights_api),
-                                               log_level="warning"))
+        worker = WorkerProcess(model_dir, extension=extension, port=args.port)
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        sglang = SGLangServer(f"http://127.0.0.1:{args.port}", worker,
+                              adapter_class(family_of(model_dir))(str(model_dir)))
+        app = build_app(sglang, weights_api=weights_api, args=args if extension else None)
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
         thread.start()
         deadline = time.monotonic() + 60
@@ -415,7 +439,7 @@ def serve_sglang(model_dir, *, weights_api: bool = True, extension: bool = False
         if server is not None:
             server.should_exit = True
             thread.join(timeout=30)
-            sock.close()
+        sock.close()
         worker.close()
         if previous is None:
             client.__dict__.pop("forward", None)
@@ -446,3 +470,21 @@ def trainer_overrides(model_dir, url: str, tmp_path, sampling: dict | None = Non
             "rollout.rollout_batch_size=1", "rollout.n_samples_per_prompt=4",
             "rollout.global_batch_size=none", "train.num_rollouts=2",
             "train.micro_batch_size=2", "train.lr=1e-3"]
+
+
+def as_served(named) -> dict[str, torch.Tensor]:
+    """Our (diffusers) Qwen-Image tensors under the native DiT's names, packed as it packs them."""
+    from trainer.engine.sglang.packing import ServedLayout
+    from trainer.models.qwen_image import QwenImageAdapter
+
+    packer = ServedLayout(QwenImageAdapter.sglang_dit).packer()
+    return {served: t for n, p in named for served, t in packer.add(n, p.detach())}
+
+
+def policy_copy(trainer, adapter):
+    """Our diffusers transformer holding the trainer's current weights (a replay model)."""
+    names = trainer._engine_names()
+    model = adapter.load_train_model().eval()
+    model.load_state_dict({names[n]: p.detach().clone() for n, p in
+                           trainer.model.named_parameters()})
+    return model

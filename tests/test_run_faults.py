@@ -431,6 +431,7 @@ def test_launch_with_only_nan_rewards_shorter_than_the_stall_limit_exits_nonzero
     run = tmp_path / "run"
     proc = _launch(run, "--set", "train.num_rollouts=2", "--set", "checkpoint.save_interval=1",
                    "--set", "reward.custom_reward_path=fault_rewards.always_nan",
+                   "--set", "reward.scorer_path=none",  # the toy components would be unweighed
                    "--set", 'reward.required_components=["always_nan"]',
                    "--set", 'reward.component_weights={"always_nan": 1.0}')
     assert proc.returncode == 1, proc.stderr[-3000:]

@@ -16,16 +16,18 @@ import urllib.request
 import pytest
 import torch
 
-from sglang_fixtures import (require_sglang, restore_torch_reductions, serve_sglang,
+from sglang_fixtures import (as_served as _as_served, policy_copy as _policy_copy,
+                             require_sglang, restore_torch_reductions, serve_sglang,
                              trainer_overrides)
 
 from trainer.models.qwen_image import QwenImageAdapter
 
 from trainer.engine.sglang.client import SGLangEngineClient
-from trainer.engine.sglang.packing import ServedLayout
 from trainer.engine.sglang.rollout import sample_seed, stock_problems
+from trainer.engine.sglang import sync as sglang_sync
 from trainer.engine.sglang.sync import (SGLangSyncError, SGLangWeightSync, serialize_payload,
                                         tensor_sha256)
+from trainer.engine.sglang.verify import VerifyPolicy
 
 require_sglang()
 
@@ -53,10 +55,6 @@ def _sender(client, **kwargs):
     return SGLangWeightSync(client, served_dit=QwenImageAdapter.sglang_dit, **kwargs)
 
 
-def _as_served(named) -> dict[str, torch.Tensor]:
-    """Our (diffusers) tensors under the native DiT's names, packed as it packs them."""
-    packer = ServedLayout(QwenImageAdapter.sglang_dit).packer()
-    return {served: t for n, p in named for served, t in packer.add(n, p.detach())}
 
 
 def _request(adapter, prompts=PROMPTS, ids=IDS, rollout_id=0):
@@ -324,13 +322,6 @@ def test_checker_catches_an_update_sglang_skipped(server, adapter):
     assert client.committed_version != 11
 
 
-def _policy_copy(trainer, adapter):
-    """Our diffusers transformer holding the trainer's current weights (a replay model)."""
-    names = trainer._engine_names()
-    model = adapter.load_train_model().eval()
-    model.load_state_dict({names[n]: p.detach().clone() for n, p in
-                           trainer.model.named_parameters()})
-    return model
 
 
 def test_training_run_samples_every_rollout_from_the_weights_it_synced(server, tiny_model_dir,
@@ -369,5 +360,141 @@ def test_training_run_samples_every_rollout_from_the_weights_it_synced(server, t
                 old_replay = replay_log_probs(adapter, old, batch, backend="torch")
             assert float((new_replay - batch.log_probs).abs().max()) < 2e-4
             assert float((old_replay - batch.log_probs).abs().max()) > 2e-3
+    finally:
+        trainer.close()
+
+
+# ---- the stock path's bounded verification (trainer/engine/sglang/verify.py) --------------------
+def _recorded(policy: VerifyPolicy) -> list:
+    """The SyncCheck of every sync ``policy`` starts, in order."""
+    checks, start = [], policy.start
+    policy.start = lambda version: checks.append(start(version)) or checks[-1]
+    return checks
+
+
+def _served_sizes(model) -> dict[str, int]:
+    served = _as_served(model.named_parameters())
+    return {n: t.numel() * t.element_size() for n, t in served.items()}
+
+
+def test_sampled_syncs_hash_only_their_window_and_cover_the_model(server, adapter):
+    """The first sync asks SGLang's checker for every served tensor; each later one for the
+    tensors meeting its window only (at most budget + 2 x the largest tensor), and every served
+    tensor is asked for within ceil(total / budget) sampled syncs. Each sync still lands whole."""
+    import math
+
+    client = SGLangEngineClient(server.url)
+    model = _bumped(adapter, 0.001)
+    sizes = _served_sizes(model)
+    total, budget = sum(sizes.values()), sum(sizes.values()) // 5
+    policy = VerifyPolicy(budget_bytes=budget)
+    checks = _recorded(policy)
+    sender = _sender(client, verify=policy, bucket_bytes=1 << 20)
+    sender.sync(20, model.named_parameters())
+    assert set(server.weight_requests[-1].expected_named_tensors_sha256) == set(sizes)
+    covered = set()
+    for k in range(math.ceil(total / budget)):
+        model = _bumped(adapter, 0.001 * (k + 2))
+        stats = sender.sync(21 + k, model.named_parameters())
+        asked = server.weight_requests[-1].expected_named_tensors_sha256
+        assert not checks[-1].full and set(asked) == set(checks[-1].hashed) < set(sizes)
+        assert stats.hashed_bytes == sum(sizes[n] for n in asked)
+        assert stats.hashed_bytes <= budget + 2 * max(sizes.values())
+        served = server.served_tensors()
+        sent = _as_served(model.named_parameters())
+        assert all(torch.equal(served[n], t) for n, t in sent.items())
+        covered |= set(asked)
+    assert covered == set(sizes) and client.committed_version == 20 + math.ceil(total / budget)
+    sender.request_full()  # what the loop does after a checkpoint
+    sender.sync(40, model.named_parameters())
+    assert checks[-1].full and set(server.weight_requests[-1].expected_named_tensors_sha256) \
+        == set(sizes)
+
+
+def _corrupt_sent_bytes(monkeypatch, where: str):
+    """The payload's first (or last) byte flipped after the sender hashed what it meant to
+    send: the server then holds bytes the trainer's digest does not describe."""
+    made = []
+
+    def corrupted(named):
+        flat = real(named)
+        made.append(flat)
+        if (where == "first" and len(made) == 1) or where == "last":
+            index = 0 if where == "first" else -1
+            flat["flattened_tensor"][index] ^= 1
+        return flat
+
+    real = sglang_sync.flattened_bucket
+    monkeypatch.setattr(sglang_sync, "flattened_bucket", corrupted)
+    return made
+
+
+def test_checker_catches_a_corrupted_tensor_inside_the_window(server, adapter, monkeypatch):
+    """SGLang's checker still verifies what was sent: a byte wrong on the server in a tensor
+    of the sampled window fails the sync (the version stays); one outside it is the policy's
+    stated blind spot, caught by the next full sync."""
+    client = SGLangEngineClient(server.url)
+    model = _bumped(adapter, 0.0015)
+    sizes = _served_sizes(model)
+    policy = VerifyPolicy(budget_bytes=sum(sizes.values()) // 5)
+    checks = _recorded(policy)
+    # one bucket: the flattened payload's first byte is the first tensor's, its last the last's
+    sender = _sender(client, verify=policy, bucket_bytes=1 << 40)
+    sender.sync(50, model.named_parameters())
+    first, last = next(iter(sizes)), list(sizes)[-1]
+    with monkeypatch.context() as m:
+        _corrupt_sent_bytes(m, "first")
+        with pytest.raises(SGLangSyncError, match="checksum mismatch"):
+            sender.sync(51, model.named_parameters())
+    assert first in checks[-1].hashed and client.committed_version == 50
+    with monkeypatch.context() as m:
+        _corrupt_sent_bytes(m, "last")
+        sender.sync(51, model.named_parameters())  # the window [0, budget) misses the last
+        assert last not in checks[-1].hashed and client.committed_version == 51
+        assert not torch.equal(server.served_tensors()[last],
+                               _as_served(model.named_parameters())[last])
+        sender.request_full()
+        with pytest.raises(SGLangSyncError, match="checksum mismatch"):
+            sender.sync(52, model.named_parameters())
+    assert checks[-1].full and client.committed_version == 51
+
+
+def test_extension_config_against_a_stock_server_is_an_error(server, tiny_model_dir, tmp_path):
+    """rollout.sglang_extension on, but the server has no extension route: the trainer stops
+    and says how to start the server, instead of syncing another way than configured."""
+    from trainer.config import load_config
+    from trainer.engine.sglang.sync import connect_sglang
+    from trainer.engine.sglang.transport import TransportError
+
+    overrides = trainer_overrides(tiny_model_dir("qwen_image"), server.url, tmp_path)
+    cfg = load_config("tiny", overrides + ["rollout.sglang_extension=true"])
+    with pytest.raises(TransportError, match="SGLANG_PLUGINS=flowgrpo"):
+        connect_sglang(cfg, 0, tmp_path, server.adapter)
+
+
+def test_a_saved_checkpoint_makes_the_next_sync_verify_every_tensor(server, tiny_model_dir,
+                                                                    tmp_path):
+    """The loop's hook: after a step's sampled sync, saving a checkpoint makes the next sync
+    ask SGLang's checker for every served tensor."""
+    from trainer.checkpoint import latest_committed
+    from trainer.config import load_config
+    from trainer.loop import Trainer
+
+    overrides = trainer_overrides(tiny_model_dir("qwen_image"), server.url, tmp_path)
+    trainer = Trainer(load_config("tiny", overrides), rank=0, world=1, device="cpu")
+    try:
+        sizes = _served_sizes(_policy_copy(trainer, server.adapter))
+        policy = VerifyPolicy(budget_bytes=sum(sizes.values()) // 5)
+        checks = _recorded(policy)
+        trainer.sender.verify = policy
+        trainer.sync_weights()           # a new policy's first sync: full
+        trainer.train_step(0)            # sampled
+        assert [c.full for c in checks] == [True, False]
+        assert set(server.weight_requests[-1].expected_named_tensors_sha256) < set(sizes)
+        trainer.maybe_save(1, is_last=True)
+        assert latest_committed(tmp_path / "run" / "checkpoints") is not None
+        trainer.sync_weights()
+        assert checks[-1].full
+        assert set(server.weight_requests[-1].expected_named_tensors_sha256) == set(sizes)
     finally:
         trainer.close()

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang_fixtures import require_sglang, serve_sglang, trainer_overrides
+from sglang_fixtures import (as_served, policy_copy, require_sglang, serve_sglang,
+                             trainer_overrides)
 
 from trainer.engine.sglang.client import SGLangEngineClient
 
@@ -204,3 +205,80 @@ def test_trainer_step_with_the_extension(server, tiny_model_dir, tmp_path, monke
         assert trainer.engine.committed_version == trainer.policy_version == 1
     finally:
         trainer.close()
+
+
+def test_training_run_through_the_extension_transport_samples_from_the_synced_weights(
+        server, tiny_model_dir, tmp_path):
+    """The extension path's twin of test_sglang_api's stock training run: the trainer finds
+    the server's weight receiver (GET /flowgrpo/weight_receivers) and every step's weights go
+    through our transport into the native DiT (manifest, checksum, commit; no SGLang weight
+    route is called), and the next rollout is sampled by them: its recorded log-probs are the
+    new policy's replay, not the old one's."""
+    from trainer.actor.replay import replay_log_probs
+    from trainer.config import load_config
+    from trainer.engine.sglang.transport import SGLangTransport
+    from trainer.loop import Trainer
+    from trainer.preflight import preflight
+
+    overrides = trainer_overrides(tiny_model_dir("qwen_image"), server.url, tmp_path)
+    cfg = load_config("tiny", overrides + ["rollout.sglang_extension=true",
+                                           "train.num_rollouts=3", "train.lr=2e-2"])
+    preflight(cfg, world_size=1, device="cpu")
+    weight_routes = len(server.weight_requests)
+    trainer = Trainer(cfg, rank=0, world=1, device="cpu")
+    adapter = server.adapter
+    try:
+        assert isinstance(trainer.sender, SGLangTransport)
+        assert trainer.engine.committed_version == 0
+        for step in range(2):
+            old = policy_copy(trainer, adapter)
+            metrics = trainer.train_step(step)
+            new = policy_copy(trainer, adapter)
+            assert trainer.policy_version == trainer.engine.committed_version == step + 1
+            assert metrics["train/weight_sync_tensors"] > 0
+            served = server.served_tensors()
+            assert all(torch.equal(served[n], p)
+                       for n, p in as_served(new.named_parameters()).items())
+            batch = trainer.rollout(step + 1)
+            assert batch.policy_version == step + 1
+            with torch.no_grad():
+                new_replay = replay_log_probs(adapter, new, batch, backend="torch")
+                old_replay = replay_log_probs(adapter, old, batch, backend="torch")
+            assert float((new_replay - batch.log_probs).abs().max()) < 2e-4
+            assert float((old_replay - batch.log_probs).abs().max()) > 2e-3
+        assert server.weight_requests[weight_routes:] == []  # the stock routes were never used
+    finally:
+        trainer.close()
+
+
+def _connect(server, tiny_model_dir, tmp_path):
+    from trainer.config import load_config
+    from trainer.engine.sglang.sync import connect_sglang
+
+    overrides = trainer_overrides(tiny_model_dir("qwen_image"), server.url, tmp_path)
+    cfg = load_config("tiny", overrides + ["rollout.sglang_extension=true"])
+    return connect_sglang(cfg, 0, tmp_path, server.adapter)
+
+
+def test_receivers_turned_off_fall_back_to_the_stock_sync_with_a_warning(
+        server, tiny_model_dir, tmp_path, monkeypatch, caplog):
+    """FLOWGRPO_WEIGHT_RECEIVER=0 on the server (its HTTP process reads the same environment):
+    the documented fallback, the stock path, said in a warning."""
+    from trainer.engine.sglang.sync import SGLangWeightSync
+
+    monkeypatch.setenv("FLOWGRPO_WEIGHT_RECEIVER", "0")
+    with caplog.at_level("WARNING"):
+        _, sender = _connect(server, tiny_model_dir, tmp_path)
+    assert isinstance(sender, SGLangWeightSync)
+    assert "FLOWGRPO_WEIGHT_RECEIVER=0" in caplog.text and "stock path" in caplog.text
+
+
+def test_receivers_on_but_unavailable_are_an_error_not_a_fallback(server, tiny_model_dir,
+                                                                  tmp_path, monkeypatch):
+    """Receivers on, none published where the server looks (workers that failed to install
+    one, or another receiver directory): the trainer stops with the reason."""
+    from trainer.engine.sglang.transport import TransportError
+
+    monkeypatch.setenv("FLOWGRPO_RECEIVER_DIR", str(tmp_path / "nobody-published-here"))
+    with pytest.raises(TransportError, match="0 SGLang receivers on the CPU.*publishes: none"):
+        _connect(server, tiny_model_dir, tmp_path)

@@ -133,6 +133,39 @@ def test_adapter_sync_is_merged_into_sglangs_base_snapshot(server, synced):
     assert torch.allclose(served[f"{PACKED}.base_layer.weight"], packed, atol=1e-6, rtol=0)
 
 
+def test_sampled_adapter_syncs_check_their_window_of_merged_weights(server, synced):
+    """The verification policy on lora_merge updates: after a full one, each adapter sync asks
+    SGLang's checker for the merged weights and A / B in its window only, every one of them
+    within ceil(total / budget) syncs, and each of those checks passes against SGLang's merge."""
+    import math
+
+    from trainer.engine.sglang.verify import VerifyPolicy
+
+    sender = synced[0]
+    kept, policy = sender.verify, VerifyPolicy(budget_bytes=1)
+    checks, start = [], policy.start
+    policy.start = lambda version: checks.append(start(version)) or checks[-1]
+    sender.verify = policy
+    try:
+        version = sender.client.committed_version + 1
+        sender.sync(version, _lora_payload(_peft(server.adapter, 4)), mode="adapter")
+        everything, total = set(checks[0].hashed), checks[0].offset
+        assert checks[0].full and set(server.weight_requests[-1].
+                                      expected_named_tensors_sha256) == everything
+        policy.budget_bytes = budget = total // 3
+        covered = set()
+        for k in range(math.ceil(total / budget)):
+            sender.sync(version + 1 + k, _lora_payload(_peft(server.adapter, 5 + k)),
+                        mode="adapter")
+            asked = set(server.weight_requests[-1].expected_named_tensors_sha256)
+            assert not checks[-1].full and asked == set(checks[-1].hashed) < everything
+            covered |= asked
+        assert covered == everything
+        assert sender.client.committed_version == version + math.ceil(total / budget)
+    finally:
+        sender.verify = kept
+
+
 def test_adapter_on_some_sections_of_a_packed_layer_is_refused(server, synced):
     """SGLang merges a packed layer's sections together: an adapter on add_q_proj alone
     cannot be verified, and the sync says so before sending anything."""

@@ -333,17 +333,23 @@ def test_sglang_memory_release_leaves_the_served_dit_in_transport_memory(worker,
     assert _bytes_equal(worker.call("weights"), _served(params, transport.packing)) == []
 
 
-def test_a_restarted_trainer_reconnects_and_the_version_carries_over(worker, transport):
+def test_a_restarted_trainer_reconnects_and_numbers_its_syncs_above_the_server(worker,
+                                                                                transport):
+    """The server outlives trainer runs and its receiver refuses versions below its committed
+    one: the descriptor publishes that version, and a new trainer's version 0 lands above it."""
     from trainer.engine.sglang.transport import SGLangTransport
 
     version = worker.call("state")[0]
+    assert version > 0
+    with pytest.raises(ipc.WeightSyncError) as err:  # the receiver itself keeps its floor
+        transport.sync(version - 1, _diffusers_params(seed=6).items())
+    assert err.value.stage == "pre-write" and "older than the committed" in str(err.value)
     again = SGLangTransport(_descriptor(worker), bucket_bytes=BUCKET, timeout_s=30.0)
     try:
-        with pytest.raises(ipc.WeightSyncError) as err:  # the receiver kept its version
-            again.sync(version - 1, _diffusers_params(seed=6).items())
-        assert err.value.stage == "pre-write" and "older than the committed" in str(err.value)
+        assert again.version_base == version + 1
         params = _diffusers_params(seed=6)
-        again.sync(version + 1, params.items())
+        stats = again.sync(0, params.items())  # a new run's first sync
+        assert stats.version == version + 1
         assert worker.call("state") == (version + 1, False, None)
         assert _bytes_equal(worker.call("weights"), _served(params, again.packing)) == []
     finally:
@@ -390,7 +396,7 @@ def test_the_trainer_connects_through_the_route_over_http(worker, monkeypatch):
         transport = SGLangTransport.connect(url, "cpu", bucket_bytes=BUCKET)
         try:
             params = _diffusers_params(seed=8)
-            transport.sync(version + 1, params.items())
+            transport.sync(0, params.items())  # numbered above the server's committed version
         finally:
             transport.close()
         assert worker.call("state") == (version + 1, False, None)

@@ -475,6 +475,7 @@ class Trainer(TrainerState):
         if is_last or (ck.save_interval and step % ck.save_interval == 0):
             with nvtx_range("checkpoint"), self.actor.onloaded():
                 save_checkpoint(self.checkpointer, step, final=is_last)
+                getattr(self.sender, "request_full", lambda: None)()  # SGLang: verify whole
 
     def close(self) -> None:
         host_gc = getattr(self, "host_gc", None)

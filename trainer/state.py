@@ -83,6 +83,7 @@ class TrainerState:
         if self.sender is None:
             self.policy_version = version
             return
+        getattr(self.sender, "request_full", lambda: None)()  # SGLang: a resume verifies whole
         if version == 0:
             self.sync_weights(first=True)
         else:

@@ -74,7 +74,8 @@ class RolloutConfig:
                                  "(/update_weights_from_disk from <run_dir>/sglang_weights).")
     sglang_extension: bool = _f(False, "--sglang-extension",
                                 "The SGLang servers load trainer.engine.sglang.extension "
-                                "(driver sigmas, x_T and step noise, dance); off: stock SGLang.")
+                                "(driver sigmas, x_T and step noise, dance; weight sync through "
+                                "its receivers when it publishes them); off: stock SGLang.")
     sglang_concurrency: int = _f(8, "--sglang-concurrency",
                                  "SGLang rollout requests (one per candidate) in flight per rank.")
     engine_dtype: str = _f("bf16", "--rollout-dtype", "Engine weight dtype: bf16 or fp32.")

@@ -176,7 +176,10 @@ def add_receiver_route(original, *args, **kwargs):
 
     @router.get(receiver.ROUTE)
     def weight_receivers() -> dict:
-        return {"receivers": receiver.read_descriptors(port)}
+        # "enabled": whether the workers were told to install receivers (the HTTP process
+        # shares their environment), so a trainer can tell "turned off" from "none came up"
+        return {"receivers": receiver.read_descriptors(port),
+                "enabled": os.environ.get(receiver.ENABLE_ENV, "1") != "0"}
 
     app.include_router(router)
     return app

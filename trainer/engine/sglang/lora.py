@@ -132,24 +132,31 @@ class LoraBases:
     def keep(self, layer: str, weight: torch.Tensor) -> None:
         self.weights[layer] = weight.detach().to("cpu", copy=True)
 
-    def manifest(self, bucket: list[LoraGroup], alpha: float | None, digest: Any
-                 ) -> dict[str, str]:
+    def manifest(self, bucket: list[LoraGroup], alpha: float | None, digest: Any,
+                 wants: Any = None) -> dict[str, str]:
         """Served name -> SHA-256 after SGLang merged ``bucket``; raises KeyError naming the
-        layers whose base was never sent."""
+        layers whose base was never sent. ``wants(name, nbytes)`` (a verification policy's
+        filter, called in order for every served tensor) picks the names to digest; a merge
+        nobody wants is not computed."""
         unknown = [layer for layer, _ in bucket if layer not in self.weights]
         if unknown:
             raise KeyError(f"no base weight was synced for LoRA layers {unknown[:5]}")
+        wants = wants or (lambda name, nbytes: True)
         out = {}
         for layer, sections in bucket:
             names = served_names(layer)
             a_list = [ab[0] for _, _, ab in sections]
             b_list = [ab[1] for _, _, ab in sections]
-            if sections[0][0] is None:
-                a, b = a_list[0], b_list[0]
-                out[names["weight"]] = digest(merged_weight(self.weights[layer], a, b, alpha))
-            else:
-                a, b = torch.stack(a_list), torch.stack(b_list)
-                out[names["weight"]] = digest(merged_packed_weight(self.weights[layer], a_list,
-                                                                   b_list, alpha))
-            out[names["A"]], out[names["B"]] = digest(a), digest(b)
+            base = self.weights[layer]
+            if wants(names["weight"], base.numel() * base.element_size()):
+                if sections[0][0] is None:
+                    merged = merged_weight(base, a_list[0], b_list[0], alpha)
+                else:
+                    merged = merged_packed_weight(base, a_list, b_list, alpha)
+                out[names["weight"]] = digest(merged)
+            a, b = ((a_list[0], b_list[0]) if sections[0][0] is None
+                    else (torch.stack(a_list), torch.stack(b_list)))
+            for key, t in (("A", a), ("B", b)):
+                if wants(names[key], t.numel() * t.element_size()):
+                    out[names[key]] = digest(t)
         return out

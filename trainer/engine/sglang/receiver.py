@@ -17,6 +17,10 @@ Design choices:
   about the bytes the server computes with. The packing is read from the live module's own
   ``param_names_mapping`` (the rules whose replacement is ``(target, section, sections)``) and
   published with the descriptor; the trainer applies it (trainer/engine/sglang/transport.py).
+- Versions: the receiver accepts only versions >= its committed one, and a server outlives
+  trainer runs. The descriptor therefore carries the last committed version (rewritten at each
+  commit), and the trainer numbers its syncs above it (transport.py); the trainer's own policy
+  version is kept apart, on its client.
 - Every parameter is in every mode's manifest ("full" covers all of them): a sync that misses
   one is refused before a byte moves. Buffers (RoPE tables) are the server's own, not synced.
 - The trainer reaches the worker through a Unix socket (multiprocessing's Listener, with an
@@ -79,8 +83,9 @@ class WorkerReceiver:
         params = dict(module.named_parameters())
         self.module = module
         self.packing = packing_rules(module)
+        self.committed: int | None = None  # the last committed version (None: never synced)
         self.receiver = WeightReceiver(None, params, backend=backend, timeout_s=timeout_s,
-                                       verify=verify)
+                                       verify=verify, on_commit=self._committed)
         self.rank = int(rank)
         self.dir = receiver_dir(port)
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -105,7 +110,13 @@ class WorkerReceiver:
         return {"rank": self.rank, "pid": os.getpid(), "address": self.address,
                 "authkey": self._authkey.hex(), "backend": self.receiver.backend,
                 "device": str(device), "device_uuid": uuid, "packing": self.packing,
-                "names": [n for n, _ in module.named_parameters()]}
+                "names": [n for n, _ in module.named_parameters()],
+                "committed_version": self.committed}
+
+    def _committed(self, version: int, mode: str) -> None:
+        # republished so that a trainer that connects later numbers its syncs above it
+        self.committed = int(version)
+        self._write_descriptor(self.module)
 
     def _write_descriptor(self, module: nn.Module) -> None:
         tmp = self.descriptor_path.with_suffix(".tmp")

@@ -50,6 +50,7 @@ from trainer.engine.sglang.client import SGLangEngineClient
 from trainer.engine.sglang.lora import LoraBases, lora_layer, lora_pairs, pair_buckets
 from trainer.engine.sglang.packing import ServedLayout, packed_lora_groups
 from trainer.engine.sglang.rollout import family_tables, sglang_families, stock_problems
+from trainer.engine.sglang.verify import SyncCheck, VerifyPolicy
 
 TARGET_MODULE = "transformer"
 _PEFT_PREFIX = "base_model.model."
@@ -67,6 +68,7 @@ class SGLangSyncStats:
     bytes: int = 0
     tensors: int = 0
     checksum: str | None = None
+    hashed_bytes: int = 0        # bytes SHA-256'd per side for the checker (the policy's pick)
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -174,10 +176,13 @@ class SGLangWeightSync:
     full sync of a peft model): those go as ``lora_merge`` updates, a layer's A and B (and a
     packed layer's sections) always in one request. ``served_dit``: the native DiT class the
     server runs (the adapter's ``sglang_dit``), whose packing table names the served
-    parameters; None keeps the sent names. Every update is checked with ``/update_weights_from_tensor_checker`` (plain
-    tensors by their bytes, a ``lora_merge`` by the merged weights it must leave, computed from
-    the base weights this sender sent); only then does ``client.committed_version`` advance,
-    so a rollout from unverified weights fails the driver's check.
+    parameters; None keeps the sent names. Every update is checked with
+    ``/update_weights_from_tensor_checker`` (plain tensors by their bytes, a ``lora_merge`` by
+    the merged weights it must leave, computed from the base weights this sender sent); only
+    then does ``client.committed_version`` advance, so a rollout from unverified weights fails
+    the driver's check. ``verify``: which served tensors each sync hashes for the checker
+    (trainer/engine/sglang/verify.py: all of them at the first sync and after
+    ``request_full()``, a rotating window of the model's bytes otherwise).
     """
 
     self_verifying = True  # the loop need not compare checksums itself
@@ -185,7 +190,7 @@ class SGLangWeightSync:
     def __init__(self, client: Any, *, transport: str = "tensor", bucket_bytes: int = 512 << 20,
                  disk_dir: str | Path | None = None, lora: tuple[float, int] | None = None,
                  target_module: str = TARGET_MODULE, dtype: torch.dtype | None = None,
-                 served_dit: str | None = None) -> None:
+                 served_dit: str | None = None, verify: VerifyPolicy | None = None) -> None:
         problems = []
         if transport not in ("tensor", "disk"):
             problems.append(f"transport must be 'tensor' or 'disk', got {transport!r}")
@@ -202,6 +207,11 @@ class SGLangWeightSync:
         self.lora, self.target_module, self.dtype = lora, target_module, dtype
         self.lora_bases = LoraBases()
         self.layout = ServedLayout(served_dit)
+        self.verify = verify or VerifyPolicy()
+
+    def request_full(self) -> None:
+        """The next sync hashes every tensor (the loop calls it when it saves a checkpoint)."""
+        self.verify.request_full()
 
     def close(self) -> None:
         """Drop the kept LoRA base weights (the sender holds no other resource)."""
@@ -222,18 +232,21 @@ class SGLangWeightSync:
             raise SGLangSyncError(f"weight version {version}: the payload holds no tensors")
         stats = SGLangSyncStats()
         lora_layers = {lora_layer(n)[0] for n, _ in lora}
+        check = self.verify.start(version)  # one choice of hashed tensors for the whole sync
         if plain:
-            self._sync_plain(version, plain, lora_layers, stats)
+            self._sync_plain(version, plain, lora_layers, stats, check)
         stats.timings["write"] = time.perf_counter() - start
         if lora:
-            self._sync_lora(version, lora, stats)
+            self._sync_lora(version, lora, stats, check)
         stats.timings["verify"] = time.perf_counter() - start - stats.timings["write"]
+        check.finish()
+        stats.hashed_bytes = check.hashed_bytes
         self.client.committed_version = int(version)
         stats.seconds = time.perf_counter() - start
         return stats
 
     def _sync_plain(self, version: int, named: list[tuple[str, Any]], lora_layers: set[str],
-                    stats: SGLangSyncStats) -> None:
+                    stats: SGLangSyncStats, check: SyncCheck) -> None:
         """A plain update, checked under the served names; the base weights of
         ``lora_layers`` are kept as the server holds them (it merges every later adapter
         into exactly these bytes)."""
@@ -252,7 +265,8 @@ class SGLangWeightSync:
                 self._post_bucket(bucket, False)
             for n, t in bucket:
                 for served, tensor in packer.add(n, t):
-                    digests[served] = tensor_sha256(tensor)
+                    if check.wants(served, tensor.numel() * tensor.element_size()):
+                        digests[served] = tensor_sha256(tensor)
                     if served.endswith(".weight") and served[:-len(".weight")] in served_lora:
                         self.lora_bases.keep(served[:-len(".weight")], tensor)
             stats.tensors += len(bucket)
@@ -294,13 +308,14 @@ class SGLangWeightSync:
         return groups
 
     def _sync_lora(self, version: int, named: list[tuple[str, Any]],
-                   stats: SGLangSyncStats) -> None:
+                   stats: SGLangSyncStats, check: SyncCheck) -> None:
         """``lora_merge`` updates, a layer's pair never split, then the merged weights checked."""
         alpha = self.lora[0]
         digests: dict[str, str] = {}
         for bucket in pair_buckets(self._lora_groups(version, named), self.bucket_bytes):
             try:
-                expected = self.lora_bases.manifest(bucket, alpha, tensor_sha256)
+                expected = self.lora_bases.manifest(bucket, alpha, tensor_sha256,
+                                                    wants=check.wants)
             except KeyError as exc:
                 raise SGLangSyncError(f"weight version {version}: {exc.args[0]} (the first sync "
                                       "of an adapter run sends the full model)") from None
@@ -342,6 +357,8 @@ class SGLangWeightSync:
                                                  "target_modules": [self.target_module]})
 
     def _check(self, digests: dict[str, str], version: int) -> None:
+        if not digests:  # a sampled sync whose window no tensor of this payload meets
+            return
         try:
             self._post("/update_weights_from_tensor_checker",
                        {"target_module": self.target_module,
@@ -404,17 +421,29 @@ def sglang_config_problems(cfg: Any) -> list[str]:
 
 
 def connect_sglang(cfg: Any, rank: int, run_dir: str | Path, adapter: Any
-                   ) -> tuple[Any, SGLangWeightSync]:
+                   ) -> tuple[Any, Any]:
     """(client, sender) for this rank's SGLang server: an SGLang run always has a sender, so
     the server can never keep serving the base weights while the actor trains. The loop's
-    first sync (at construction) fails, and with it the run, if the server cannot take one."""
+    first sync (at construction) fails, and with it the run, if the server cannot take one.
+
+    The sender is our transport (``SGLangTransport``) when ``rollout.sglang_extension`` is on
+    and the server publishes weight receivers, else the stock ``SGLangWeightSync``. With the
+    extension on, a server without the route, or whose receivers are on but none is usable
+    here, is an error (``TransportError``, naming why): a silent fallback would hide a broken
+    server setup behind a slower, sampled verification. A server started with
+    ``FLOWGRPO_WEIGHT_RECEIVER=0`` (receivers deliberately off) gets the stock path, with a
+    warning."""
     r = cfg.rollout
     problems = sglang_config_problems(cfg)
     if problems:
         raise ValueError("engine 'sglang':\n  - " + "\n  - ".join(problems))
-    client = SGLangEngineClient(r.sglang_urls[rank], embedded=False,
-                                concurrency=r.sglang_concurrency,
+    url = r.sglang_urls[rank]
+    client = SGLangEngineClient(url, embedded=False, concurrency=r.sglang_concurrency,
                                 extension=bool(r.sglang_extension))
+    if r.sglang_extension:
+        transport = _extension_transport(cfg, client, url)
+        if transport is not None:
+            return client, transport
     lora = None
     if cfg.sync_mode == "adapter":
         lora = (cfg.lora.alpha or cfg.lora.rank, cfg.lora.rank)
@@ -424,3 +453,35 @@ def connect_sglang(cfg: Any, rank: int, run_dir: str | Path, adapter: Any
                               disk_dir=Path(run_dir) / "sglang_weights" / f"rank{rank}", lora=lora,
                               served_dit=getattr(adapter, "sglang_dit", None))
     return client, sender
+
+
+def _trainer_device() -> torch.device:
+    """The device this rank trains on (the loop set it before building the engine): the
+    receiver to use is the one on it."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _extension_transport(cfg: Any, client: SGLangEngineClient, url: str) -> Any:
+    """``SGLangTransport`` to this rank's receiver; None when the server's receivers are
+    turned off (connect_sglang's docstring says why that, and only that, falls back)."""
+    import logging
+
+    from trainer.engine.sglang.transport import (ReceiversOff, SGLangTransport, fetch_receivers,
+                                                 pick_receiver)
+
+    try:
+        receivers = fetch_receivers(url)
+    except ReceiversOff as exc:
+        logging.getLogger(__name__).warning(
+            "%s: syncing through the stock path (update_weights_from_tensor + sampled "
+            "checker) instead of the extension's transport", exc)
+        return None
+    if cfg.sync_mode == "adapter":
+        raise ValueError(f"{url}: the extension's weight receivers take full weights, not LoRA "
+                         "adapters: train with lora.adapter_mode off (merged syncs), or start "
+                         "the server with FLOWGRPO_WEIGHT_RECEIVER=0 (stock lora_merge path)")
+    return SGLangTransport(pick_receiver(receivers, _trainer_device()), client=client,
+                           bucket_bytes=cfg.weight_sync.bucket_size_mb << 20,
+                           timeout_s=cfg.weight_sync.timeout_s)

@@ -38,8 +38,13 @@ class TransportError(RuntimeError):
     """The server offers no receiver this trainer can use (the reason is in the message)."""
 
 
+class ReceiversOff(TransportError):
+    """The server's extension was told not to install receivers (``FLOWGRPO_WEIGHT_RECEIVER=0``)."""
+
+
 def fetch_receivers(url: str, *, timeout_s: float = 30.0) -> list[dict[str, Any]]:
-    """The workers' receiver descriptors the server's extension publishes."""
+    """The workers' receiver descriptors the server's extension publishes; raises
+    ReceiversOff when the server runs with ``FLOWGRPO_WEIGHT_RECEIVER=0``."""
     try:
         with urllib.request.urlopen(url.rstrip("/") + ROUTE, timeout=timeout_s) as reply:
             body = json.loads(reply.read())
@@ -51,6 +56,9 @@ def fetch_receivers(url: str, *, timeout_s: float = 30.0) -> list[dict[str, Any]
         raise TransportError(f"{url}{ROUTE}: HTTP {exc.code}: {exc.read()[:500]!r}") from None
     except (urllib.error.URLError, OSError, ValueError) as exc:
         raise TransportError(f"{url}{ROUTE}: {exc}") from None
+    if body.get("enabled") is False:
+        raise ReceiversOff(f"{url} runs the flowgrpo extension with its weight receivers turned "
+                           "off (FLOWGRPO_WEIGHT_RECEIVER=0)")
     return list(body["receivers"])
 
 
@@ -134,13 +142,19 @@ def _concat(parts: list[Any]) -> LazyTensor:
 class SGLangTransport:
     """An ``ipc.WeightSender`` connected to one SGLang worker's receiver. Drop-in beside the
     stock ``SGLangWeightSync``: ``sync(version, payload, mode=)`` returns stats with the same
-    seconds / bytes / tensors / checksum / timings fields, and verifies every sync itself."""
+    seconds / bytes / tensors / checksum / timings fields, and verifies every sync itself.
+    ``client``: the server's ``SGLangEngineClient``, whose ``committed_version`` (echoed as
+    each rollout's policy version) advances only after a committed sync."""
 
     self_verifying = True  # the receiver compares checksums before it commits
 
     def __init__(self, descriptor: dict[str, Any], *, bucket_bytes: int = 512 << 20,
-                 timeout_s: float = 60.0) -> None:
-        self.descriptor = descriptor
+                 timeout_s: float = 60.0, client: Any = None) -> None:
+        self.descriptor, self.client = descriptor, client
+        # the receiver refuses versions below its committed one and outlives trainer runs: this
+        # connection's version v goes to it as base + v, above whatever an earlier run committed
+        committed = descriptor.get("committed_version")
+        self.version_base = 0 if committed is None else int(committed) + 1
         self.packing = Packing(descriptor["packing"], descriptor["names"])
         self._conn = Client(descriptor["address"], family="AF_UNIX",
                             authkey=bytes.fromhex(descriptor["authkey"]))
@@ -152,7 +166,8 @@ class SGLangTransport:
 
     def sync(self, version: int, payload: Iterable[tuple[str, Any]], *, mode: str = "full"
              ) -> SyncStats:
-        """Send ``payload`` ((name, tensor) in our names) as weight version ``version``.
+        """Send ``payload`` ((name, tensor) in our names) as weight version ``version`` (the
+        receiver records ``version_base + version``).
         Raises ipc.WeightSyncError (a packing problem is a pre-write one: nothing sent)."""
         from ipc import WeightSyncError
 
@@ -160,7 +175,10 @@ class SGLangTransport:
             named = list(self.packing.payload(payload))
         except ValueError as exc:
             raise WeightSyncError("pre-write", [str(exc)], version) from None
-        return self.sender.sync(version, named, mode=mode)
+        stats = self.sender.sync(self.version_base + version, named, mode=mode)
+        if self.client is not None:
+            self.client.committed_version = int(version)
+        return stats
 
     def close(self) -> None:
         self.sender.close()
