@@ -1,0 +1,73 @@
+"""Which denoising steps get SDE noise (and are trained) in one rollout, per algorithm.
+
+``flowgrpo`` leaves it to the sampling config (``SamplingConfig.noise_steps``). The others own
+the choice, as a pure function of the rollout id, so every rank and a resumed run draw the same
+steps:
+
+- ``flowgrpo_fast``: a branch window of ``train.fast_branch_steps`` steps starting uniformly in
+  ``train.fast_branch_range`` (``flowgrpo_kernels.windows.fast_branch_window``), drawn with
+  ``random.Random(generation_seed * 1_000_003 + rollout_id)``.
+- ``mixgrpo``: the sliding window at iteration ``rollout_id`` (``windows.mix_window``).
+- ``diffusionnft``: none (ODE sampling; the loss needs no trajectory).
+
+Evaluation (``rollout_id=None``) always uses the sampling config's own rule. Standard library
+only: the windows module is loaded by path so that ``flowgrpo_kernels``' torch import is not
+paid by preflight.
+"""
+from __future__ import annotations
+
+import importlib.util
+import random
+from pathlib import Path
+from typing import Callable
+
+ALGORITHMS: tuple[str, ...] = ("flowgrpo", "flowgrpo_fast", "mixgrpo", "diffusionnft")
+GRPO_FAMILY: tuple[str, ...] = ("flowgrpo", "flowgrpo_fast", "mixgrpo")
+
+
+def _windows():
+    path = Path(__file__).resolve().parents[2] / "flowgrpo_kernels" / "windows.py"
+    spec = importlib.util.spec_from_file_location("flowgrpo_kernels_windows_nodeps", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+WINDOWS = _windows()
+
+
+def algorithm_noise_steps(train, *, num_inference_steps: int, seed: int
+                          ) -> Callable[[int], list[int]] | None:
+    """``rollout_id -> noise steps`` for ``train.algorithm``; None: the sampling config decides."""
+    algorithm = train.algorithm
+    if algorithm == "flowgrpo":
+        return None
+    if algorithm == "flowgrpo_fast":
+        lo, hi = (int(x) for x in train.fast_branch_range)
+        size = int(train.fast_branch_steps)
+
+        def fast(rollout_id: int) -> list[int]:
+            rng = random.Random(int(seed) * 1_000_003 + int(rollout_id))
+            return WINDOWS.fast_branch_window(rng, lo=lo, hi=hi, size=size)
+        return fast
+    if algorithm == "mixgrpo":
+        def mix(rollout_id: int) -> list[int]:
+            return WINDOWS.mix_window(int(rollout_id), size=train.mix_window_size,
+                                      shift_interval=train.mix_shift_interval,
+                                      stride=train.mix_window_stride,
+                                      num_steps=num_inference_steps, roll_back=train.mix_roll_back)
+        return mix
+    if algorithm == "diffusionnft":
+        return lambda rollout_id: []
+    raise ValueError(f"train.algorithm={algorithm!r} is not one of {', '.join(ALGORITHMS)}")
+
+
+def reachable_steps(train, num_inference_steps: int) -> set[int]:
+    """Every step some training rollout of the algorithm may put noise on (preflight)."""
+    if train.algorithm == "flowgrpo_fast":
+        lo, hi = (int(x) for x in train.fast_branch_range)
+        return set(range(lo, hi))
+    if train.algorithm == "mixgrpo":
+        stop = num_inference_steps - 2
+        return set(range(0, stop))
+    return set()

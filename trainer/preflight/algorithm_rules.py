@@ -1,0 +1,143 @@
+"""Preflight rules of ``train.algorithm`` and ``train.grpo_guard`` (docs/algorithms.md).
+
+Each refusal says why the combination cannot work. Torch-free, like every preflight module.
+"""
+from __future__ import annotations
+
+from trainer.algorithms.schedule import ALGORITHMS, GRPO_FAMILY, reachable_steps
+from trainer.config.sampling import SamplingConfig
+from trainer.preflight.checker import Checker, flagged
+from trainer.utils.values import is_int, is_number
+
+
+def check_algorithm(c: Checker) -> None:
+    t = c.cfg.train
+    if not c.one_of("train.algorithm", t.algorithm, ALGORITHMS):
+        return
+    sampling, problems = SamplingConfig.check(c.cfg.rollout.sampling)
+    if sampling is None or problems:
+        return  # _check_sampling reports them; the rules below need a valid table
+    if t.grpo_guard:
+        _check_guard(c, sampling)
+    if t.algorithm in ("flowgrpo_fast", "mixgrpo"):
+        _check_windows(c, sampling)
+    if t.algorithm == "diffusionnft":
+        _check_nft(c, sampling)
+
+
+def _check_guard(c: Checker, sampling: SamplingConfig) -> None:
+    t = c.cfg.train
+    if t.algorithm not in GRPO_FAMILY:
+        c.error(f"{flagged('train.grpo_guard')} applies to the clipped-ratio objective of "
+                f"{', '.join(GRPO_FAMILY)}; {flagged('train.algorithm')}={t.algorithm!r} has no "
+                "likelihood ratio")
+    if t.anchor != "replay":
+        c.error(f"{flagged('train.grpo_guard')} needs {flagged('train.anchor')}='replay': its ratio "
+                "normalisation uses the old policy's transition mean, which the actor's replay "
+                f"computes and the engine does not record (got {t.anchor!r})")
+    if sampling.log_prob_form != "gaussian":
+        c.error(f"{flagged('train.grpo_guard')} needs the Gaussian log-density: the mean shift "
+                "|mean - mean_old|^2 / (2 std^2) it adds back is that density's; "
+                "sde_type='cps' with cps_log_prob='reference' scores the squared residual")
+
+
+def _check_windows(c: Checker, sampling: SamplingConfig) -> None:
+    t = c.cfg.train
+    steps = sampling.num_inference_steps
+    name = t.algorithm
+    if sampling.sde_step_mode != "indices":
+        c.error(f"{flagged('train.algorithm')}={name!r} chooses the SDE steps itself; "
+                f"rollout.sampling.sde_step_mode={sampling.sde_step_mode!r} would contradict it "
+                "(use 'indices', whose steps then serve evaluation only)")
+    if name == "flowgrpo_fast":
+        ok = _check_fast(c, steps)
+        if ok and not sampling.init_same_noise:
+            c.error(f"{flagged('train.algorithm')}='flowgrpo_fast' needs "
+                    "rollout.sampling.init_same_noise = true (and driver_xt): the group shares "
+                    "x_T and the ODE trunk before the branch, which is what the algorithm trains "
+                    "and what the engine computes once per group")
+    else:
+        ok = _check_mix(c, steps)
+    if not ok:
+        return
+    reach = reachable_steps(t, steps)
+    if 0 in reach and sampling.sde_type == "sde" and sampling.sigma_one == "refuse":
+        c.error(f"{flagged('train.algorithm')}={name!r} can put SDE noise on step 0 (sigma 1), "
+                "where sde_type='sde' is singular with sigma_one='refuse'; start the window at "
+                "step 1 or set rollout.sampling.sigma_one='clamp_to_next' (the reference)")
+    if sampling.sde_type == "cps" and sampling.cps_log_prob == "gaussian" and steps - 1 in reach:
+        c.error(f"{flagged('train.algorithm')}={name!r} can put noise on the last step, where "
+                "sde_type='cps' has no variance (cps_log_prob='gaussian')")
+
+
+def _check_fast(c: Checker, steps: int) -> bool:
+    t = c.cfg.train
+    rng, size = t.fast_branch_range, t.fast_branch_steps
+    if not (isinstance(rng, (list, tuple)) and len(rng) == 2 and all(is_int(x) for x in rng)):
+        c.error(f"{flagged('train.fast_branch_range')} must be a pair [lo, hi] of integers, "
+                f"got {rng!r}")
+        return False
+    if not is_int(size) or size < 1:
+        c.error(f"{flagged('train.fast_branch_steps')} must be an integer >= 1, got {size!r}")
+        return False
+    lo, hi = rng
+    if not 0 <= lo < hi <= steps:
+        c.error(f"{flagged('train.fast_branch_range')}={list(rng)} must satisfy 0 <= lo < hi <= "
+                f"num_inference_steps={steps}")
+        return False
+    if size > hi - lo:
+        c.error(f"{flagged('train.fast_branch_steps')}={size} is larger than the branch range "
+                f"{list(rng)} ({hi - lo} steps): no window fits")
+        return False
+    return True
+
+
+def _check_mix(c: Checker, steps: int) -> bool:
+    t = c.cfg.train
+    ok = True
+    for key in ("mix_window_size", "mix_shift_interval", "mix_window_stride"):
+        value = getattr(t, key)
+        if not is_int(value) or value < 1:
+            c.error(f"{flagged('train.' + key)} must be an integer >= 1, got {value!r}")
+            ok = False
+    if not ok:
+        return False
+    max_start = steps - 2  # MixGRPO: the window's start stops at num_steps - 2
+    if max_start < 1:
+        c.error(f"{flagged('train.algorithm')}='mixgrpo' needs num_inference_steps >= 3, got {steps}")
+        return False
+    if t.mix_window_size > max_start:
+        c.error(f"{flagged('train.mix_window_size')}={t.mix_window_size} is larger than the "
+                f"{max_start} steps a MixGRPO window can cover (num_inference_steps - 2 = "
+                f"{max_start}: the last two steps are never SDE)")
+        return False
+    last_start = ((max(t.num_rollouts, 1) - 1) // t.mix_shift_interval) * t.mix_window_stride
+    if not t.mix_roll_back and last_start >= max_start:
+        c.error(f"{flagged('train.algorithm')}='mixgrpo': after rollout "
+                f"{(max_start + t.mix_window_stride - 1) // t.mix_window_stride * t.mix_shift_interval} "
+                f"the window reaches step {max_start} and holds no step to train (the reference "
+                f"then trains nothing); set {flagged('train.mix_roll_back')}, a larger "
+                f"{flagged('train.mix_shift_interval')} or fewer rollouts")
+    return True
+
+
+def _check_nft(c: Checker, sampling: SamplingConfig) -> None:
+    t = c.cfg.train
+    for key in ("nft_beta", "nft_adv_clip_max"):
+        value = getattr(t, key)
+        if not is_number(value) or not value > 0:
+            c.error(f"{flagged('train.' + key)} must be a number > 0, got {value!r}")
+    c.error(f"{flagged('train.algorithm')}='diffusionnft': the loss and its oracle are in "
+            "flowgrpo_kernels.nft, but the rollout (final clean latents from ODE sampling) and "
+            "the actor (old-policy copy, NFT micro-step) are not wired yet (docs/algorithms.md)")
+
+
+LORA_INIT_A: tuple[str, ...] = ("kaiming", "gaussian")
+
+
+def check_reference_options(c: Checker) -> None:
+    """The two reference behaviours offered as options (lora.init_a, ema.per_micro_batch)."""
+    c.one_of("lora.init_a", c.cfg.lora.init_a, LORA_INIT_A)
+    if not isinstance(c.cfg.ema.per_micro_batch, bool):
+        c.error(f"{flagged('ema.per_micro_batch')} must be true or false, "
+                f"got {c.cfg.ema.per_micro_batch!r}")
