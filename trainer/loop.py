@@ -24,6 +24,7 @@ from trainer.actor.model import (PendingOnload, build_actor, build_optimizer, lo
 from trainer.actor.colocate import Footprint, OffloadPolicy, actor_footprint
 from trainer.actor.sync import sync_payload
 from trainer.actor.update import train_on
+from trainer.algorithms import algorithm_noise_steps
 from trainer.checkpoint import save_checkpoint
 from trainer.config import DEFAULT_SAMPLING, Config, write_resolved
 from trainer.ema import build_ema
@@ -152,7 +153,8 @@ class Trainer(TrainerState):
                 weight_sync_conn=recv_end, compile=cfg.model.compile,
                 warmup=self._engine_warmup(),
                 call_timeout_floor_s=cfg.rollout.engine_timeout_floor_s,
-                call_timeout_per_image_s=cfg.rollout.engine_timeout_per_sample_s)
+                call_timeout_per_image_s=cfg.rollout.engine_timeout_per_sample_s,
+                share_trunk=cfg.train.algorithm in ("flowgrpo_fast", "mixgrpo"))
             self.sender = ipc.WeightSender(send_end, backend=cfg.weight_sync.backend,
                                            bucket_bytes=cfg.weight_sync.bucket_size_mb << 20,
                                            timeout_s=cfg.weight_sync.timeout_s)
@@ -163,7 +165,11 @@ class Trainer(TrainerState):
             artifact_root=artifact_root if cfg.rollout.write_artifacts and self.rank == 0
             else None, retention=cfg.rollout.artifact_retention_rollouts,
             wave_size=cfg.rollout.wave_size,
-            sample_id_mode=cfg.rollout.sampling.get("sample_id_mode", "metadata"))
+            sample_id_mode=cfg.rollout.sampling.get("sample_id_mode", "metadata"),
+            noise_steps=algorithm_noise_steps(
+                cfg.train, seed=cfg.rollout.generation_seed,
+                num_inference_steps=int(cfg.rollout.sampling.get(
+                    "num_inference_steps", DEFAULT_SAMPLING["num_inference_steps"]))))
         self.eval_driver = RolloutDriver(
             self.adapter, [self.engine], sampling=eval_sampling(cfg),
             seed=cfg.rollout.generation_seed, task=cfg.model.task, wave_size=cfg.rollout.wave_size,
