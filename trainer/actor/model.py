@@ -42,7 +42,7 @@ def lora_options(cfg: Config, adapter: GenerativeModelAdapter) -> dict:
     """``trainer.models.lora.apply_lora`` keywords for this run's LoRA layers."""
     return {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha or cfg.lora.rank,
             "target_modules": list(cfg.lora.target_modules or adapter.lora_target_modules()),
-            "dropout": cfg.lora.dropout}
+            "dropout": cfg.lora.dropout, "init_a": cfg.lora.init_a}
 
 
 def lora_spec(cfg: Config, adapter: GenerativeModelAdapter) -> dict | None:

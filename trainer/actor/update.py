@@ -21,6 +21,7 @@ from trainer.actor.micro_step import forward_backward
 from trainer.actor.model import (accumulate_unsharded, ensure_train_mode, lr_at_step,
                                  reduce_each_backward)
 from trainer.actor.replay import plan_updates, replay_log_probs
+from trainer.algorithms.guard_step import guard_anchor
 from trainer.utils.collectives import any_rank, require_same_on_all_ranks
 from trainer.profiling import nvtx_range
 from trainer.rewards.advantages import micro_batch_scale
@@ -51,7 +52,8 @@ def anchors(trainer, micro: list[list[tuple]]) -> list[list[torch.Tensor | None]
     out: list[list[torch.Tensor | None]] = [[None] * len(micro[0])]
     with torch.no_grad(), nvtx_range("train/anchor"):
         for micro_batches in micro[1:]:
-            out.append([replay_log_probs(trainer.adapter, trainer.model, mb,
+            out.append([guard_anchor(trainer, mb) if trainer.cfg.train.grpo_guard else
+                        replay_log_probs(trainer.adapter, trainer.model, mb,
                                          meter=trainer.meter).float()
                         for mb, _ in micro_batches])
     # The gathered parameters stay for the first update's training forward (same parameters,
@@ -96,7 +98,7 @@ def optimizer_step(trainer, params: list[torch.Tensor]) -> tuple[torch.Tensor, f
                 group["lr"] = lr
             step_optimizer(trainer, params, coef)
             trainer.lr_steps += 1
-            if trainer.ema is not None:
+            if trainer.ema is not None and not cfg.ema.per_micro_batch:
                 trainer.ema.step(trainer.lr_steps - 1)
         trainer.optimizer.zero_grad(set_to_none=True)
     return gn, lr
@@ -191,6 +193,14 @@ class DeviceSkips:
         return lr_at_step(self.first + taken - 1 if taken else self.first, cfg)
 
 
+def ema_after_micro_batch(trainer) -> None:
+    """``ema.per_micro_batch`` (the reference's placement): the EMA steps after every micro-batch
+    with the count of optimizer steps taken so far (after the optimizer step, for an update's
+    last micro-batch), so it moves once per micro-batch on every ``update_interval``-th step."""
+    if trainer.ema is not None and trainer.cfg.ema.per_micro_batch:
+        trainer.ema.step(trainer.lr_steps)
+
+
 def run_updates(trainer, selected, scales, pi_old, steps, params):
     """Each update's micro-batches (forward, loss, backward), then its optimizer step; returns
     the micro-batches' stats by name, and each step's grad norm and skip flag (device tensors:
@@ -208,11 +218,14 @@ def run_updates(trainer, selected, scales, pi_old, steps, params):
                     reducing = m == last
                     reduce_each_backward(trainer.model, reducing)
                 stats = forward_backward(trainer, mb, adv, scales[u][m], pi_old[u][m])
+                if m < last:
+                    ema_after_micro_batch(trainer)
                 if u == 0:
                     sums.setdefault("first_update_ratio_mean", []).append(stats["ratio_mean"])
                 for k, v in stats.items():
                     sums.setdefault(k, []).append(v.detach().float())
             gn, skipped = steps.step(params)
+            ema_after_micro_batch(trainer)
             grad_norms.append(gn)
             skip_flags.append(skipped.to(gn.device))
     finally:  # FSDP2's defaults again, for whatever runs the model next
