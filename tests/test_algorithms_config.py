@@ -54,8 +54,6 @@ REFUSALS = [
     (["train.grpo_guard=true", 'rollout.sampling=' + json.dumps(
         {"sde_type": "cps", "cps_log_prob": "reference", "eta": 0.5})],
      ["train.grpo_guard", "Gaussian log-density"]),
-    (["train.algorithm=flowgrpo_fast", "train.fast_branch_range=[1,5]"],
-     ["flowgrpo_fast", "init_same_noise", "trunk"]),
     (FAST + ["train.fast_branch_steps=5"], ["train.fast_branch_steps", "no window fits"]),
     (FAST[:1] + FAST[2:] + ["train.fast_branch_range=[0,9]"],
      ["train.fast_branch_range", "num_inference_steps=8"]),
@@ -93,3 +91,9 @@ def test_mix_schedule_slides_with_the_rollout_id():
     cfg = tiny("train.algorithm=mixgrpo", "train.mix_window_size=2", "train.mix_shift_interval=3")
     steps = algorithm_noise_steps(cfg.train, num_inference_steps=8, seed=7)
     assert [steps(r) for r in (0, 2, 3, 6, 15)] == [[0, 1], [0, 1], [1, 2], [2, 3], [5]]
+
+
+def test_fast_without_a_shared_x_t_is_warned_not_refused():
+    warnings = preflight(tiny("train.algorithm=flowgrpo_fast", "train.fast_branch_range=[1,5]"),
+                         world_size=1)
+    assert any("init_same_noise" in w and "no shared trunk" in w for w in warnings), warnings

@@ -52,10 +52,10 @@ def _check_windows(c: Checker, sampling: SamplingConfig) -> None:
     if name == "flowgrpo_fast":
         ok = _check_fast(c, steps)
         if ok and not sampling.init_same_noise:
-            c.error(f"{flagged('train.algorithm')}='flowgrpo_fast' needs "
-                    "rollout.sampling.init_same_noise = true (and driver_xt): the group shares "
-                    "x_T and the ODE trunk before the branch, which is what the algorithm trains "
-                    "and what the engine computes once per group")
+            c.warn(f"{flagged('train.algorithm')}='flowgrpo_fast' without "
+                   "rollout.sampling.init_same_noise: every candidate has its own x_T, so there "
+                   "is no shared trunk to compute once (the reference's same_latent=False); set "
+                   "it to share x_T and the ODE trunk within a group")
     else:
         ok = _check_mix(c, steps)
     if not ok:
