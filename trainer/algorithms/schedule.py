@@ -10,30 +10,17 @@ steps:
 - ``mixgrpo``: the sliding window at iteration ``rollout_id`` (``windows.mix_window``).
 - ``diffusionnft``: none (ODE sampling; the loss needs no trajectory).
 
-Evaluation (``rollout_id=None``) always uses the sampling config's own rule. Standard library
-only: the windows module is loaded by path so that ``flowgrpo_kernels``' torch import is not
-paid by preflight.
+Evaluation (``rollout_id=None``) always uses the sampling config's own rule. Preflight imports
+this module (``ALGORITHMS``, ``reachable_steps``) before torch may load, so the windows of
+``flowgrpo_kernels`` (a torch package) are imported only when a schedule is built.
 """
 from __future__ import annotations
 
-import importlib.util
 import random
-from pathlib import Path
 from typing import Callable
 
 ALGORITHMS: tuple[str, ...] = ("flowgrpo", "flowgrpo_fast", "mixgrpo", "diffusionnft")
 GRPO_FAMILY: tuple[str, ...] = ("flowgrpo", "flowgrpo_fast", "mixgrpo")
-
-
-def _windows():
-    path = Path(__file__).resolve().parents[2] / "flowgrpo_kernels" / "windows.py"
-    spec = importlib.util.spec_from_file_location("flowgrpo_kernels_windows_nodeps", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-WINDOWS = _windows()
 
 
 def algorithm_noise_steps(train, *, num_inference_steps: int, seed: int
@@ -42,17 +29,18 @@ def algorithm_noise_steps(train, *, num_inference_steps: int, seed: int
     algorithm = train.algorithm
     if algorithm == "flowgrpo":
         return None
+    from flowgrpo_kernels import windows
     if algorithm == "flowgrpo_fast":
         lo, hi = (int(x) for x in train.fast_branch_range)
         size = int(train.fast_branch_steps)
 
         def fast(rollout_id: int) -> list[int]:
             rng = random.Random(int(seed) * 1_000_003 + int(rollout_id))
-            return WINDOWS.fast_branch_window(rng, lo=lo, hi=hi, size=size)
+            return windows.fast_branch_window(rng, lo=lo, hi=hi, size=size)
         return fast
     if algorithm == "mixgrpo":
         def mix(rollout_id: int) -> list[int]:
-            return WINDOWS.mix_window(int(rollout_id), size=train.mix_window_size,
+            return windows.mix_window(int(rollout_id), size=train.mix_window_size,
                                       shift_interval=train.mix_shift_interval,
                                       stride=train.mix_window_stride,
                                       num_steps=num_inference_steps, roll_back=train.mix_roll_back)
