@@ -101,3 +101,30 @@ def test_without_share_trunk_the_engine_runs_every_row_at_every_step(model_dir):
     finally:
         client.close()
     assert rows_seen == [6] * SAMPLING["num_inference_steps"]
+
+
+def test_trunk_with_cfg_matches_the_unshared_engine(engine, model_dir):
+    """CFG: the trunk's rows carry their negative halves too (one 2-row-per-x_T forward)."""
+    adapter = FixtureAdapter(str(model_dir))
+    sampling = {**SAMPLING, "init_same_noise": True, "sde_indices": [3, 4], "guidance_scale": 3.0}
+    request = adapter.build_rollout_request(PROMPTS, IDS, sampling, rollout_id=5, seed=99,
+                                            sde_indices=[3, 4], group_index=GROUPS)
+    plain = launch_embedded_engine(adapter_path=ADAPTER_PATH, model_path=str(model_dir),
+                                   adapter_options=None, device="cpu", dtype="fp32", lora=None,
+                                   in_process=True)
+    core = engine._transport.core
+    rows_seen = []
+    velocity = core.adapter.velocity
+    core.adapter.velocity = lambda model, x, *a, **k: rows_seen.append(x.shape[0]) or velocity(
+        model, x, *a, **k)
+    try:
+        shared = engine.generate(request)
+        unshared = plain.generate(request)
+    finally:
+        del core.adapter.velocity
+        plain.close()
+    assert rows_seen == [4] * 3 + [12] * (SAMPLING["num_inference_steps"] - 3)
+    torch.testing.assert_close(shared["dit_trajectory"]["latents"],
+                               unshared["dit_trajectory"]["latents"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(shared["rollout_log_probs"], unshared["rollout_log_probs"],
+                               rtol=1e-5, atol=1e-5)
