@@ -21,6 +21,8 @@ def problems_of(cfg) -> list[str]:
     return info.value.problems
 
 
+NFT = ["train.algorithm=diffusionnft",
+       'rollout.sampling=' + json.dumps({"sde_resample_per_rollout": False})]
 FAST = ["train.algorithm=flowgrpo_fast", "train.fast_branch_range=[1,5]",
         'rollout.sampling=' + json.dumps({"init_same_noise": True})]
 
@@ -40,6 +42,7 @@ def test_defaults_keep_flowgrpo_and_its_own_steps():
     ["train.algorithm=flowgrpo_fast", "train.grpo_guard=true", "train.fast_branch_range=[1,5]",
      'rollout.sampling=' + json.dumps({"init_same_noise": True})],
     ["lora.init_a=gaussian", "ema.per_micro_batch=true"],
+    NFT,
 ])
 def test_valid_algorithm_configs_pass(overrides):
     assert preflight(tiny(*overrides), world_size=1) == []
@@ -68,7 +71,11 @@ REFUSALS = [
     (["train.algorithm=mixgrpo", 'rollout.sampling=' + json.dumps(
         {"sde_step_mode": "every_step", "sigma_one": "clamp_to_next"})],
      ["chooses the SDE steps itself", "every_step"]),
-    (["train.algorithm=diffusionnft"], ["diffusionnft", "not wired"]),
+    (["train.algorithm=diffusionnft"], ["diffusionnft", "sde_resample_per_rollout", "ODE"]),
+    (NFT + ["rollout.engine=sglang"], ["diffusionnft", "embedded engine"]),
+    (NFT + ["train.micro_batch_size=auto"], ["diffusionnft", "micro_batch_size", "'auto'"]),
+    (NFT + ["train.nft_old_decay_cap=1.0"], ["train.nft_old_decay_cap", "[0, 1)"]),
+    (NFT + ["train.nft_beta=0"], ["train.nft_beta (--nft-beta)", "> 0"]),
     (["lora.init_a=xavier"], ["lora.init_a (--lora-init-a)", "kaiming, gaussian"]),
 ]
 
@@ -85,6 +92,18 @@ def test_fast_schedule_is_a_function_of_the_rollout_id_inside_the_range():
     drawn = [steps(r) for r in range(200)]
     assert drawn == [steps(r) for r in range(200)]          # every rank, every restart
     assert {tuple(d) for d in drawn} == {(1, 2), (2, 3), (3, 4)}
+
+
+def test_nft_training_rollouts_sample_with_the_ode_table():
+    from trainer.algorithms import training_sampling
+    from trainer.config.sampling import SamplingConfig
+
+    cfg = tiny(*NFT)
+    assert algorithm_noise_steps(cfg.train, num_inference_steps=8, seed=7) is None
+    table = SamplingConfig.from_dict(training_sampling(cfg))
+    assert table.sde_step_mode == "ode" and table.noise_steps(3) == []
+    assert table.num_inference_steps == 8 and table.guidance_scale == 1.0
+    assert training_sampling(tiny()) == tiny().rollout.sampling
 
 
 def test_mix_schedule_slides_with_the_rollout_id():

@@ -23,6 +23,9 @@ ALGORITHMS = {
                       "train.fast_branch_steps=2", SHARED],
     "mixgrpo": ["train.algorithm=mixgrpo", "train.mix_window_size=2",
                 "train.mix_shift_interval=1", SHARED],
+    # two noise levels per sample (0.2 of the 10 steps) keep it short
+    "diffusionnft": ["train.algorithm=diffusionnft", 'rollout.sampling=' + json.dumps(
+        {"sde_resample_per_rollout": False, "timestep_fraction": 0.2})],
 }
 
 
@@ -62,5 +65,9 @@ def test_algorithm_trains_the_toy_model(name, tmp_path):
         assert all(len(s) == 2 and s[1] == s[0] + 1 and 0 <= s[0] <= 2 for s in steps_seen)
     if name == "mixgrpo":
         assert steps_seen == [[0, 1], [1, 2]]
+    if name == "diffusionnft":
+        assert steps_seen == [[], []]  # ODE rollouts
+        assert all(m["train/nft_levels_per_sample"] == 2.0 for m in metrics)
+        assert all(math.isfinite(m["train/positive_loss"]) for m in metrics)
     if name == "flowgrpo_guard":
         assert all("train/ratio_mean_bias" in m for m in metrics)

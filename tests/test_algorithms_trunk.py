@@ -81,6 +81,14 @@ def test_engine_computes_the_trunk_once_and_matches_the_unshared_sampler(engine,
                                rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(response["rollout_log_probs"], ref.log_probs, rtol=1e-5, atol=1e-5)
     assert response["sde_indices"] == sde
+    # the final latents travel with the trajectory (DiffusionNFT trains on them)
+    torch.testing.assert_close(response["dit_trajectory"]["final"], ref.final, rtol=1e-5, atol=1e-6)
+    batch = adapter.pack_trajectory(response, request)
+    torch.testing.assert_close(batch.final_latents, ref.final, rtol=1e-5, atol=1e-6)
+    assert batch.schedule.tolist() == pytest.approx(extra["sigmas"])
+    from trainer.models.batch import concat_batches
+    joined = concat_batches([batch.select([0, 1]), batch.select([5])])
+    assert torch.equal(joined.final_latents, batch.final_latents[[0, 1, 5]])
     lat = response["dit_trajectory"]["latents"]
     # the group shares x at the branch step and differs after it
     assert torch.equal(lat[0, 0, 0], lat[1, 0, 0]) and not torch.equal(lat[0, 0, 1], lat[1, 0, 1])

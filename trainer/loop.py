@@ -24,7 +24,7 @@ from trainer.actor.model import (PendingOnload, build_actor, build_optimizer, lo
 from trainer.actor.colocate import Footprint, OffloadPolicy, actor_footprint
 from trainer.actor.sync import sync_payload
 from trainer.actor.update import train_on
-from trainer.algorithms import algorithm_noise_steps
+from trainer.algorithms import algorithm_noise_steps, training_sampling
 from trainer.checkpoint import save_checkpoint
 from trainer.config import DEFAULT_SAMPLING, Config, write_resolved
 from trainer.ema import build_ema
@@ -160,7 +160,7 @@ class Trainer(TrainerState):
                                            timeout_s=cfg.weight_sync.timeout_s)
         artifact_root = cfg.rollout.artifact_root or str(self.run_dir / "artifacts")
         self.driver = RolloutDriver(
-            self.adapter, [self.engine], sampling=cfg.rollout.sampling,
+            self.adapter, [self.engine], sampling=training_sampling(cfg),
             seed=cfg.rollout.generation_seed, task=cfg.model.task,
             artifact_root=artifact_root if cfg.rollout.write_artifacts and self.rank == 0
             else None, retention=cfg.rollout.artifact_retention_rollouts,

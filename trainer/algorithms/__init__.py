@@ -5,6 +5,7 @@ The maths is in ``flowgrpo_kernels`` (nft, guard, windows, ode_solvers); docs/al
 gives each formula, its source and every departure. Torch-free at import: preflight reads
 ``ALGORITHMS``.
 """
-from trainer.algorithms.schedule import ALGORITHMS, GRPO_FAMILY, algorithm_noise_steps
+from trainer.algorithms.schedule import (ALGORITHMS, GRPO_FAMILY, algorithm_noise_steps,
+                                         training_sampling)
 
-__all__ = ["ALGORITHMS", "GRPO_FAMILY", "algorithm_noise_steps"]
+__all__ = ["ALGORITHMS", "GRPO_FAMILY", "algorithm_noise_steps", "training_sampling"]

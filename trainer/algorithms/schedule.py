@@ -8,7 +8,8 @@ steps:
   ``train.fast_branch_range`` (``flowgrpo_kernels.windows.fast_branch_window``), drawn with
   ``random.Random(generation_seed * 1_000_003 + rollout_id)``.
 - ``mixgrpo``: the sliding window at iteration ``rollout_id`` (``windows.mix_window``).
-- ``diffusionnft``: none (ODE sampling; the loss needs no trajectory).
+- ``diffusionnft``: none: its training rollouts sample with the ODE table that an ODE
+  evaluation uses (``training_sampling``), and the loss needs no trajectory.
 
 Evaluation (``rollout_id=None``) always uses the sampling config's own rule. Preflight imports
 this module (``ALGORITHMS``, ``reachable_steps``) before torch may load, so the windows of
@@ -46,7 +47,7 @@ def algorithm_noise_steps(train, *, num_inference_steps: int, seed: int
                                       num_steps=num_inference_steps, roll_back=train.mix_roll_back)
         return mix
     if algorithm == "diffusionnft":
-        return lambda rollout_id: []
+        return None  # its training table is the ODE one (training_sampling)
     raise ValueError(f"train.algorithm={algorithm!r} is not one of {', '.join(ALGORITHMS)}")
 
 
@@ -59,3 +60,19 @@ def reachable_steps(train, num_inference_steps: int) -> set[int]:
         stop = num_inference_steps - 2
         return set(range(0, stop))
     return set()
+
+
+def training_sampling(cfg) -> dict:
+    """The sampling table of the training rollouts: the configured one, or for
+    ``diffusionnft`` the ODE table of ``trainer.evaluation.eval_sampling`` at the training's
+    own step count and guidance."""
+    if cfg.train.algorithm != "diffusionnft":
+        return cfg.rollout.sampling
+    import dataclasses
+    from types import SimpleNamespace
+
+    from trainer.evaluation import eval_sampling
+
+    data = dataclasses.replace(cfg.data, eval_mode="ode", eval_num_inference_steps=None,
+                               eval_guidance_scale=None)
+    return eval_sampling(SimpleNamespace(data=data, rollout=cfg.rollout))

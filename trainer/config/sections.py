@@ -202,8 +202,8 @@ class TrainConfig:
                         "flowgrpo (the sampling config's SDE steps, unchanged) | flowgrpo_fast "
                         "(shared ODE trunk, a branch window of SDE steps drawn per rollout, only "
                         "those trained) | mixgrpo (an SDE window sliding over the schedule as "
-                        "training goes) | diffusionnft (ODE sampling, NFT loss on re-noised "
-                        "samples; not wired end to end yet: preflight refuses it).")
+                        "training goes) | diffusionnft (ODE sampling, the NFT loss on the re-noised "
+                        "final samples; embedded engine).")
     grpo_guard: bool = _f(False, "--grpo-guard",
                           "GRPO-Guard on the GRPO family: ratio re-centred by the mean shift and "
                           "scaled by the step's std, each step's term divided by |dt|.")
@@ -227,6 +227,13 @@ class TrainConfig:
                          "policies (the reference's config.beta).")
     nft_adv_clip_max: float = _f(5.0, "--nft-adv-clip-max",
                                  "diffusionnft: advantage clip C; r = clip(A / C / 2 + 1/2, 0, 1).")
+    nft_old_decay_delay: int = _f(0, "--nft-old-decay-delay",
+                                  "diffusionnft: optimizer steps before the old policy lags "
+                                  "(old <- d old + (1 - d) current, d = 0 before; decay_type 1: 0).")
+    nft_old_decay_ramp: float = _f(0.001, "--nft-old-decay-ramp",
+                                   "diffusionnft: d grows by this per optimizer step (decay_type 1).")
+    nft_old_decay_cap: float = _f(0.5, "--nft-old-decay-cap",
+                                  "diffusionnft: the largest d (decay_type 1: 0.5; 2: 0.999).")
 
 
 @dataclass

@@ -127,9 +127,30 @@ def _check_nft(c: Checker, sampling: SamplingConfig) -> None:
         value = getattr(t, key)
         if not is_number(value) or not value > 0:
             c.error(f"{flagged('train.' + key)} must be a number > 0, got {value!r}")
-    c.error(f"{flagged('train.algorithm')}='diffusionnft': the loss and its oracle are in "
-            "flowgrpo_kernels.nft, but the rollout (final clean latents from ODE sampling) and "
-            "the actor (old-policy copy, NFT micro-step) are not wired yet (docs/algorithms.md)")
+    if not is_int(t.nft_old_decay_delay) or t.nft_old_decay_delay < 0:
+        c.error(f"{flagged('train.nft_old_decay_delay')} must be an integer >= 0, "
+                f"got {t.nft_old_decay_delay!r}")
+    if not is_number(t.nft_old_decay_ramp) or t.nft_old_decay_ramp < 0:
+        c.error(f"{flagged('train.nft_old_decay_ramp')} must be a number >= 0, "
+                f"got {t.nft_old_decay_ramp!r}")
+    if not is_number(t.nft_old_decay_cap) or not 0 <= t.nft_old_decay_cap < 1:
+        c.error(f"{flagged('train.nft_old_decay_cap')} must be in [0, 1), got "
+                f"{t.nft_old_decay_cap!r} (1 would freeze the old policy for good)")
+    if c.cfg.rollout.engine != "embedded":
+        c.error(f"{flagged('train.algorithm')}='diffusionnft' trains on the final latents of "
+                f"the ODE rollout, which only the embedded engine returns "
+                f"({flagged('rollout.engine')}={c.cfg.rollout.engine!r})")
+    if not is_int(t.micro_batch_size):
+        c.error(f"{flagged('train.algorithm')}='diffusionnft' needs an integer "
+                f"{flagged('train.micro_batch_size')} (got {t.micro_batch_size!r}): 'auto' "
+                "measures the GRPO replay, not the NFT step")
+    if sampling.sde_step_mode == "every_step" or sampling.sde_resample_per_rollout:
+        what = ("sde_step_mode='every_step'" if sampling.sde_step_mode == "every_step"
+                else "sde_resample_per_rollout=true")
+        c.error(f"{flagged('train.algorithm')}='diffusionnft' samples its training rollouts "
+                f"with the ODE and trains no SDE step; rollout.sampling.{what} asks for SDE "
+                "steps in every training rollout, which it would never use (keep fixed "
+                "sde_indices for an SDE eval, or none)")
 
 
 LORA_INIT_A: tuple[str, ...] = ("kaiming", "gaussian")

@@ -348,6 +348,7 @@ class EngineCore:
                     "latents": out.trajectory,
                     "timesteps": self.adapter.timesteps_from_sigmas(sig),
                     "sigmas": sig,
+                    "final": out.final,  # x_0 (DiffusionNFT trains on it)
                 }
             if spec.return_env:
                 response["denoising_env"] = conditions
