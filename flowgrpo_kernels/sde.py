@@ -30,8 +30,9 @@ from typing import NamedTuple
 
 import torch
 
-from .sde_reference import (KL_FORMS, LOG_PROB_FORMS, SDE_TYPES, SIGMA_ONE, is_deterministic,
-                            per_sample, sde_kl_ref, sde_log_prob_ref, sde_step_ref)
+from .sde_reference import per_sample, sde_kl_ref, sde_log_prob_ref, sde_step_ref
+from .sde_types import (KERNEL_SDE_TYPES, KL_FORMS, LOG_PROB_FORMS, SIGMA_ONE_TREATMENTS, TABLE,
+                        is_deterministic)
 
 BACKENDS = ("auto", "triton", "torch")
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -91,12 +92,13 @@ def _sigma_value_problems(sigma, sigma_next, batch: int, device, *, sde_type: st
     on = device if any(isinstance(s, torch.Tensor) for s in (sigma, sigma_next)) else "cpu"
     s = per_sample(sigma, batch, torch.float64, on)
     sn = per_sample(sigma_next, batch, torch.float64, on)
-    stochastic = not is_deterministic(eta, sde_type)
+    refuse_sigma_one, refuse_last = _undefined_points(sde_type, eta, replay, sigma_one,
+                                                      log_prob_form)
     masks = torch.stack([
         ~torch.isfinite(s) | (s <= 0.0) | (s > 1.0),
         ~torch.isfinite(sn) | (sn < 0.0) | (sn >= s),
-        (s >= 1.0) & (replay and stochastic and sde_type == "sde" and sigma_one == "refuse"),
-        (sn == 0.0) & (replay and stochastic and sde_type == "cps" and log_prob_form == "gaussian"),
+        (s >= 1.0) & refuse_sigma_one,
+        (sn == 0.0) & refuse_last,
     ])
     # NOTE: the one host sync of validation (one copy holds the flags and the values to report)
     on_host = torch.cat([masks.to(torch.float64), s[None], sn[None]]).cpu()
@@ -110,15 +112,20 @@ def _sigma_value_problems(sigma, sigma_next, batch: int, device, *, sde_type: st
         problems.append("sigma_next must be finite with 0 <= sigma_next < sigma; bad at "
                         f"{_sample_list(masks[1], sn)}")
     if masks[2].any():
-        problems.append("sde_type='sde' is singular at sigma == 1 (std_dev_t = eta*sqrt(sigma/(1-sigma)) "
-                        "is infinite): the log-prob is undefined and this step cannot be trained "
-                        "(train SDE steps after the first, or sigma_one='clamp_to_next'); at "
-                        f"{_sample_list(masks[2], s)}")
+        problems.append(f"{TABLE[sde_type].sigma_one_problem()}; at {_sample_list(masks[2], s)}")
     if masks[3].any():
-        problems.append("sde_type='cps' has zero variance at sigma_next == 0: the Gaussian log-prob "
-                        "is undefined and this step cannot be trained (log_prob_form="
-                        f"'squared_residual' can); at {_sample_list(masks[3], sn)}")
+        problems.append(f"{TABLE[sde_type].last_step_problem()}; at {_sample_list(masks[3], sn)}")
     return problems
+
+
+def _undefined_points(sde_type: str, eta: float, replay: bool, sigma_one: str,
+                      log_prob_form: str) -> tuple[bool, bool]:
+    """(sigma == 1 refused, sigma_next == 0 refused): the table's undefined points of a
+    replayed noisy step (sampling takes the deterministic step there instead)."""
+    if not replay or is_deterministic(eta, sde_type):
+        return False, False
+    row = TABLE[sde_type]
+    return row.refuses_sigma_one(sigma_one), row.refuses_last_step(log_prob_form)
 
 
 def check_step_inputs(op: str, named: list[tuple[str, object]], sigma, sigma_next, *, eta,
@@ -173,10 +180,10 @@ def check_schedule(sigmas, sde_steps, *, eta: float, sde_type: str = "sde",
 
 def _option_problems(eta, sde_type, backend, replay, sigma_one, log_prob_form) -> list[str]:
     problems: list[str] = []
-    if sde_type not in SDE_TYPES:
-        problems.append(f"sde_type must be one of {SDE_TYPES}, got {sde_type!r}")
-    if sigma_one not in SIGMA_ONE:
-        problems.append(f"sigma_one must be one of {SIGMA_ONE}, got {sigma_one!r}")
+    if sde_type not in KERNEL_SDE_TYPES:
+        problems.append(f"sde_type must be one of {KERNEL_SDE_TYPES}, got {sde_type!r}")
+    if sigma_one not in SIGMA_ONE_TREATMENTS:
+        problems.append(f"sigma_one must be one of {SIGMA_ONE_TREATMENTS}, got {sigma_one!r}")
     if log_prob_form not in LOG_PROB_FORMS:
         problems.append(f"log_prob_form must be one of {LOG_PROB_FORMS}, got {log_prob_form!r}")
     if backend not in BACKENDS:
@@ -184,10 +191,9 @@ def _option_problems(eta, sde_type, backend, replay, sigma_one, log_prob_form) -
     eta_ok = isinstance(eta, (int, float)) and not isinstance(eta, bool) and math.isfinite(eta)
     if not eta_ok or eta < 0:
         problems.append(f"eta must be a finite python float >= 0, got {eta!r}")
-    elif sde_type == "cps" and eta > 1:
-        problems.append("sde_type='cps' needs eta in [0, 1] (std_dev_t = sigma_next*sin(eta*pi/2)), "
-                        f"got {eta}")
-    if replay and eta_ok and sde_type in SDE_TYPES and is_deterministic(eta, sde_type):
+    elif sde_type in TABLE and TABLE[sde_type].eta_problem(eta, noise_required=False):
+        problems.append(TABLE[sde_type].eta_problem(eta, noise_required=False))
+    if replay and eta_ok and sde_type in TABLE and is_deterministic(eta, sde_type):
         problems.append("the log-prob is undefined for the deterministic ODE step (sde_type='ode' or "
                         "eta == 0): there is no noise, hence no density")
     return problems
@@ -250,20 +256,18 @@ def _sigmas_ok(sigma, sigma_next, *, sde_type: str, eta: float, replay: bool,
     host-device sync (the ``bool`` of a single flag), instead of the ~25 ops of the report.
     Only a failure pays for the full report.
     """
-    stochastic = not is_deterministic(eta, sde_type)
-    sde_singular = replay and stochastic and sde_type == "sde" and sigma_one == "refuse"
-    cps_singular = replay and stochastic and sde_type == "cps" and log_prob_form == "gaussian"
+    refuse_sigma_one, refuse_last = _undefined_points(sde_type, eta, replay, sigma_one, log_prob_form)
     if not isinstance(sigma, torch.Tensor) and not isinstance(sigma_next, torch.Tensor):
         s, sn = float(sigma), float(sigma_next)  # NaN fails every comparison below
-        return (0.0 < s <= 1.0 and 0.0 <= sn < s and not (sde_singular and s >= 1.0)
-                and not (cps_singular and sn == 0.0))
+        return (0.0 < s <= 1.0 and 0.0 <= sn < s and not (refuse_sigma_one and s >= 1.0)
+                and not (refuse_last and sn == 0.0))
     s = sigma.double() if isinstance(sigma, torch.Tensor) else float(sigma)
     sn = sigma_next.double() if isinstance(sigma_next, torch.Tensor) else float(sigma_next)
-    upper = 1.0 if not sde_singular else math.nextafter(1.0, 0.0)
+    upper = 1.0 if not refuse_sigma_one else math.nextafter(1.0, 0.0)
     ok = (sn >= 0.0) & (sn < s) & (s > 0.0) & (s <= upper)  # inf and NaN fail too
     if not isinstance(ok, torch.Tensor):
         ok = torch.tensor(ok)
-    if cps_singular:
+    if refuse_last:
         ok = ok & (sn != 0.0)
     # NOTE: host-device sync (validate=True with sigma tensors); validate=False skips it
     return bool(ok.all())
@@ -281,11 +285,11 @@ def _fast_resolve(named, sigma, sigma_next, *, eta, sde_type: str, backend: str,
     check accepts (tests/test_kernels_sde.py drives both with every bad input) and builds no
     message.
     """
-    if sde_type not in SDE_TYPES or backend not in BACKENDS or type(eta) not in (float, int):
+    if sde_type not in TABLE or backend not in BACKENDS or type(eta) not in (float, int):
         return None
-    if sigma_one not in SIGMA_ONE or log_prob_form not in LOG_PROB_FORMS:
+    if sigma_one not in SIGMA_ONE_TREATMENTS or log_prob_form not in LOG_PROB_FORMS:
         return None
-    if not (0.0 <= eta < math.inf) or (sde_type == "cps" and eta > 1):
+    if not (0.0 <= eta < math.inf and eta <= TABLE[sde_type].eta_max):  # NaN fails too
         return None
     if replay and is_deterministic(eta, sde_type):
         return None

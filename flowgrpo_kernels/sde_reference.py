@@ -55,10 +55,8 @@ import math
 
 import torch
 
-SDE_TYPES = ("sde", "dance", "cps", "ode")  # trainer.config.sampling.SDE_TYPES plus the ODE step
-SIGMA_ONE = ("refuse", "clamp_to_next")
-LOG_PROB_FORMS = ("gaussian", "squared_residual")
-KL_FORMS = ("gaussian", "reference")
+from .sde_types import is_deterministic  # noqa: F401  (the kernels' callers import it here)
+
 LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 
 
@@ -77,10 +75,6 @@ def per_sample(value, batch: int, dtype: torch.dtype, device) -> torch.Tensor:
 def _as_column(t: torch.Tensor, ndim: int) -> torch.Tensor:
     """``[B]`` -> ``[B, 1, ..., 1]`` broadcastable against a ``ndim``-dimensional latent."""
     return t.reshape((t.shape[0],) + (1,) * (ndim - 1))
-
-
-def is_deterministic(eta: float, sde_type: str) -> bool:
-    return sde_type == "ode" or eta == 0.0
 
 
 def transition_coefficients_ref(sigma, sigma_next, *, eta: float, sde_type: str, batch: int,

@@ -49,6 +49,7 @@ import triton.language as tl
 from triton.testing import do_bench
 
 from .sde_reference import LOG_SQRT_2PI
+from .sde_types import TABLE
 
 
 def _interpreting() -> bool:
@@ -61,8 +62,7 @@ def _interpreting() -> bool:
 
 
 INTERPRET = _interpreting()
-SDE_TYPE_CODES = {"ode": 0, "sde": 1, "dance": 2, "cps": 3}
-SDE_CLAMP_TO_NEXT = 4  # "sde" with sigma_one="clamp_to_next"
+# The SDE_TYPE constexpr of each branch below is the table's code (flowgrpo_kernels.sde_types).
 
 
 @dataclass(frozen=True)
@@ -341,10 +341,7 @@ class StepParams:
 
     def __post_init__(self):
         half_angle = self.eta * math.pi / 2.0
-        code = 0 if self.eta == 0.0 else SDE_TYPE_CODES[self.sde_type]
-        if code == SDE_TYPE_CODES["sde"] and self.sigma_one == "clamp_to_next":
-            code = SDE_CLAMP_TO_NEXT
-        object.__setattr__(self, "code", code)
+        object.__setattr__(self, "code", TABLE[self.sde_type].kernel_code(self.eta, self.sigma_one))
         object.__setattr__(self, "scalars", (self.eta * self.eta, math.sin(half_angle), math.cos(half_angle)))
 
     @property

@@ -5,7 +5,7 @@
 embedding table and its "decoder" a per-channel linear map to RGB, both saved as safetensors
 in the model directory. Latents use Qwen-Image's 2x2 packing. Everything the engine and the
 driver call goes through the real ``GenerativeModelAdapter`` contract (request building,
-validation and packing are the base class's, from trainer/models/schema.py).
+validation and packing are the base class's, from trainer/models/wire/).
 
 ``build_fixture_model_dir(root)`` writes::
 

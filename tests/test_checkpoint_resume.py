@@ -221,7 +221,7 @@ def test_fingerprint_without_a_driver_matches_the_drivers(model_dir, tmp_path):
     from trainer.checkpoint.contract import sampling_fingerprint
     from trainer.rollout.artifacts import sampling_fingerprint as drivers
     tr = h.make_trainer(model_dir, tmp_path, lora=False, extra=["rollout.sampling={\"eta\": 0.3}"])
-    assert sampling_fingerprint(tr) == drivers(tr.cfg.rollout.sampling)
+    assert sampling_fingerprint(tr) == drivers(tr.cfg.rollout.sampling.to_dict())
 
 
 @pytest.mark.slow

@@ -4,8 +4,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import tomllib
+from pathlib import Path
 
 import pytest
+
+from trainer.config.sampling import SamplingConfig
 
 from trainer.config import (Config, ConfigError, RECIPES_DIR, cli_flag, dump_toml, field_help,
                             flag_table, load_config, resolve_recipe, write_resolved)
@@ -47,8 +50,21 @@ def test_partial_sampling_table_overrides_keys_not_the_dict(tmp_path):
     cfg = load_config(recipe, overrides=['rollout.sampling={"eta": 0.5}'],
                       flags={"--sampling-config": '{"width": 320}'})
     s = cfg.rollout.sampling
-    assert (s["height"], s["width"], s["eta"]) == (256, 320, 0.5)
-    assert s["sde_pool"] == Config().rollout.sampling["sde_pool"]
+    assert (s.height, s.width, s.eta) == (256, 320, 0.5)
+    assert s.sde_pool == Config().rollout.sampling.sde_pool
+    assert isinstance(s, SamplingConfig)  # the section's own type, not a dict beside it
+
+
+def test_unknown_sampling_keys_are_refused_where_they_are_set(tmp_path):
+    recipe = write(tmp_path, "[rollout.sampling]\nsde_indice = [2]\nheight = 256\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(recipe, overrides=['rollout.sampling={"sigma_max": 1}',
+                                       "rollout.sampling.eta=0.5"])
+    assert info.value.problems == [
+        f"{Path(recipe).name}:rollout.sampling: unknown sampling keys ['sde_indice'] (known: "
+        f"{sorted(SamplingConfig.keys())})",
+        f"--set rollout.sampling: unknown sampling keys ['sigma_max'] (known: "
+        f"{sorted(SamplingConfig.keys())})"]
 
 
 def test_cli_values_are_coerced_to_field_types():
@@ -182,3 +198,21 @@ def test_every_field_has_a_unique_alias_flag_and_a_docstring():
                          "--weight-sync-wire-dtype": ("weight_sync", "wire_dtype")}.items():
         assert table[flag] == target
     assert "--fsdp-trainable-mode" in field_help()
+
+
+def test_a_later_layer_mends_an_earlier_sampling_table():
+    """The loader stores each layer's sampling keys unchecked; preflight judges the final
+    config (a table's step 0 is fine once a later --set clamps it)."""
+    from trainer.preflight import preflight
+
+    recipe = "tiny"
+    cfg = load_config(recipe, overrides=['rollout.sampling={"sde_indices": [0, 2]}',
+                                         "rollout.sampling.sigma_one=clamp_to_next"])
+    assert cfg.rollout.sampling.sde_indices == (0, 2)
+    assert preflight(cfg) == []
+    bad = load_config(recipe, overrides=["rollout.sampling.height=-4"])
+    assert bad.rollout.sampling.height == -4  # kept as given, judged once by preflight
+    with pytest.raises(ConfigError) as info:
+        preflight(bad)
+    assert "rollout.sampling.height must be a positive integer, got -4 (--sampling-config)" \
+        in info.value.problems

@@ -20,7 +20,7 @@ def test_nested_set_reaches_every_table():
                                "reward.scorers.ocr.engine=pkg.make_ocr",
                                'model.adapter_options.extra={"a": [1, 2]}'])
     s = cfg.rollout.sampling
-    assert (s["height"], s["width"], s["sde_type"], s["num_inference_steps"]) == \
+    assert (s.height, s.width, s.sde_type, s.num_inference_steps) == \
         (64, 32, "dance", 8)  # the rest of the recipe's table is kept
     assert cfg.reward.scorers == {"ocr": {"weight": 0.5, "engine": "pkg.make_ocr"}}
     assert cfg.model.adapter_options == {"extra": {"a": [1, 2]}}

@@ -49,7 +49,8 @@ def test_every_error_class_is_reported_with_its_line(tmp_path, media, capsys):
         rec("<image> x", "t6", images=["missing.png"]),                # 6 media
         rec("<image> y", "t7", images=["corrupt.png"]),                # 7 decode
         rec("a bird", "t1"),                                           # 8 duplicate_id
-        {"prompt": "", "metadata": {"sample_id": 5}},                  # 9 schema x3
+        {"prompt": "", "metadata": {"sample_id": 5}},                  # 9 schema x2 (the task
+                                                                       # is filled, as launch does)
     ])
     evals = write_lines(tmp_path / "eval.jsonl", [
         rec("an owl", "t1"),                                           # 1 leak by id
@@ -67,7 +68,6 @@ def test_every_error_class_is_reported_with_its_line(tmp_path, media, capsys):
         f"{train}:7: [decode] cannot decode image",
         f"{train}:8: [duplicate_id] sample_id 't1' already at {train}:1",
         f"{train}:9: [schema] 'prompt' must be a non-empty string",
-        f"{train}:9: [schema] missing required key 'metadata.task'",
         f"{train}:9: [schema] 'metadata.sample_id' must be a non-empty string, got 5",
         f"{evals}:1: [leak] sample_id 't1' is also in train at {train}:1",
         f"{evals}:2: [leak] same prompt and media as the train record at {train}:1",
@@ -76,7 +76,7 @@ def test_every_error_class_is_reported_with_its_line(tmp_path, media, capsys):
         assert line in err, line
     assert f"{evals}:3" not in err
     summary = err.strip().splitlines()[-1]
-    assert summary.startswith("FAILED: 12 error(s) (parse=1, schema=4, task=1, placeholder=1, "
+    assert summary.startswith("FAILED: 11 error(s) (parse=1, schema=3, task=1, placeholder=1, "
                               "media=1, decode=1, duplicate_id=1, leak=2)")
     assert {f.kind for f in inspect_files(train=train, evals=[evals], decode_media=True)[0]} \
         == set(ERROR_CLASSES)
@@ -106,3 +106,41 @@ def test_parquet_files_are_inspected_by_row(tmp_path):
 def test_inspect_needs_a_file(capsys):
     assert main(["inspect"]) == 2
     assert "give --train and/or --eval" in capsys.readouterr().err
+
+
+FLOW_GRPO_OCR = ['The word "Flow-GRPO" written on a chalkboard', 'A neon sign reading "OPEN 24/7"']
+GENEVAL = [{"tag": "two_object", "include": [{"class": "cat", "count": 1},
+                                             {"class": "dog", "count": 1}],
+            "prompt": "a photo of a cat and a dog"},
+           {"tag": "counting", "include": [{"class": "cup", "count": 3}],
+            "prompt": "a photo of three cups"}]
+
+
+def test_inspect_accepts_every_format_launch_trains_on(tmp_path, capsys):
+    """.txt lists and GenEval's metadata.jsonl were refused on every line ("invalid JSON",
+    "missing required key 'metadata'") although launch trains on both."""
+    txt = tmp_path / "prompts.txt"
+    txt.write_text("\n".join(FLOW_GRPO_OCR) + "\n\n")
+    geneval = write_lines(tmp_path / "metadata.jsonl", GENEVAL)
+    assert main(["inspect", "--train", str(txt), "--eval", geneval]) == 0
+    assert capsys.readouterr().out.startswith("OK: 4 records in 2 file(s)")
+    bad = write_lines(tmp_path / "bad_metadata.jsonl", [GENEVAL[0], {"tag": "x", "prompt": 3}])
+    assert main(["inspect", "--train", bad]) == 1
+    assert f"{bad}:2: [schema] 'prompt' must be a non-empty string" in capsys.readouterr().err
+
+
+def test_inspect_takes_a_flow_grpo_dataset_folder_and_checks_its_split(tmp_path, capsys):
+    folder = tmp_path / "ocr"
+    folder.mkdir()
+    (folder / "train.txt").write_text("\n".join(FLOW_GRPO_OCR) + "\n")
+    (folder / "test.txt").write_text("A sign reading \"EXIT\"\n" + FLOW_GRPO_OCR[1] + "\n")
+    assert main(["inspect", "--train", str(folder)]) == 1
+    err = capsys.readouterr().err
+    assert f"{folder}/test.txt:2: [leak] same prompt and media as the train record at " \
+           f"{folder}/train.txt:2" in err
+    (folder / "test.txt").write_text("A sign reading \"EXIT\"\n")
+    assert main(["inspect", "--train", str(folder)]) == 0
+    assert capsys.readouterr().out.startswith("OK: 3 records in 2 file(s)")
+    (tmp_path / "loose").mkdir()
+    assert main(["inspect", "--train", str(tmp_path / "loose")]) == 1
+    assert "not a dataset folder: it needs train.txt + test.txt" in capsys.readouterr().err

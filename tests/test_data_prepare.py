@@ -85,8 +85,9 @@ def test_prepare_reports_every_bad_line_and_writes_nothing(tmp_path, capsys):
     out = tmp_path / "out.jsonl"
     assert main(["prepare", "--source", "prompts", "--input", str(src), "--output", str(out)]) == 1
     err = capsys.readouterr().err
-    assert f"{src}:2: invalid JSON" in err and f"{src}:3: no string 'prompt'" in err \
-        and f"{src}:4: 'metadata' is not an object" in err and "3 problem(s)" in err
+    # the trainer's own reader's messages: launch would refuse the same lines
+    assert f"{src}:2: invalid JSON" in err and f"{src}:3: missing required key 'prompt'" in err \
+        and f"{src}:4: 'metadata' must be an object, got 3" in err and "3 problem(s)" in err
     assert not out.exists()
 
 
@@ -110,3 +111,35 @@ def test_dispatcher_reaches_the_data_cli(tmp_path):
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert read_jsonl(out)[0]["prompt"] == "one prompt"
+
+
+def test_prepare_keeps_a_flow_grpo_dataset_folders_split(tmp_path, capsys):
+    """A dataset folder (train.txt + test.txt) was merged into one file, losing its split."""
+    folder = tmp_path / "ocr"
+    folder.mkdir()
+    (folder / "train.txt").write_text('A sign reading "OPEN"\n\nA mug printed with "hello"\n')
+    (folder / "test.txt").write_text('A banner that says "WELCOME HOME"\n')
+    out = tmp_path / "prepared"
+    assert main(["prepare", "--source", "prompts", "--input", str(folder),
+                 "--output", str(out)]) == 0
+    train, test = read_jsonl(out / "train.jsonl"), read_jsonl(out / "test.jsonl")
+    assert [r["prompt"] for r in train] == ['A sign reading "OPEN"', 'A mug printed with "hello"']
+    assert [r["metadata"]["sample_id"] for r in train] == ["ocr_train_0000001",
+                                                           "ocr_train_0000003"]
+    assert test == [{"prompt": 'A banner that says "WELCOME HOME"',
+                     "metadata": {"task": "t2i", "sample_id": "ocr_test_0000001"}}]
+    assert main(["prepare", "--source", "prompts", "--input", str(folder),
+                 "--output", str(tmp_path / "merged.jsonl")]) == 1
+    assert "--output must be a folder" in capsys.readouterr().err
+    assert main(["inspect", "--train", str(out)]) == 0  # the written folder is a dataset folder
+
+
+def test_every_data_cli_option_is_documented():
+    from trainer.data.cli import _parser
+    parser = _parser()
+    subparsers = next(a for a in parser._actions if a.choices and "prepare" in a.choices)
+    for name, sub in subparsers.choices.items():
+        for action in sub._actions:
+            if action.option_strings and action.dest != "help":
+                assert action.help and len(action.help) > 10, (name, action.option_strings)
+        assert "txt" in sub.format_help() or name == "curate", name

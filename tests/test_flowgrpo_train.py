@@ -48,7 +48,7 @@ def test_sd3_flowgrpo_recipe_two_steps_with_cfg_and_ema(tiny_model_dir, tmp_path
 
     cfg = load_config("sd3-flowgrpo", _shrink(tiny_model_dir("sd3"), tmp_path))
     assert preflight(cfg, world_size=1) == []
-    assert cfg.rollout.sampling["guidance_scale"] == 4.5 and cfg.ema.enabled
+    assert cfg.rollout.sampling.guidance_scale == 4.5 and cfg.ema.enabled
     trainer = Trainer(cfg, rank=0, world=1, device="cpu")
     try:
         batch = trainer.rollout(0)  # what train_step(0) will also draw: the same rollout id

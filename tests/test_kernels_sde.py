@@ -6,6 +6,7 @@ kernels are first imported); with CUDA they run compiled on the GPU.
 import itertools
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import flowgrpo_kernels as kernels  # noqa: E402
 from flowgrpo_kernels import sde_reference as ref  # noqa: E402
+from flowgrpo_kernels.sde_types import TABLE  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TYPES = ("sde", "dance", "cps")
@@ -362,7 +364,8 @@ def test_other_bad_inputs():
         (lambda: kernels.sde_log_prob(x, v, x, 0.5, 0.4, eta=ETA, sde_type="ode"), "deterministic ODE step"),
         (lambda: kernels.sde_step(x.double(), v.double(), 0.5, 0.4, eta=ETA, backend="triton"),
          "use backend='torch' for float64"),
-        (lambda: kernels.sde_step(x, v, 0.5, 0.4, eta=1.5, sde_type="cps"), "eta in \\[0, 1\\]"),
+        (lambda: kernels.sde_step(x, v, 0.5, 0.4, eta=1.5, sde_type="cps"),
+             re.escape(TABLE["cps"].eta_problem(1.5, noise_required=False))),
         (lambda: kernels.sde_step(x, v, torch.ones(3, device=DEVICE) * 0.5, 0.4, eta=ETA),
          "sigma must be a float or a floating tensor of shape \\[B\\]=2"),
         (lambda: kernels.sde_step(x, v.int(), 0.5, 0.4, eta=ETA), "v must be float32, bfloat16"),

@@ -8,9 +8,10 @@ import json
 import pytest
 import torch
 
+from flowgrpo_kernels.sde_types import TABLE
 from trainer.models import adapter_class, noise
 from trainer.models.diffusers_base import engine_param_name
-from trainer.models.schema import ROLLOUT_RESPONSE_FIELDS, from_jsonable, to_jsonable
+from trainer.models.wire import ROLLOUT_RESPONSE_FIELDS, from_jsonable, to_jsonable
 
 H = W = 32
 SAMPLING = {"height": H, "width": W, "num_inference_steps": 6, "guidance_scale": 1.0, "eta": 0.7,
@@ -32,7 +33,7 @@ def make_request(adapter, sampling=None, **kw):
 
 
 def fake_response(adapter, request) -> dict:
-    """A well-formed engine answer with random content (shapes and echoes as schema.py says)."""
+    """A well-formed engine answer with random content (shapes and echoes as trainer.models.wire says)."""
     gen = torch.Generator().manual_seed(0)
     extra = request["extra_sampling_params"]
     b, s = len(request["prompt"]), len(request["rollout_sde_step_indices"])
@@ -98,7 +99,7 @@ def test_driver_keys_of_the_sampling_config_are_accepted(adapter):
 @pytest.mark.parametrize("sampling, kwargs, message", [
     ({"guidance_scale": 0.5}, {}, "guidance_scale must be a number >= 1.0"),
     ({"guidance_scale": True}, {}, "guidance_scale must be a number >= 1.0"),
-    ({}, {"sde_indices": [0, 2]}, "cannot sample steps [0] with sigma_one='refuse'"),
+    ({}, {"sde_indices": [0, 2]}, "steps [0] (sigma == 1): " + TABLE["sde"].sigma_one_problem()),
     ({"sigma_max": 0.99}, {}, "unknown sampling keys ['sigma_max']"),
     ({"sigma_one": "clip"}, {}, "sigma_one must be one of refuse, clamp_to_next"),
     ({}, {"sde_indices": [2, 6]}, "sde_indices [6] are outside [0, 6)"),

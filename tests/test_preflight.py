@@ -130,8 +130,6 @@ ERROR_RULES = [
     ("sglang_clamp_to_next", ["rollout.engine=sglang", 'rollout.sglang_urls=["http://a:1"]',
                               sampling(sigma_one="clamp_to_next")], {"world_size": 1},
      ["rollout.sampling.sigma_one", "embedded engine only"]),
-    ("unknown_sampling_key", [sampling(sde_indice=[1])], {},
-     ["rollout.sampling", "unknown sampling keys ['sde_indice']"]),
     ("every_step_refuses_step0", [sampling(sde_step_mode="every_step", timestep_fraction=0.9)], {},
      ["rollout.sampling", "step 0", "every_step", "clamp_to_next"]),
     ("cps_gaussian_last_step", [sampling(sde_type="cps", sde_indices=[6, 7], sde_pool=[6, 7],

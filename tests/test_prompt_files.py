@@ -115,3 +115,60 @@ def test_launch_reports_type_errors_with_every_later_problem(capsys):
     assert "rollout.n_samples_per_prompt (--n-samples-per-prompt)=-1" in err
     assert "fsdp.trainable_mode (--fsdp-trainable-mode)='bogus'" in err
     assert err.count("invalid configuration") == 1
+
+
+def _flow_grpo_folder(tmp_path, layout):
+    folder = tmp_path / "dataset" / layout
+    folder.mkdir(parents=True)
+    if layout == "ocr":
+        (folder / "train.txt").write_text('A sign reading "OPEN"\nA mug printed with "hi"\n')
+        (folder / "test.txt").write_text('A banner that says "WELCOME"\n')
+    else:
+        (folder / "train_metadata.jsonl").write_text(json.dumps(GENEVAL[0]) + "\n")
+        (folder / "test_metadata.jsonl").write_text(json.dumps(GENEVAL[1]) + "\n")
+    return folder
+
+
+@pytest.mark.parametrize("layout", ["ocr", "geneval"])
+def test_a_flow_grpo_dataset_folder_is_prompt_data_and_keeps_its_split(tmp_path, layout):
+    """``--prompt-data dataset/ocr`` was refused ("is not a file"); now it trains on the
+    folder's train file and evaluates on its test file, unless eval data is given."""
+    from trainer.launch import resolve
+    folder = _flow_grpo_folder(tmp_path, layout)
+    train_name, test_name = (("train.txt", "test.txt") if layout == "ocr"
+                             else ("train_metadata.jsonl", "test_metadata.jsonl"))
+    run = f"logging.run_dir={tmp_path / 'run'}"
+    cfg, _ = resolve(["--config", "toy", "--set", run, "--prompt-data", str(folder)])
+    assert cfg.data.prompt_data == str(folder / train_name)
+    assert cfg.data.eval_prompt_data == str(folder / test_name)
+    preflight(cfg)
+    train, evals = load_records(cfg.data.prompt_data), load_records(cfg.data.eval_prompt_data)
+    assert {r["prompt"] for r in train}.isdisjoint(r["prompt"] for r in evals)
+    if layout == "geneval":
+        assert evals[0]["metadata"]["include"] == [{"class": "cat", "count": 2}]
+    other = _write(tmp_path / "held_out.txt", ["a lighthouse at dusk"])
+    cfg, _ = resolve(["--config", "toy", "--set", run, "--prompt-data", str(folder),
+                      "--eval-prompt-data", str(other)])
+    assert (cfg.data.prompt_data, cfg.data.eval_prompt_data) == (str(folder / train_name),
+                                                                 str(other))
+    cfg, _ = resolve(["--config", "toy", "--set", run, "--set",
+                      f"data.eval_prompt_data={folder}"])
+    assert cfg.data.eval_prompt_data == str(folder / test_name)
+
+
+def test_a_folder_that_is_no_dataset_folder_is_one_clear_error(tmp_path):
+    (tmp_path / "loose").mkdir()
+    (tmp_path / "loose" / "prompts.txt").write_text("a cat\n")
+    with pytest.raises(ConfigError) as e:
+        _cfg(tmp_path, f"data.prompt_data={tmp_path / 'loose'}")
+    assert "not a dataset folder: it needs train.txt + test.txt" in str(e.value)
+    assert "prompts.txt" in str(e.value)
+
+
+def test_launch_help_lists_the_prompt_formats(capsys):
+    from trainer.launch import main
+    with pytest.raises(SystemExit):
+        main(["--config", "toy", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for words in (".txt", "GenEval", "metadata.jsonl", "parquet", "train.txt + test.txt"):
+        assert words in out, words

@@ -111,12 +111,31 @@ def test_scorer_tables_load_pass_both_stages_and_weigh_components(tmp_path):
 
 
 def test_old_single_scorer_keys_still_work():
-    cfg = load_config("tiny", ["reward.custom_reward_path=test_rewards_config.custom_area"])
+    cfg = load_config("tiny", ["reward.custom_reward_path=test_rewards_config.custom_area",
+                               'reward.component_weights={"color": 1, "count": 1, '
+                               '"position": 1, "custom_area": 0.5}'])
     preflight(cfg, world_size=1)
     check_imports(cfg)
     manager = build_reward_manager_from_config(cfg.reward)
     assert set(manager.components) == {"color", "count", "position", "custom_area"}
-    assert manager.weights == {"color": 1.0, "count": 1.0, "position": 1.0}
+    assert manager.weights == {"color": 1.0, "count": 1.0, "position": 1.0, "custom_area": 0.5}
+
+
+def test_a_custom_reward_without_a_weight_beside_component_weights_is_refused():
+    """The tiny (and toy) recipe weighs its three toy components: a custom reward added
+    beside them used to weigh 0 without a word, so training ignored it."""
+    cfg = load_config("tiny", ["reward.custom_reward_path=test_rewards_config.custom_area"])
+    with pytest.raises(ConfigError) as err:
+        check_imports(cfg)
+    assert "'custom_area' (reward.custom_reward_path) are produced but have no weight" \
+        in str(err.value)
+    clear_reward_manager_cache()
+    with pytest.raises(ValueError, match="'custom_area' .* have no weight"):
+        build_reward_manager_from_config(cfg.reward)  # the rank refuses it too
+    # weight 0 says "log it, do not train on it" explicitly
+    check_imports(load_config("tiny", [
+        "reward.custom_reward_path=test_rewards_config.custom_area",
+        'reward.component_weights={"color": 1, "count": 1, "position": 1, "custom_area": 0}']))
 
 
 @pytest.mark.parametrize("sets, expected", [
@@ -153,6 +172,9 @@ def test_static_stage_names_each_problem(sets, expected):
      "endpoint='localhost:8000' is not an http(s) URL"),
     (['reward.scorers={"geneval": {"detector": "test_rewards_config.no_detector"}}'],
      "geneval detector 'test_rewards_config.no_detector'"),
+    (['reward.scorers={"geneval": {}}'],
+     "geneval needs detector = \"pkg.mod.make_detector\": no PyPI package we know ships a COCO "
+     "detector's weights in its wheel"),
     (['reward.scorers={"toy": {"weight": 2}}', 'reward.component_weights={"color": 1}',
       "reward.required_components=[]"],
      "component 'color' is weighed twice"),

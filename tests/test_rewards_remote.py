@@ -13,8 +13,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from trainer.rewards import (RemoteRewardError, RewardScorer, RewardServer, build_reward_manager,
-                             clear_reward_manager_cache)
+from trainer.rewards import (RemoteRewardError, RewardError, RewardScorer, RewardServer,
+                             build_reward_manager, clear_reward_manager_cache)
 from trainer.rewards.jpeg import JpegIncompressibilityScorer
 from trainer.rewards.remote import SCHEMA, RemoteScorer, decode_png_base64, encode_png_base64
 
@@ -164,6 +164,8 @@ class _ScriptedHandler(BaseHTTPRequestHandler):
             self._send(200, json.dumps({"rewards": {"r": [1.0, 2.0, 3.0]}}).encode())
         elif action == "renamed":
             self._send(200, json.dumps({"rewards": {"q": [1.0] * B}}).encode())
+        elif action == "huge":
+            self._send(200, json.dumps({"rewards": {"r": [1e300, 1.0, 2.0, 3.0]}}).encode())
         elif action == "strings":
             self._send(200, json.dumps({"rewards": {"r": ["a", 1, True, 2]}}).encode())
 
@@ -289,3 +291,11 @@ def test_serving_module_end_to_end():
         watchdog.cancel()
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_a_remote_reward_beyond_float32_is_refused_not_turned_into_inf(scripted):
+    server = scripted(["huge"])
+    manager = build_reward_manager(scorer_path=None, model_path=None, runtime="remote",
+                                   endpoint=server.url, components=("r",), timeout_s=5)
+    with pytest.raises(RewardError, match=r"'r': values beyond float32's range .*1e\+300"):
+        manager.score(*batch())

@@ -152,6 +152,35 @@ def test_clipscore_matches_reference(tiny_clip_dir):
     torch.testing.assert_close(scores["clipscore"], expected, rtol=1e-5, atol=1e-6)
 
 
+def test_clipscore_own_weight_is_settable_and_cannot_pass_for_the_mixing_weight(tiny_clip_dir):
+    """``weight`` in [reward.scorers.clipscore] is the mixing weight; CLIPScore's own 2.5
+    rescale is also called ``weight``. Set alone it used to become the mixing weight without a
+    word; now that is an error, and ``options`` gives the constructor its own."""
+    from trainer.config import ConfigError, load_config
+    from trainer.preflight.imports import check_imports
+    from trainer.rewards import build_reward_manager_from_config
+
+    base = ["reward.scorer_path=none", "reward.component_weights={}",
+            "reward.required_components=[]"]
+    table = json.dumps({"model_path": tiny_clip_dir, "weight": 100})
+    with pytest.raises(ConfigError) as err:
+        check_imports(load_config("tiny", base + [f'reward.scorers={{"clipscore": {table}}}']))
+    assert "reward.scorers.clipscore.weight is read as the table's mixing weight, but " \
+           "trainer.rewards.clipscore.CLIPScoreScorer also takes a constructor option " \
+           "'weight'" in str(err.value)
+    table = json.dumps({"model_path": tiny_clip_dir, "weight": 0.5,
+                        "options": {"weight": 100}})
+    cfg = load_config("tiny", base + [f'reward.scorers={{"clipscore": {table}}}'])
+    check_imports(cfg)
+    manager = build_reward_manager_from_config(cfg.reward)
+    assert manager.weights == {"clipscore": 0.5}
+    images = smooth_images(len(PROMPTS), IMAGE, IMAGE, seed=2)
+    scores, _ = manager.score(images, PROMPTS, [{}] * len(PROMPTS))
+    image, text, _ = reference_clip_embeds(tiny_clip_dir, images, PROMPTS)
+    torch.testing.assert_close(scores["clipscore"], 100 * (image * text).sum(-1).clamp_min(0),
+                               rtol=1e-5, atol=1e-5)
+
+
 def _write_head(path, widths, seed):
     g = torch.Generator().manual_seed(seed)
     state, index = {}, 0

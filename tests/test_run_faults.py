@@ -147,6 +147,7 @@ def test_launch_that_cannot_train_exits_nonzero_naming_the_cause(tmp_path):
     t0 = time.monotonic()
     proc = _launch(tmp_path / "run", "--set", "train.num_rollouts=6",
                    "--set", "reward.custom_reward_path=fault_rewards.always_nan",
+                   "--set", "reward.scorer_path=none",  # the toy components would be unweighed
                    "--set", 'reward.required_components=["always_nan"]',
                    "--set", 'reward.component_weights={"always_nan": 1.0}',
                    "--max-rollouts-without-step", "2")

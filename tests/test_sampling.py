@@ -77,20 +77,17 @@ def test_kernel_options_map_the_cps_form():
 
 
 def test_one_list_of_sde_types():
-    """Preflight, the request schema, the engine's request parser and the kernels agree."""
-    import flowgrpo_kernels.sde_reference as ref
+    """Preflight, the request schema, the engine's request parser and the kernels read one table."""
+    from flowgrpo_kernels import sde_types
     from trainer.engine.embedded import request
-    from trainer.models import schema
 
-    assert request.SDE_TYPES is sampling_mod.SDE_TYPES
-    assert set(ref.SDE_TYPES) == set(sampling_mod.SDE_TYPES) | {"ode"}
-    assert ref.KL_FORMS == sampling_mod.KL_FORMS and ref.SIGMA_ONE == sampling_mod.SIGMA_ONE_TREATMENTS
-    assert set(ref.LOG_PROB_FORMS) == {SamplingConfig.from_dict(
+    assert request.SDE_TYPES is sampling_mod.SDE_TYPES is sde_types.SDE_TYPES
+    assert set(sde_types.KERNEL_SDE_TYPES) == set(sampling_mod.SDE_TYPES) | {"ode"}
+    assert sampling_mod.KL_FORMS is sde_types.KL_FORMS
+    assert sampling_mod.SIGMA_ONE_TREATMENTS is sde_types.SIGMA_ONE_TREATMENTS
+    assert set(sde_types.LOG_PROB_FORMS) == {SamplingConfig.from_dict(
         {"sde_type": "cps", "sde_indices": [2], "cps_log_prob": f}).log_prob_form
         for f in sampling_mod.CPS_LOG_PROB_FORMS} == set(request.LOG_PROB_FORMS)
-    for module in (schema, __import__("trainer.preflight", fromlist=["x"]),
-                   __import__("trainer.rollout.sde_indices", fromlist=["x"])):
-        assert getattr(module, "SDE_TYPES", sampling_mod.SDE_TYPES) is sampling_mod.SDE_TYPES
 
 
 def test_a_cps_config_that_passes_preflight_is_served_by_the_engine():
@@ -103,7 +100,7 @@ def test_a_cps_config_that_passes_preflight_is_served_by_the_engine():
     cfg = load_config("tiny", ["rollout.sampling=" + json.dumps(table)])
     assert preflight(cfg) == []
     adapter = FixtureAdapter("unused")
-    sampling = SamplingConfig.from_dict({**cfg.rollout.sampling, "height": HEIGHT, "width": WIDTH})
+    sampling, _ = cfg.rollout.sampling.merged({"height": HEIGHT, "width": WIDTH})
     request = adapter.build_rollout_request(["a", "a"], ["s0", "s1"], sampling, rollout_id=1, seed=3)
     spec = parse_generate_request(adapter, request)
     assert spec.sde_type == "cps" and spec.log_prob_form == "squared_residual"

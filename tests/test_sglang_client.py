@@ -215,7 +215,7 @@ def test_wire_decodes_both_tensor_tags():
 
     from safetensors.torch import save
 
-    from trainer.engine.wire import from_wire, to_wire
+    from trainer.models.wire import from_wire, to_wire
 
     t = torch.randn(3, 5).to(torch.bfloat16)
     ours = to_wire({"a": [t]})

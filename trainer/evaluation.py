@@ -27,7 +27,7 @@ _STEP_KEYS_OFF_FOR_ODE = {"sde_indices": None, "sde_pool": None, "num_sde_steps"
 
 def eval_sampling(cfg: Any) -> dict[str, Any]:
     """The sampling table of an evaluation rollout (validated by trainer.config.sampling)."""
-    data, table = cfg.data, dict(cfg.rollout.sampling)
+    data, table = cfg.data, cfg.rollout.sampling.to_dict()
     if data.eval_num_inference_steps is not None:
         table["num_inference_steps"] = data.eval_num_inference_steps
     if data.eval_guidance_scale is not None:

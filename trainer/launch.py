@@ -30,6 +30,7 @@ from trainer.config import (Config, ConfigError, dump_toml, field_help, flag_tab
                             load_config)
 from trainer.preflight import preflight
 from trainer.preflight.imports import check_imports
+from trainer.preflight.machine import device_problems
 from trainer.rundir import RunDirError, RunDirLock, claim_run_dir
 from trainer.watchdog import TrainingStalledError
 
@@ -42,7 +43,7 @@ def parse_args(argv: list[str], problems_out: list[str] | None = None
         prog="python -m trainer launch",
         description="Launch FlowGRPO training. Short flags (e.g. --rollout-batch-size 8) "
                     "and --set section.key=value override the recipe.",
-        epilog="Config fields and their flags:\n" + field_help(),
+        epilog="Config fields and their flags:\n" + field_help(_recipe_named(argv)),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="recipe TOML path or shipped name")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
@@ -72,6 +73,16 @@ def parse_args(argv: list[str], problems_out: list[str] | None = None
     elif problems:
         raise ConfigError(problems)
     return args, flags
+
+
+def _recipe_named(argv: list[str]) -> str | None:
+    """The --config of ``argv`` (for --help to show that recipe's values), if any."""
+    for i, tok in enumerate(argv):
+        if tok.startswith("--config="):
+            return tok.split("=", 1)[1]
+        if tok == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
 
 
 def resolve(argv: list[str], problems_out: list[str] | None = None
@@ -104,6 +115,8 @@ def main(argv: list[str]) -> int:
                       device=_device_kind(cfg))
         except ConfigError as exc:
             problems += exc.problems
+        problems += device_problems(device=_device_kind(cfg), nproc=nproc,
+                                    nproc_given=cfg.launch.nproc is not None)
         if problems:
             raise ConfigError(problems)
         check_imports(cfg)  # second stage: every dotpath imported, every scorer option checked
@@ -221,5 +234,6 @@ def _known_failures() -> tuple[type[BaseException], ...]:
     """Failures whose message says everything: reported in one line, exit code 1."""
     from trainer.checkpoint import CheckpointError, ContractMismatchError
     from trainer.engine.embedded.client import EngineError
+    from trainer.rewards.base import RewardError
     return (RunDirError, CheckpointError, ContractMismatchError, EngineError,
-            TrainingStalledError)
+            TrainingStalledError, RewardError)

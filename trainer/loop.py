@@ -25,8 +25,9 @@ from trainer.actor.colocate import Footprint, OffloadPolicy, actor_footprint
 from trainer.actor.sync import sync_payload
 from trainer.actor.update import train_on
 from trainer.algorithms import algorithm_noise_steps, training_sampling
+from trainer.algorithms.nft_step import nft_train_on
 from trainer.checkpoint import save_checkpoint
-from trainer.config import DEFAULT_SAMPLING, Config, write_resolved
+from trainer.config import Config, write_resolved
 from trainer.ema import build_ema
 from trainer.engine import launch_embedded_engine
 from trainer.engine.recovery import call_with_recovery
@@ -43,7 +44,7 @@ from trainer.rollout import RolloutDriver
 from trainer.state import TrainerState
 from trainer.toy import weights_dir
 from trainer.utils.values import import_dotpath
-from trainer.visuals import captioned_grid, captions, log_pictures
+from trainer.visuals import log_pictures, log_samples, pick_samples
 from trainer.watchdog import check_progress
 
 log = logging.getLogger("trainer")
@@ -165,26 +166,25 @@ class Trainer(TrainerState):
             artifact_root=artifact_root if cfg.rollout.write_artifacts and self.rank == 0
             else None, retention=cfg.rollout.artifact_retention_rollouts,
             wave_size=cfg.rollout.wave_size,
-            sample_id_mode=cfg.rollout.sampling.get("sample_id_mode", "metadata"),
+            sample_id_mode=cfg.rollout.sampling.sample_id_mode,
             noise_steps=algorithm_noise_steps(
                 cfg.train, seed=cfg.rollout.generation_seed,
-                num_inference_steps=int(cfg.rollout.sampling.get(
-                    "num_inference_steps", DEFAULT_SAMPLING["num_inference_steps"]))))
+                num_inference_steps=cfg.rollout.sampling.num_inference_steps))
         self.eval_driver = RolloutDriver(
             self.adapter, [self.engine], sampling=eval_sampling(cfg),
             seed=cfg.rollout.generation_seed, task=cfg.model.task, wave_size=cfg.rollout.wave_size,
-            sample_id_mode=cfg.rollout.sampling.get("sample_id_mode", "metadata"))
+            sample_id_mode=cfg.rollout.sampling.sample_id_mode)
 
     def _engine_warmup(self) -> dict | None:
         """The geometry of a training request, compiled before the first rollout."""
         if not compile_wanted(self.cfg.model.compile, self.device):
             return None
         r = self.cfg.rollout
-        return {"height": int(r.sampling.get("height", DEFAULT_SAMPLING["height"])),
-                "width": int(r.sampling.get("width", DEFAULT_SAMPLING["width"])),
+        return {"height": int(r.sampling.height),
+                "width": int(r.sampling.width),
                 # CFG runs the conditional and the empty-prompt halves as one forward
                 "batch": (r.wave_size or 1) * r.n_samples_per_prompt
-                * (2 if float(r.sampling.get("guidance_scale", 1.0)) != 1.0 else 1)}
+                * (2 if float(r.sampling.guidance_scale) != 1.0 else 1)}
 
     def _build_reward(self) -> None:
         r = self.cfg.reward
@@ -225,14 +225,18 @@ class Trainer(TrainerState):
         wsum = sum(weights.get(c, 0.0) for c in components) or 1.0
         metrics["reward/mean"] = float(total.mean()) / wsum  # weighted mean, same scale as eval
         k = self.cfg.logging.train_samples if self.rank == 0 else 0
-        self.last_samples = (batch.images[:k].cpu(), batch.prompts[:k],
-                             (total[:k] / wsum).cpu()) if k > 0 else None
+        shown = pick_samples(batch.prompts, k)  # spread over the groups: several prompts
+        self.last_samples = (batch.images[shown].cpu(), [batch.prompts[i] for i in shown],
+                             (total[shown] / wsum).cpu()) if k > 0 else None
         metrics["reward/failed_groups"] = float(len(failed))
         return adv, metrics
 
     def train_on(self, batch, advantages: torch.Tensor, rollout_id: int) -> dict[str, float]:
         """Replay and update (trainer.actor.update): --num-updates-per-batch disjoint optimizer
-        updates; pi_old frozen before the first optimizer step."""
+        updates; pi_old frozen before the first optimizer step. DiffusionNFT has its own
+        update (trainer.algorithms.nft_step)."""
+        if self.cfg.train.algorithm == "diffusionnft":
+            return nft_train_on(self, batch, advantages, rollout_id)
         return train_on(self, batch, advantages, rollout_id)
 
     def _coll_device(self) -> torch.device:
@@ -401,9 +405,9 @@ class Trainer(TrainerState):
         out = self._reduce_metrics(out)
         if self.rank == 0 and batch.images is not None:
             rewards = (total[:32] / wsum).tolist()
-            grid = captioned_grid(batch.images[:32], captions(batch.prompts[:32], rewards))
-            self.metrics.image(f"{tag}/samples", step, grid,
-                               path=self.run_dir / "eval" / f"{tag}_step{step:05d}.png")
+            log_samples(self.metrics, f"{tag}/samples", step, batch.images[:32],
+                        batch.prompts[:32], rewards,
+                        path=self.run_dir / "eval" / f"{tag}_step{step:05d}.png")
         return out
 
     def eval_over_seeds(self, seeds) -> list[float]:

@@ -129,6 +129,22 @@ class MetricsLogger:
             path.parent.mkdir(parents=True, exist_ok=True)
             Image.fromarray(image).save(path)
 
+    def samples(self, tag: str, step: int, grid: np.ndarray, images, texts: list[str],
+                path: Path | None = None) -> None:
+        """Samples: the captioned grid to TensorBoard and the PNG, and to W&B one captioned
+        image per sample (trainer.wandb_run.log_samples), which W&B's media panel pages
+        through and whose captions it shows whole."""
+        if not self.enabled:
+            return
+        if self._tb is not None:
+            self._tb.add_image(tag, grid, step, dataformats="HWC")
+        if self._wandb is not None:
+            from trainer.wandb_run import log_samples
+            log_samples(self._wandb, tag, step, images, texts)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(grid).save(path)
+
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()

@@ -1,12 +1,22 @@
 """Pictures of a run: captioned sample grids and the reward curve.
 
-* ``captioned_grid``: each image with its caption (reward, then prompt) underneath, laid out by
-  torchvision's ``make_grid``. Tiles narrower than ``min_tile`` pixels are upscaled (nearest:
-  the pixels stay the model's) so a caption fits under a 32-pixel toy image.
+* ``captioned_grid``: each image with its caption (reward, then the whole prompt) underneath,
+  laid out by torchvision's ``make_grid``. Tiles narrower than ``min_tile`` pixels are upscaled
+  (nearest: the pixels stay the model's) so a caption fits under a 32-pixel toy image. The
+  caption is wrapped to the tile's width and kept whole: OCR prompts carry the quoted text the
+  reward reads and GenEval prompts their second object, both near the end. A caption longer
+  than ``MAX_CAPTION_LINES`` at the normal size is set in a smaller font; only one longer than
+  that at the small size is cut, with an ellipsis. Every tile of a grid gets the strip height
+  of its longest caption, so rows stay aligned.
+* ``pick_samples``: which of a rollout's candidates the training grid shows: spread over the
+  groups (each group is one prompt's candidates), so the grid reads several prompts rather
+  than one prompt's candidates only.
 * ``write_reward_curve``: ``<run_dir>/reward_curve.png`` from ``metrics.jsonl`` (so a resumed
-  run's curve holds its whole history): the weighted reward of training rollouts and of evals,
-  and below it every reward component (train as lines, eval as dotted markers). Drawn with PIL
-  (matplotlib is not a dependency of the trainer).
+  run's curve holds its whole history), drawn with matplotlib: the weighted reward of training
+  rollouts and of evals, and below it every reward component. One colour per reward; train a
+  solid line, eval a dashed line with open circles; ticks and gridlines on both axes.
+* ``log_samples``: one set of samples to the run directory and TensorBoard (the grid) and to
+  W&B (one captioned ``wandb.Image`` per sample).
 """
 from __future__ import annotations
 
@@ -42,33 +52,95 @@ def captions(prompts: Sequence[str], rewards: torch.Tensor | Sequence[float]) ->
     return [f"{float(r):.3f}  {p}" for p, r in zip(prompts, rewards)]
 
 
-def _caption_tile(image: np.ndarray, text: str, min_tile: int, lines: int) -> np.ndarray:
+MAX_CAPTION_LINES = 8
+_SIZES = ((11, 13), (9, 11))  # (font size, line height) in pixels: normal, then small
+
+
+def _wrap(text: str, width_px: int, size: int) -> list[str]:
+    chars = max(8, int(width_px / max(1.0, _font(size).getlength("n"))))
+    return textwrap.wrap(text, chars) or [""]
+
+
+def caption_lines(text: str, tile_width: int, lines: int | None = None) -> list[str]:
+    """The lines a caption is drawn in under a tile ``tile_width`` pixels wide."""
+    return _caption_layout(text, tile_width, lines)[1]
+
+
+def _caption_layout(text: str, width_px: int, lines: int | None) -> tuple[int, list[str]]:
+    """(font size, wrapped lines) of one caption: the normal size when it fits in the lines
+    allowed, else the small size, cut only when that does not fit either."""
+    limit = lines or MAX_CAPTION_LINES
+    for size, _ in _SIZES:
+        wrapped = _wrap(text, width_px - 4, size)
+        if len(wrapped) <= limit:
+            return size, wrapped
+    wrapped = wrapped[:limit]
+    wrapped[-1] = wrapped[-1][:-1] + "\u2026" if len(wrapped[-1]) > 1 else "\u2026"
+    return size, wrapped
+
+
+def _upscaled(image: np.ndarray, min_tile: int) -> Image.Image:
     tile = Image.fromarray(np.ascontiguousarray(image))
     if tile.width < min_tile:
         scale = math.ceil(min_tile / tile.width)
         tile = tile.resize((tile.width * scale, tile.height * scale), Image.NEAREST)
-    font = _font(11)
-    chars = max(8, int(tile.width / max(1.0, font.getlength("n"))))
-    wrapped = textwrap.wrap(text, chars)[:lines] or [""]
-    line_h = 13
-    out = Image.new("RGB", (tile.width, tile.height + line_h * lines + 4), "white")
+    return tile
+
+
+def _caption_tile(tile: Image.Image, layout: tuple[int, list[str]], strip_h: int
+                  ) -> np.ndarray:
+    size, wrapped = layout
+    line_h = dict(_SIZES)[size]
+    out = Image.new("RGB", (tile.width, tile.height + strip_h), "white")
     out.paste(tile, (0, 0))
     draw = ImageDraw.Draw(out)
     for i, line in enumerate(wrapped):
-        draw.text((2, tile.height + 2 + i * line_h), line, fill="black", font=font)
+        draw.text((2, tile.height + 2 + i * line_h), line, fill="black", font=_font(size))
     return np.array(out)  # a writable copy: torch.from_numpy refuses read-only views
 
 
 def captioned_grid(images: torch.Tensor | np.ndarray, texts: Sequence[str], *, ncol: int = 8,
-                   min_tile: int = 128, lines: int = 3) -> np.ndarray:
-    """uint8 [N, H, W, 3] + N captions -> one uint8 [H', W', 3] grid (white padding)."""
+                   min_tile: int = 192, lines: int | None = None) -> np.ndarray:
+    """uint8 [N, H, W, 3] + N captions -> one uint8 [H', W', 3] grid (white padding). With
+    ``lines``, every caption strip is that many lines high (captions cut to fit); without, as
+    high as the longest caption needs (up to ``MAX_CAPTION_LINES``)."""
     arrays = images.cpu().numpy() if isinstance(images, torch.Tensor) else np.asarray(images)
     if len(arrays) != len(texts):
         raise ValueError(f"{len(arrays)} images but {len(texts)} captions")
-    tiles = [torch.from_numpy(_caption_tile(a, t, min_tile, lines)).permute(2, 0, 1)
-             for a, t in zip(arrays, texts)]
-    grid = make_grid(tiles, nrow=max(1, min(ncol, len(tiles))), padding=4, pad_value=255)
+    tiles = [_upscaled(a, min_tile) for a in arrays]
+    layouts = [_caption_layout(t, tile.width, lines) for tile, t in zip(tiles, texts)]
+    strip_h = (13 * lines if lines else
+               max((dict(_SIZES)[size] * len(w) for size, w in layouts), default=13)) + 4
+    chw = [torch.from_numpy(_caption_tile(tile, layout, strip_h)).permute(2, 0, 1)
+           for tile, layout in zip(tiles, layouts)]
+    grid = make_grid(chw, nrow=max(1, min(ncol, len(chw))), padding=4, pad_value=255)
     return grid.permute(1, 2, 0).contiguous().numpy().astype(np.uint8)
+
+
+def pick_samples(prompts: Sequence[str], k: int) -> list[int]:
+    """Up to ``k`` indices of a rollout's samples, taken round-robin over its groups (runs of
+    one prompt), returned in rollout order: the first candidate of every group before any
+    group's second."""
+    groups: list[list[int]] = []
+    for i, prompt in enumerate(prompts):
+        if groups and prompts[groups[-1][0]] == prompt:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    chosen: list[int] = []
+    for rank in range(max((len(g) for g in groups), default=0)):
+        chosen += [g[rank] for g in groups if rank < len(g)]
+    return sorted(chosen[:max(0, k)])
+
+
+def log_samples(metrics, tag: str, step: int, images, prompts: Sequence[str], rewards,
+                path: Path | None = None) -> np.ndarray:
+    """Samples to the PNG and TensorBoard as one captioned grid, to W&B one captioned image
+    each (``metrics.samples``)."""
+    texts = captions(prompts, rewards)
+    grid = captioned_grid(images, texts)
+    metrics.samples(tag, step, grid, images, texts, path=path)
+    return grid
 
 
 # ---- the reward curve ---------------------------------------------------------------------
@@ -97,62 +169,55 @@ def reward_series(rows: Sequence[dict]) -> tuple[dict[str, list], dict[str, list
     return as_list(total), as_list(parts)
 
 
-def _panel(draw, box, title: str, series: dict[str, list], colours: dict[str, tuple]) -> None:
-    x0, y0, x1, y1 = box
-    font = _font(12)
-    draw.text((x0, y0 - 18), title, fill="black", font=font)
-    draw.rectangle(box, outline=(90, 90, 90))
-    points = [p for pts in series.values() for p in pts]
-    if not points:
-        draw.text((x0 + 10, y0 + 10), "no data yet", fill="gray", font=font)
+def _reward_colours(total: dict[str, list], parts: dict[str, list]) -> dict[str, tuple]:
+    """One colour per reward (train and eval of a reward share it; the line style differs)."""
+    bases = ["weighted"] + sorted({n.split(" ", 1)[1] for n in parts})
+    colours = {b: tuple(c / 255 for c in PALETTE[i % len(PALETTE)]) for i, b in enumerate(bases)}
+    out = {n: colours["weighted"] for n in total}
+    out.update({n: colours[n.split(" ", 1)[1]] for n in parts})
+    return out
+
+
+def _plot_panel(ax, title: str, series: dict[str, list], colours: dict[str, tuple],
+                label_of) -> None:
+    from matplotlib.ticker import MaxNLocator
+    ax.set_title(title, fontsize=11, loc="left")
+    ax.grid(True, which="major", color="0.85", linewidth=0.8)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel("reward")
+    if not series:
+        ax.text(0.5, 0.5, "no data yet", transform=ax.transAxes, ha="center", color="0.5")
         return
-    smin, smax = min(p[0] for p in points), max(p[0] for p in points)
-    vmin, vmax = min(p[1] for p in points), max(p[1] for p in points)
-    if smax == smin:
-        smax = smin + 1
-    if vmax == vmin:
-        vmin, vmax = vmin - 0.5, vmax + 0.5
-    pad = 10
+    for name in sorted(series, key=lambda n: (n.split(" ", 1)[-1], n)):
+        steps, values = zip(*series[name])
+        if name.split(" ", 1)[0] == "eval":
+            ax.plot(steps, values, linestyle="--", marker="o", markerfacecolor="white",
+                    markersize=5, linewidth=1.2, color=colours[name], label=label_of(name))
+        else:
+            ax.plot(steps, values, linestyle="-", marker="." if len(steps) < 40 else None,
+                    linewidth=1.8, color=colours[name], label=label_of(name))
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=9, frameon=False)
 
-    def xy(step, value):
-        return (x0 + pad + (step - smin) / (smax - smin) * (x1 - x0 - 2 * pad),
-                y1 - pad - (value - vmin) / (vmax - vmin) * (y1 - y0 - 2 * pad))
 
-    for label, value in ((f"{vmax:.4g}", vmax), (f"{vmin:.4g}", vmin)):
-        draw.text((x0 - 58, xy(smin, value)[1] - 6), label, fill="black", font=font)
-    draw.text((x0, y1 + 4), f"step {smin}", fill="black", font=font)
-    draw.text((x1 - 60, y1 + 4), f"step {smax}", fill="black", font=font)
-    for name, pts in series.items():
-        colour = colours[name]
-        coords = [xy(s, v) for s, v in pts]
-        if name.startswith("eval"):  # eval: markers, so it reads apart from train's lines
-            for cx, cy in coords:
-                draw.ellipse((cx - 3, cy - 3, cx + 3, cy + 3), outline=colour, width=2)
-        if len(coords) > 1:
-            draw.line(coords, fill=colour, width=2 if name.startswith("train") else 1)
-        elif coords and not name.startswith("eval"):
-            cx, cy = coords[0]
-            draw.ellipse((cx - 2, cy - 2, cx + 2, cy + 2), fill=colour)
+def reward_figure(total: dict[str, list], parts: dict[str, list]):
+    """The reward curve as a matplotlib Figure (no pyplot: no global state, no display)."""
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(9.0, 6.4), dpi=100, layout="constrained")
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    colours = _reward_colours(total, parts)
+    _plot_panel(top, "weighted reward", total, colours, lambda n: f"{n} (weighted)")
+    _plot_panel(bottom, "reward components", parts, colours, lambda n: n)
+    bottom.set_xlabel("step")
+    bottom.tick_params(labelbottom=True)
+    return fig
 
 
 def draw_reward_curve(total: dict[str, list], parts: dict[str, list]) -> np.ndarray:
-    width, height = 900, 640
-    img = Image.new("RGB", (width, height), "white")
-    draw = ImageDraw.Draw(img)
-    names = list(total) + list(parts)
-    bases = sorted({n.split(" ", 1)[-1] for n in parts})
-    colours = {"train": PALETTE[0], "eval": PALETTE[1]}
-    colours.update({n: PALETTE[(2 + bases.index(n.split(" ", 1)[1])) % len(PALETTE)]
-                    for n in parts})
-    _panel(draw, (70, 30, 700, 290), "weighted reward (train: line, eval: circles)", total,
-           colours)
-    _panel(draw, (70, 350, 700, 610), "reward components", parts, colours)
-    font = _font(12)
-    for i, name in enumerate(names):
-        y = 40 + 18 * i
-        draw.rectangle((715, y + 3, 727, y + 13), fill=colours[name])
-        draw.text((732, y), name, fill="black", font=font)
-    return np.asarray(img)
+    """The reward curve as an RGB uint8 array (900 x 640)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    canvas = FigureCanvasAgg(reward_figure(total, parts))
+    canvas.draw()
+    return np.asarray(canvas.buffer_rgba())[..., :3].copy()
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -178,17 +243,16 @@ def write_reward_curve(run_dir: str | Path) -> Path:
 
 
 def log_pictures(trainer, step: int, *, evaluated: bool) -> None:
-    """The loop's logged-step pictures (rank 0): the last rollout's first samples as a
-    captioned grid, and after an eval the reward curve, to the run directory, TensorBoard and
+    """The loop's logged-step pictures (rank 0): the last rollout's chosen samples
+    (``pick_samples``) as a captioned grid (and captioned images on W&B), and after an eval the reward curve, to the run directory, TensorBoard and
     W&B alike."""
     if trainer.rank != 0 or not trainer.metrics.enabled:
         return
     samples = getattr(trainer, "last_samples", None)
     if samples is not None and step > 0:
         images, prompts, rewards = samples
-        grid = captioned_grid(images, captions(prompts, rewards))
-        trainer.metrics.image("train/samples", step, grid,
-                              path=trainer.run_dir / "train_samples" / f"step{step:05d}.png")
+        log_samples(trainer.metrics, "train/samples", step, images, prompts, rewards,
+                    path=trainer.run_dir / "train_samples" / f"step{step:05d}.png")
     if evaluated:
         path = write_reward_curve(trainer.run_dir)
         trainer.metrics.image("reward_curve", step, np.asarray(Image.open(path).convert("RGB")))

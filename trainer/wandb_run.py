@@ -8,9 +8,16 @@
   Delete the file to start a fresh W&B run in the same directory.
 
 Offline use is W&B's own: ``WANDB_MODE=offline`` (then ``wandb sync`` later).
+W&B's files go to ``WANDB_DIR`` when it is set (W&B's own variable: a cluster's scratch
+space, say), else into the run directory.
+
+Samples go to W&B one ``wandb.Image`` per sample, each with its caption (reward and the whole
+prompt), in one list per step: W&B's media panel shows them side by side with the captions
+in full, which a grid with the text burnt in cannot do.
 """
 from __future__ import annotations
 
+import os
 import secrets
 from pathlib import Path
 from typing import Any
@@ -54,10 +61,26 @@ def resumable_id(run_dir: str | Path) -> str:
 
 def init_wandb(run_dir: str | Path, project: str, config: dict[str, Any]):
     import wandb  # optional dependency (the wandb extra): only runs that log to W&B need it
-    return wandb.init(project=project, config=config, dir=str(run_dir), name=run_name(config),
-                      id=resumable_id(run_dir), resume="allow")
+    return wandb.init(project=project, config=config, dir=wandb_dir(run_dir),
+                      name=run_name(config), id=resumable_id(run_dir), resume="allow")
+
+
+def wandb_dir(run_dir: str | Path) -> str:
+    """Where W&B writes its files: ``WANDB_DIR`` when set (created if missing), else the run
+    directory."""
+    path = os.environ.get("WANDB_DIR") or str(run_dir)
+    os.makedirs(path, exist_ok=True)
+    return path
 
 
 def log_image(run, tag: str, step: int, image, caption: str | None = None) -> None:
     import wandb  # optional, as above
     run.log({tag: wandb.Image(image, caption=caption)}, step=step)
+
+
+def log_samples(run, tag: str, step: int, images, texts) -> None:
+    """One captioned ``wandb.Image`` per sample (uint8 [N, H, W, 3] and N captions)."""
+    import wandb  # optional, as above
+    arrays = images.cpu().numpy() if hasattr(images, "cpu") else images
+    run.log({tag: [wandb.Image(image, caption=text) for image, text in zip(arrays, texts)]},
+            step=step)

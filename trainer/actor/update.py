@@ -238,9 +238,6 @@ def train_on(trainer, batch, advantages: torch.Tensor, rollout_id: int) -> dict[
     """Replay and update: the local slice split into --num-updates-per-batch disjoint
     optimizer updates of micro-batches (``train.micro_batch_size``, or ``auto``)."""
     cfg = trainer.cfg
-    if cfg.train.algorithm == "diffusionnft":  # its own update (trainer.algorithms.nft_step)
-        from trainer.algorithms.nft_step import nft_train_on  # here: nft_step imports this module
-        return nft_train_on(trainer, batch, advantages, rollout_id)
     per_update = len(batch) // max(1, cfg.train.num_updates_per_batch)
     micro = resolve_micro_batch(trainer, batch, advantages, per_update)
     gen = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + rollout_id)

@@ -104,7 +104,7 @@ def nft_train_on(trainer, batch, advantages: torch.Tensor, rollout_id: int) -> d
     plan = plan_updates(len(batch), cfg.train.num_updates_per_batch,
                         int(cfg.train.micro_batch_size), generator=gen)
     sigmas = batch.schedule[:-1].float()
-    fraction = float(cfg.rollout.sampling.get("timestep_fraction") or 1.0)
+    fraction = float(cfg.rollout.sampling.timestep_fraction)
     levels_per_sample = max(1, int(len(sigmas) * fraction))
     order = torch.stack([torch.randperm(len(sigmas), generator=gen)[:levels_per_sample]
                          for _ in range(len(batch))])  # [B, K] level indices per sample

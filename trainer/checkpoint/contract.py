@@ -183,5 +183,5 @@ def sampling_fingerprint(trainer) -> str:
     fp = getattr(getattr(trainer, "driver", None), "fingerprint", None)
     if isinstance(fp, str):
         return fp
-    blob = json.dumps(trainer.cfg.rollout.sampling, sort_keys=True, default=str).encode()
+    blob = json.dumps(trainer.cfg.rollout.sampling.to_dict(), sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]

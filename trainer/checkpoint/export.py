@@ -7,8 +7,14 @@ Forms:
 * ``merged`` (LoRA checkpoints): every adapter folded into its base weight,
   W + (alpha / r) * B @ A in fp32, cast back to the base's dtype. Streams the base's
   safetensors shard by shard (memory: one shard) and keeps its file layout and config, so
-  OUT loads with ``<_class_name>.from_pretrained(OUT)`` like the base transformer does.
-  The base is --base-model-path, else the model path recorded in the checkpoint.
+  The base is --base-model-path, else the model path recorded in the checkpoint. When the
+  base is a pipeline folder (``model_index.json``), OUT is a complete pipeline folder: the
+  merged transformer in ``OUT/transformer`` and the base's other parts (VAE, text encoders,
+  tokenizers, scheduler, ``model_index.json``) beside it, so
+  ``DiffusionPipeline.from_pretrained(OUT)`` loads it; the parts are hard links to the base's
+  files where the file system allows (they are unchanged, and a text encoder can be many GB),
+  else copies. For a transformer-only base, OUT is a transformer folder
+  (``<_class_name>.from_pretrained(OUT)``).
 * ``adapter`` (LoRA checkpoints): a PEFT adapter directory (adapter_config.json +
   adapter_model.safetensors) for ``PeftModel.from_pretrained(base, OUT)``, and beside it
   diffusers' ``pytorch_lora_weights.safetensors`` for ``pipe.load_lora_weights(OUT)``
@@ -26,8 +32,11 @@ full export tensor for tensor.
 Design choices:
 * The transformer class always comes from ``_class_name`` in the base's config.json
   (``<base>/transformer/config.json`` for a pipeline directory): no per-family code.
-* OUT is a transformer directory, not a whole pipeline; the other pipeline parts are
-  unchanged, so ``Pipeline.from_pretrained(base, transformer=Cls.from_pretrained(OUT))``.
+* A full export is a transformer directory; the other pipeline parts are unchanged, so
+  ``Pipeline.from_pretrained(base, transformer=Cls.from_pretrained(OUT))``.
+* Merged and full exports carry a model card, ``OUT/README.md`` (base model, recipe, LoRA
+  rank, the last eval: trainer/checkpoint/model_card.py), and the run's resolved config as
+  ``OUT/training_config.toml``, found beside the checkpoint or given with ``--run-dir``.
 * A merged export refuses a base whose content hash differs from the one the adapter was
   trained on (it would fold the adapter into the wrong weights).
 * OUT is written into a hidden sibling directory and renamed into place at the end, so an
@@ -56,6 +65,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from trainer.checkpoint import layout
 from trainer.checkpoint.contract import base_model_hash, lora_scaling
 from trainer.checkpoint.diffusers_lora import verify_diffusers_lora, write_diffusers_lora
+from trainer.checkpoint.model_card import TRAINING_CONFIG, find_run_dir, model_card
 from trainer.utils.dtypes import TORCH_DTYPES
 from trainer.ema import ema_model_tensors
 
@@ -89,6 +99,35 @@ def transformer_dir(path: str | Path) -> Path:
             return cand
     raise ValueError(f"{p} holds no diffusers transformer (no config.json with _class_name in "
                      f"{p / 'transformer'} or {p})")
+
+
+def pipeline_root(tdir: Path | None) -> Path | None:
+    """The pipeline folder a transformer folder sits in (``<root>/transformer`` beside
+    ``<root>/model_index.json``), else None."""
+    if tdir is None or Path(tdir).name != "transformer":
+        return None
+    root = Path(tdir).parent
+    return root if (root / "model_index.json").is_file() else None
+
+
+def _link_or_copy(src: str, dst: str) -> str:
+    try:
+        os.link(src, dst)
+    except OSError:  # another file system, or links not allowed: a copy
+        shutil.copy2(src, dst)
+    return dst
+
+
+def copy_pipeline_parts(root: Path, dest: Path) -> None:
+    """Every part of the pipeline at ``root`` but its transformer (and its own README, the
+    base's model card) into ``dest``."""
+    for entry in sorted(root.iterdir()):
+        if entry.name in ("transformer", "README.md") or entry.name.startswith("."):
+            continue
+        if entry.is_dir():
+            shutil.copytree(entry, dest / entry.name, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(str(entry), str(dest / entry.name))
 
 
 def transformer_class(tdir: Path) -> type:
@@ -222,6 +261,11 @@ def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 
 
 def write_merged(plan: ExportPlan, tensors: dict[str, torch.Tensor], dest: Path) -> None:
+    root = pipeline_root(plan.base)
+    if root is not None:
+        copy_pipeline_parts(root, dest)
+        dest = dest / "transformer"
+        dest.mkdir()
     pairs, problems = lora_pairs(tensors)
     scaling = lora_scaling(plan.contract)
     files = _weight_files(plan.base)
@@ -362,6 +406,7 @@ def verify_export(plan: ExportPlan, tensors: dict[str, torch.Tensor], out: Path)
         return problems + verify_diffusers_lora(out, plan.base, transformer_class(plan.base),
                                                 plan.contract, lora_pairs(tensors)[0], plan.dtype)
 
+    out = transformer_dir(out)  # OUT/transformer for a pipeline export
     written = _read_weights(out)
     problems += _diffusers_reload_problems(out, written)
     if plan.form == "full":
@@ -397,10 +442,21 @@ def verify_export(plan: ExportPlan, tensors: dict[str, torch.Tensor], out: Path)
 
 
 # ---- driver ---------------------------------------------------------------------------------
+def write_card(plan: ExportPlan, dest: Path, run_dir: str | Path | None) -> None:
+    """``README.md`` (the model card) and the run's ``training_config.toml`` into ``dest``."""
+    run = Path(run_dir) if run_dir is not None else find_run_dir(plan.iter_dir)
+    if run is not None and (run / "config.toml").is_file():
+        shutil.copy2(run / "config.toml", dest / TRAINING_CONFIG)
+    (dest / "README.md").write_text(model_card(
+        form=plan.form, contract=plan.contract, state=plan.state, run_dir=run,
+        pipeline=(dest / "model_index.json").is_file()))
+
+
 def export_checkpoint(save_dir: str | Path, output_dir: str | Path, *, ema: bool = False,
-                      **options) -> Path:
+                      run_dir: str | Path | None = None, **options) -> Path:
     """Export one committed checkpoint (keyword options as ``plan_export``); returns OUT.
-    ``ema``: the EMA weights instead of the live ones (trainer.ema).
+    ``ema``: the EMA weights instead of the live ones (trainer.ema). ``run_dir``: the run
+    whose config and metrics the model card reads (default: found beside the checkpoint).
     Raises ExportError before writing anything, VerifyError after a failed --verify."""
     plan = plan_export(save_dir, output_dir, **options)
     tensors = read_model_tensors(plan.iter_dir)
@@ -416,6 +472,8 @@ def export_checkpoint(save_dir: str | Path, output_dir: str | Path, *, ema: bool
     staging.mkdir(parents=True)
     try:
         WRITERS[plan.form](plan, tensors, staging)
+        if plan.form in ("merged", "full"):  # an adapter folder keeps PEFT's own README
+            write_card(plan, staging, run_dir)
         info = {"source": str(plan.iter_dir), "iteration": plan.state.get("iteration"),
                 "form": plan.form, "base": str(plan.base) if plan.base else None,
                 "dtype": str(plan.dtype) if plan.dtype else "keep", "contract": plan.contract}
@@ -452,6 +510,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "with the checkpoint numerically")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --output-dir")
     p.add_argument("--ema", action="store_true", help="export the EMA weights (ema.enabled runs)")
+    p.add_argument("--run-dir", help="the run directory whose config.toml and metrics.jsonl "
+                   "the model card reads (default: found above the checkpoint)")
     return p
 
 
@@ -465,7 +525,7 @@ def main(argv: list[str]) -> int:
         out = export_checkpoint(args.save_dir, args.output_dir, form=args.form, task=args.task,
                                 iteration=args.iteration, base_model_path=args.base_model_path,
                                 dtype=args.dtype, verify=args.verify, overwrite=args.overwrite,
-                                ema=args.ema)
+                                ema=args.ema, run_dir=args.run_dir)
     except ExportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -64,7 +64,7 @@ def trainer_state(trainer, step: int, counters: dict) -> dict:
         "model_path": str(trainer.model_path),
         "trainable_mode": "lora" if cfg.lora.rank > 0 else "full",
         "weight_sync_mode": cfg.sync_mode,
-        "sampling": cfg.rollout.sampling,
+        "sampling": cfg.rollout.sampling.to_dict(),
         "sampling_fingerprint": sampling_fingerprint(trainer),
         "generation_seed": cfg.rollout.generation_seed,
         "world_size": int(trainer.world),

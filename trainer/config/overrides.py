@@ -17,7 +17,8 @@ import json
 import re
 from typing import Any
 
-from trainer.config.sections import Config, _field_types, _sections, _type_name, cli_flag
+from trainer.config.sections import (Config, _field_types, _sections, _type_name, cli_flag,
+                                     is_table, plain, store)
 
 _FACTORS = ("rollout_batch_size", "n_samples_per_prompt")
 _STATED = "_global_batch_size_on_command_line"  # attribute on the Config instance, not a field
@@ -30,7 +31,7 @@ def apply_nested(cfg, section: str, dotted: str, value: Any, where: str,
     if section not in secs or key not in {f.name for f in dataclasses.fields(secs[section])}:
         apply_value(cfg, section, key, None, where, problems)  # names the unknown section / key
         return
-    if not _type_name(_field_types(secs[section])[key]).startswith("dict"):
+    if not is_table(_field_types(secs[section])[key]):
         problems.append(f"{where}: {section}.{key} is not a table; nested keys need one")
         return
     if isinstance(value, str):
@@ -38,7 +39,7 @@ def apply_nested(cfg, section: str, dotted: str, value: Any, where: str,
             value = json.loads(value)
         except json.JSONDecodeError:
             pass  # a plain string value
-    root = json.loads(json.dumps(getattr(getattr(cfg, section), key) or {}))
+    root = json.loads(json.dumps(plain(getattr(getattr(cfg, section), key)) or {}))
     node = root
     for part in path[:-1]:
         if not isinstance(node.get(part, {}), dict):
@@ -46,7 +47,7 @@ def apply_nested(cfg, section: str, dotted: str, value: Any, where: str,
             return
         node = node.setdefault(part, {})
     node[path[-1]] = value
-    setattr(getattr(cfg, section), key, root)
+    store(cfg, section, key, root, where, problems)
 
 
 def follow_batch_factors(cfg, key: str) -> None:
@@ -62,13 +63,35 @@ def follow_batch_factors(cfg, key: str) -> None:
 
 def default_text(f: dataclasses.Field) -> str:
     value = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-    return repr(value) if value is None or isinstance(value, str) else json.dumps(value)
+    return value_text(value)
 
 
-def field_help_text() -> str:
-    """Every key with its type, default, flag (and its short alias) and meaning."""
+def value_text(value: Any) -> str:
+    return repr(value) if value is None or isinstance(value, str) else json.dumps(plain(value))
+
+
+PROMPT_FORMATS = """Prompt data (--prompt-data, --eval-prompt-data), by suffix:
+  .jsonl / .json / .ndjson  one object a line: a string "prompt", an optional "metadata"
+                            object; other fields (GenEval's tag / include / exclude) go into the
+                            metadata the rewards get; task and sample_id filled in if absent
+  .parquet / .pq            the same fields as columns
+  .txt / .text / .lst       one prompt a line (Flow-GRPO's prompt lists), blank lines skipped
+  a dataset folder          train.txt + test.txt (Flow-GRPO's dataset/ocr, dataset/pickscore),
+                            or train_metadata.jsonl + test_metadata.jsonl (dataset/geneval),
+                            or train.jsonl + test.jsonl: trains on the train file and evaluates
+                            on the test file unless --eval-prompt-data is given
+  toy:train / toy:eval      the toy world's prompts
+Check a file before a run: python -m trainer data inspect --train FILE_OR_FOLDER"""
+
+
+def field_help_text(cfg: Config | None = None, source: str | None = None) -> str:
+    """Every key with its type, default, flag (and its short alias) and meaning; with ``cfg``
+    (a recipe's config), its values stand as the defaults, marked where the recipe changes one."""
     lines = ["Any key also takes --set section.key=value; tables take nested keys "
              "(--set rollout.sampling.height=512, --set reward.scorers.ocr.weight=0.5)."]
+    if cfg is not None:
+        lines.append(f"Defaults are {source or 'the recipe'}'s values; '(recipe)' marks those "
+                     f"it changes from the built-in default.")
     for sec, cls in _sections().items():
         lines.append(f"[{sec}]")
         hints = _field_types(cls)
@@ -76,11 +99,15 @@ def field_help_text() -> str:
             flag, alias = cli_flag(sec, f.name), f.metadata["flag"]
             flags = flag if alias == flag else f"{flag} (alias {alias})"
             default = default_text(f)
+            if cfg is not None:
+                default = value_text(getattr(getattr(cfg, sec), f.name))
             if len(default) > 60:
                 default = default[:57] + "..."
-            lines.append(f"  {sec}.{f.name}: {_type_name(hints[f.name])} = {default}")
+            mark = "  (recipe)" if cfg is not None and default_text(f) != value_text(
+                getattr(getattr(cfg, sec), f.name)) else ""
+            lines.append(f"  {sec}.{f.name}: {_type_name(hints[f.name])} = {default}{mark}")
             lines.append(f"      {flags}  {f.metadata['doc']}")
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n\n" + PROMPT_FORMATS
 
 
 def _coerce(value: Any, typ: Any, where: str, problems: list[str]) -> Any:
@@ -149,10 +176,6 @@ def apply_value(cfg: Config, section: str, key: str, value: Any, where: str,
     value = _coerce(value, hints[key], where, problems)
     if len(problems) > before:
         return  # a badly typed value is reported, never applied: later checks see the default
-    if section == "rollout" and key == "sampling" and isinstance(value, dict):
-        merged = dict(getattr(cfg.rollout, "sampling"))
-        merged.update(value)  # a partial sampling table overrides keys, not the whole dict
-        value = merged
-    setattr(getattr(cfg, section), key, value)
+    store(cfg, section, key, value, where, problems)  # a typed table: keys over keys
     if where.startswith("--") and section == "rollout":  # flags and --set, not the TOML
         follow_batch_factors(cfg, key)

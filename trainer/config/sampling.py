@@ -1,10 +1,18 @@
 """The sampling configuration (``rollout.sampling``, ``--sampling-config``) as one typed object.
 
 ``SamplingConfig`` owns every sampling key: its default, its validation and the resolution of
-which denoising steps get SDE noise and which of them are trained. Preflight, the rollout
-driver, the rollout request (``trainer.models.schema``) and the actor's replay all read it;
-nothing else declares sampling keys or SDE types. Standard library only (preflight imports it
-before anything heavy); the per-rollout draw imports numpy when it runs.
+which denoising steps get SDE noise and which of them are trained. It is the config section's
+own type (``RolloutConfig.sampling``): the loader applies each layer's partial table to it
+(``merged``: a recipe, a flag, ``--set``), preflight checks it once (``check``), and the rollout
+driver, the rollout request (``trainer.models.wire``) and the actor's replay read its fields;
+nothing else declares sampling keys, and the SDE types are the kernels' table. Standard library
+only (preflight imports it before anything heavy); the per-rollout draw imports numpy when it
+runs.
+
+Why ``merged`` stores values unchecked: a later layer may mend what an earlier one left
+inconsistent (a recipe's ``sde_indices = [0]`` with ``--set rollout.sampling.sigma_one=
+clamp_to_next``), so the rules run once, on the final config, where preflight reports every
+problem together. Unknown keys are refused at once, as for every other section.
 
 Step selection (``sde_step_mode``):
 
@@ -20,14 +28,12 @@ Step selection (``sde_step_mode``):
 - ``"ode"``: deterministic sampling, nothing trained: the reference's evaluation
   (``trainer.evaluation``); preflight rejects it for training.
 
-Where the SDE is undefined:
-
-- ``sde`` at sigma == 1 (step 0): ``sigma_one = "refuse"`` rejects every configuration that
-  could put noise there; ``"clamp_to_next"`` samples it as the reference does, with
-  ``std_dev_t = eta * sqrt(sigma / (1 - sigma_next))`` (the schedule's second sigma).
-- ``cps`` at the last step (sigma_next == 0, no variance): ``cps_log_prob = "gaussian"`` (the
-  full Gaussian log-density) cannot train it; ``"reference"`` is the reference's
-  ``-mean((x' - mean)^2)`` without variance or constants, which is 0 there when sampling.
+Where the SDE is undefined, the table of SDE types (``flowgrpo_kernels.sde_types``) says, and
+this module asks it: a type singular at sigma == 1 (step 0) under ``sigma_one = "refuse"``
+rejects every configuration that could put noise there (``"clamp_to_next"`` samples it as the
+reference does); a type without variance at the last step (sigma_next == 0) rejects noise there
+unless ``cps_log_prob = "reference"`` picks the type's reference log-prob form. The table also
+holds each type's eta range.
 """
 from __future__ import annotations
 
@@ -36,15 +42,14 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from flowgrpo_kernels.sde_types import (KL_FORMS, SDE_TYPES,  # noqa: F401 (train.kl_form's)
+                                        SIGMA_ONE_TREATMENTS, TABLE)
 from trainer.utils.values import is_int, is_number
 
-#: SDE types that have a log-prob (kernels also know "ode", the deterministic step).
-SDE_TYPES: tuple[str, ...] = ("sde", "dance", "cps")
 SDE_STEP_MODES: tuple[str, ...] = ("indices", "every_step", "ode")  # ode: evaluation only
-SIGMA_ONE_TREATMENTS: tuple[str, ...] = ("refuse", "clamp_to_next")
+#: "reference": the type's reference log-prob form (the table's ``reference_log_prob_form``).
 CPS_LOG_PROB_FORMS: tuple[str, ...] = ("gaussian", "reference")
 SAMPLE_ID_MODES: tuple[str, ...] = ("metadata", "positional", "group_index")
-KL_FORMS: tuple[str, ...] = ("gaussian", "reference")  # kernels.sde_kl's kl_form (train.kl_form)
 _STEP_KEYS = frozenset({"num_inference_steps", "sde_type", "sde_step_mode", "sde_indices",
                         "sde_pool", "num_sde_steps", "sde_timestep_fraction",
                         "sde_resample_per_rollout", "timestep_fraction", "sigma_one",
@@ -66,6 +71,11 @@ class SamplingError(ValueError):
     def __init__(self, problems: list[str]):
         self.problems = list(problems)
         super().__init__("invalid sampling config:\n  - " + "\n  - ".join(self.problems))
+
+
+def _unset(value: Any) -> bool:
+    """None, or "none" (TOML has no null: how a recipe unsets a key of the default table)."""
+    return value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null"))
 
 
 def fraction_window(fraction: Any, num_steps: int) -> list[int]:
@@ -107,25 +117,41 @@ class SamplingConfig:
         return frozenset(f.name for f in dataclasses.fields(cls))
 
     @classmethod
-    def from_dict(cls, raw: "Mapping[str, Any] | SamplingConfig") -> "SamplingConfig":
-        """Validate a sampling table (None values take the default); one SamplingError."""
-        if isinstance(raw, SamplingConfig):
-            return raw
-        config, problems = cls.check(raw)
+    def from_dict(cls, raw: "Mapping[str, Any] | SamplingConfig", *,
+                  type_rules: bool = True) -> "SamplingConfig":
+        """Validate a sampling table (None values take the default) or config; one
+        SamplingError. ``type_rules`` False: not the SDE type's undefined points."""
+        config, problems = cls.check(raw, type_rules=type_rules)
         if problems:
             raise SamplingError(problems)
-        return config
+        return raw if isinstance(raw, SamplingConfig) else config
+
+    def merged(self, table: Any) -> "tuple[SamplingConfig, list[str]]":
+        """This config with a partial table's keys applied over its own, and the problems
+        that stop a key from being applied at all (not a table, unknown keys). The values
+        are stored as given (None or "none": the field's default), lists as tuples; ``check``
+        judges them (see the module docstring)."""
+        if not isinstance(table, Mapping):
+            return self, [f"expected a table/dict, got {table!r}"]
+        unknown = sorted(set(table) - self.keys())
+        problems = [f"unknown sampling keys {unknown} (known: {sorted(self.keys())})"] \
+            if unknown else []
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        values = {k: defaults[k] if _unset(v) else v for k, v in table.items() if k in defaults}
+        _check_types(values, [])  # only its conversions: tuples and floats where values fit
+        return dataclasses.replace(self, **values), problems
 
     @classmethod
-    def check(cls, raw: Any) -> "tuple[SamplingConfig | None, list[str]]":
-        """``(config, problems)``: every problem of ``raw``, unknown keys included.
+    def check(cls, raw: Any, *, type_rules: bool = True) -> "tuple[SamplingConfig | None, list[str]]":
+        """``(config, problems)``: every problem of ``raw`` (a table or a config built by
+        ``merged``), unknown keys included.
 
         ``config`` holds the valid keys (a bad key takes its default, so callers can go on
         checking what depends on it); it is None when the SDE steps cannot be resolved.
         Use it only to collect more problems: with any problem the table is invalid.
         """
         if isinstance(raw, SamplingConfig):
-            return raw, []
+            raw = raw.to_dict()
         if not isinstance(raw, Mapping):
             return None, [f"sampling must be a table/dict, got {type(raw).__name__}"]
         problems: list[str] = []
@@ -134,14 +160,13 @@ class SamplingConfig:
             problems.append(f"unknown sampling keys {unknown} (known: {sorted(cls.keys())})")
         # None, or "none" (TOML has no null: how a recipe unsets a key of the default table),
         # takes the field's default
-        values = {k: v for k, v in raw.items() if k in cls.keys() and v is not None
-                  and not (isinstance(v, str) and v.strip().lower() in ("none", "null"))}
+        values = {k: v for k, v in raw.items() if k in cls.keys() and not _unset(v)}
         _check_types(values, problems)
         bad_keys = {p.split()[0].split("=")[0] for p in problems}
         if bad_keys & _STEP_KEYS:  # the step rules would judge a default, not the user's value
             return None, problems
         config = cls(**{k: v for k, v in values.items() if k not in bad_keys})
-        step_problems = config._step_problems()
+        step_problems = config._step_problems(type_rules)
         return (None if step_problems else config), problems + step_problems
 
     def to_dict(self) -> dict[str, Any]:
@@ -202,8 +227,8 @@ class SamplingConfig:
     # ---- what the kernels and the adapters take ----------------------------------------
     @property
     def log_prob_form(self) -> str:
-        """The kernels' ``log_prob_form`` (the reference's cps form is the squared residual)."""
-        return "squared_residual" if self.sde_type == "cps" and self.cps_log_prob == "reference" \
+        """The kernels' ``log_prob_form``: the type's reference form when asked for."""
+        return TABLE[self.sde_type].reference_log_prob_form if self.cps_log_prob == "reference" \
             else "gaussian"
 
     def kernel_options(self) -> dict[str, Any]:
@@ -211,7 +236,9 @@ class SamplingConfig:
         return {"eta": float(self.eta), "sde_type": self.sde_type, "sigma_one": self.sigma_one,
                 "log_prob_form": self.log_prob_form}
 
-    def _step_problems(self) -> list[str]:
+    def _step_problems(self, type_rules: bool = True) -> list[str]:
+        """The rules across keys; ``type_rules`` False leaves out the SDE type's undefined
+        points (resolving steps only)."""
         problems: list[str] = []
         if self.sde_step_mode == "ode":
             return problems
@@ -234,25 +261,22 @@ class SamplingConfig:
         if self.sde_step_mode == "every_step" and self.num_trained_every_step() < 1:
             problems.append(f"timestep_fraction={self.timestep_fraction} trains no step of "
                             f"{steps} (int({steps} * fraction) must be >= 1)")
-        if problems:
+        if problems or not type_rules:
             return problems
-        if self.sde_type == "sde" and self.sigma_one == "refuse":
+        row = TABLE[self.sde_type]
+        if row.refuses_sigma_one(self.sigma_one):
             reasons = self._step0_reasons()
             if reasons:
-                problems.append(
-                    "sde_indices: SDE step 0 cannot be trained with sde_type='sde' and "
-                    f"sigma_one='refuse' ({'; '.join(reasons)}); at sigma == 1 the coefficient "
-                    "sqrt(sigma / (1 - sigma)) is singular. Use steps >= 1 (e.g. sde_pool "
-                    f"[1, 2, 3, 4, 5]), a fraction window starting at or above 1/{steps}, or "
-                    "sigma_one='clamp_to_next' (the Flow-GRPO reference's treatment)")
+                problems.append(f"sde_indices: SDE step 0 cannot be trained (sigma == 1; "
+                                f"{'; '.join(reasons)}): {row.sigma_one_problem()} (e.g. sde_pool "
+                                f"[1, 2, 3, 4, 5], or a fraction window starting at or above "
+                                f"1/{steps})")
         last = steps - 1
         # every noisy step records a log-prob (trained or not), and the response must be finite
-        if self.sde_type == "cps" and self.cps_log_prob == "gaussian" and \
-                last in self.reachable_noise_steps():
-            problems.append(f"sde_type: 'cps' cannot put noise on the last step {last} with "
-                            "cps_log_prob='gaussian' (sigma_next == 0: no variance, no density); "
-                            "use earlier steps (not sde_step_mode='every_step') or "
-                            "cps_log_prob='reference'")
+        if row.refuses_last_step(self.log_prob_form) and last in self.reachable_noise_steps():
+            problems.append(f"sde_type: cannot put noise on the last step {last} with "
+                            f"cps_log_prob={self.cps_log_prob!r}: {row.last_step_problem()} "
+                            "(with earlier steps: not sde_step_mode='every_step')")
         return problems
 
     def _step0_reasons(self) -> list[str]:
@@ -301,9 +325,8 @@ def _check_types(values: dict[str, Any], problems: list[str]) -> None:
     if not is_number(eta) or not eta > 0:
         problems.append(f"eta must be > 0 with sde_type={sde_type!r}, got {eta!r} (eta 0 is the "
                         "ODE: no noise, no log-prob to train)")
-    elif sde_type == "cps" and eta > 1:
-        problems.append(f"eta must be in (0, 1] with sde_type='cps', got {eta!r} "
-                        "(std_dev_t = sigma_next * sin(eta * pi / 2))")
+    elif sde_type in TABLE and TABLE[sde_type].eta_problem(eta, noise_required=True):
+        problems.append(TABLE[sde_type].eta_problem(eta, noise_required=True))
     tf = values.get("timestep_fraction", 1.0)
     if not is_number(tf) or not 0.0 < tf <= 1.0:
         problems.append(f"timestep_fraction must be in (0, 1], got {tf!r}")

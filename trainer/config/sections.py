@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
-from trainer.config.sampling import RELAX_SAMPLING
+from trainer.config.sampling import RELAX_SAMPLING, SamplingConfig
 
 
 def _f(default: Any, flag: str, doc: str) -> Any:
@@ -25,8 +25,9 @@ def _f(default: Any, flag: str, doc: str) -> Any:
     return field(default=default, metadata=meta)
 
 
-# The keys, their defaults and their rules live in trainer.config.sampling.SamplingConfig.
-DEFAULT_SAMPLING: dict[str, Any] = RELAX_SAMPLING
+# The keys, their defaults and their rules live in trainer.config.sampling.SamplingConfig; the
+# section's default is the project's Relax-style table (frozen, so one instance serves all).
+DEFAULT_SAMPLING: SamplingConfig = SamplingConfig.from_dict(RELAX_SAMPLING)
 
 
 @dataclass
@@ -57,8 +58,11 @@ class RolloutConfig:
                                        "rollout_batch_size * n_samples_per_prompt; None derives it, a "
                                        "value is checked (re-derived when the command line "
                                        "changes a factor but not it).")
-    sampling: dict = _f(DEFAULT_SAMPLING, "--sampling-config",
-                        "Sampling geometry (JSON dict), read by adapter, driver and replay.")
+    sampling: SamplingConfig = _f(DEFAULT_SAMPLING, "--sampling-config",
+                                  "Sampling geometry and SDE steps (a table / JSON dict of "
+                                  "trainer.config.sampling.SamplingConfig's keys; a partial "
+                                  "table sets its keys only), read by adapter, driver and "
+                                  "replay.")
     generation_seed: int = _f(1234, "--generation-seed",
                               "Base seed of x_T and every step's noise (with the sample ids).")
     rollout_seed: int = _f(42, "--rollout-seed", "Seed of the prompt order.")
@@ -118,7 +122,12 @@ class RewardConfig:
     zero_degenerate_groups: bool = _f(True, "--zero-degenerate-groups",
                                       "Zero groups with reward variance < 1e-6 (the reference "
                                       "does not: false).")
-    timeout_s: float = _f(60.0, "--reward-timeout", "Remote scorer timeout per request.")
+    timeout_s: float = _f(60.0, "--reward-timeout",
+                          "Remote scorer deadline per request attempt (connect, send, whole "
+                          "reply), in seconds.")
+    custom_timeout_s: float = _f(600.0, "--custom-reward-timeout",
+                                 "Deadline of each call into the custom reward function "
+                                 "(and its factory), in seconds.")
     scorers: dict = _f({}, "--reward-scorers",
                        "Several weighted scorers: [reward.scorers.NAME] tables with weight, "
                        "model_path, required, path and the scorer's own options "
@@ -328,9 +337,11 @@ class WeightSyncConfig:
 @dataclass
 class DataConfig:
     prompt_data: str = _f("toy:train", "--prompt-data",
-                          "Training prompts: JSONL/parquet path, or toy:train.")
+                          "Training prompts: a JSONL, parquet or .txt file, a dataset folder "
+                          "(train + test files), or toy:train (formats: end of --help).")
     eval_prompt_data: str | None = _f("toy:eval", "--eval-prompt-data",
-                                      "Held-out prompts; None disables eval.")
+                                      "Held-out prompts, in the same formats (a dataset "
+                                      "folder's test file); None disables eval.")
     eval_interval: int = _f(5, "--eval-interval", "Eval every N rollouts (and at start/end).")
     n_samples_per_eval_prompt: int = _f(2, "--n-samples-per-eval-prompt", "Eval candidates.")
     eval_max_prompts: int | None = _f(None, "--eval-max-prompts", "Cap on eval prompts.")
@@ -417,8 +428,15 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    def to_dict(self, unset: Any = None) -> dict[str, Any]:
+        """Plain JSON types, every section a dict (what config.json and config.toml hold).
+
+        ``unset``: how an unset key of a typed table is written (TOML has no null; the table
+        reads "none" as unset, so its TOML stays an inline table)."""
+        out = dataclasses.asdict(self)
+        out["rollout"]["sampling"] = {k: unset if v is None else v
+                                      for k, v in self.rollout.sampling.to_dict().items()}
+        return out
 
     @property
     def sync_mode(self) -> str:
@@ -466,7 +484,26 @@ def flag_table() -> dict[str, tuple[str, str]]:
 
 
 def _type_name(typ: Any) -> str:
-    """'int', 'float | None', 'dict'... from a resolved annotation."""
+    """'int', 'float | None', 'dict', 'SamplingConfig'... from a resolved annotation."""
     text = str(typ)
-    text = re.sub(r"<class '(\w+)'>", r"\1", text)
+    text = re.sub(r"<class '(?:[\w.]+\.)?(\w+)'>", r"\1", text)
     return text.replace("typing.", "").replace("NoneType", "None")
+
+
+def is_table(typ: Any) -> bool:
+    """A key that takes a table: a dict, or a typed table (``merged``, ``to_dict``)."""
+    return _type_name(typ).startswith("dict") or hasattr(typ, "merged")
+
+
+def plain(value: Any) -> Any:
+    """A typed table as its dict (JSON types); any other value as it is."""
+    return value.to_dict() if hasattr(value, "merged") else value
+
+
+def store(cfg: Any, section: str, key: str, value: Any, where: str, problems: list[str]) -> None:
+    """Set one key; a typed table takes a (partial) table's keys over its own values."""
+    current = getattr(getattr(cfg, section), key)
+    if hasattr(current, "merged"):
+        value, table_problems = current.merged(value)
+        problems += [f"{where}: {p}" for p in table_problems]
+    setattr(getattr(cfg, section), key, value)

@@ -1,10 +1,16 @@
-"""``inspect``: check record files before a run ever touches a GPU.
+"""``inspect``: check prompt files before a run ever touches a GPU.
+
+It reads every format ``launch`` trains on through the trainer's own reader
+(``trainer.data.prompt_files``): JSONL / parquet records, ``.txt`` lists (one prompt a line),
+GenEval's ``metadata.jsonl``; a Flow-GRPO dataset folder given as ``--train`` is its two
+files, the test file checked as eval. A ``task`` or ``sample_id`` the file leaves out is filled
+in as the trainer fills it (so it is no error), and only ids the files name count as leaks.
 
 Error classes, each reported as ``file:line: [class] message``:
 
 * ``parse``: a line that is not JSON (or a parquet row whose metadata is not).
-* ``schema``: required keys missing or mistyped (prompt, metadata.task, metadata.sample_id,
-  media lists).
+* ``schema``: the prompt missing or not a non-empty string, metadata not an object, a
+  sample_id that is not a non-empty string, media lists that are not lists of paths.
 * ``task``: metadata.task is not a known generation task.
 * ``placeholder``: the count of <image> / <video> placeholders differs from the media list.
 * ``media``: a referenced local media file does not exist.
@@ -24,9 +30,10 @@ from typing import Sequence
 
 from PIL import Image
 
-from trainer.data.records import Line, read_lines
+from trainer.data.prompt_files import (PromptLine, dataset_splits, folder_problem,
+                                       iter_prompt_lines)
 from trainer.data.schema import (IMAGE_SUFFIXES, TASKS, content_hash, is_url, media_entries,
-                                 record_problems, resolve_media)
+                                 resolve_media)
 
 ERROR_CLASSES = ("parse", "schema", "task", "placeholder", "media", "decode", "duplicate_id",
                  "leak")
@@ -40,14 +47,6 @@ class Finding:
 
     def __str__(self) -> str:
         return f"{self.where}: [{self.kind}] {self.message}"
-
-
-def _classify(problem: str) -> str:
-    if problem.startswith("unknown task"):
-        return "task"
-    if "placeholder" in problem:
-        return "placeholder"
-    return "schema"
 
 
 def _decode_problem(path: str) -> str | None:
@@ -73,42 +72,46 @@ def _decode_problem(path: str) -> str | None:
 
 def _scan(path: str, decode_media: bool, findings: list[Finding], stats: Counter
           ) -> tuple[dict[str, str], dict[str, str]]:
-    """Check one file; returns {sample_id: where} and {content hash: where} of its records."""
+    """Check one file; returns {sample_id the file names: where} and {content hash: where}."""
     ids: dict[str, str] = {}
     contents: dict[str, str] = {}
     base = os.path.dirname(os.path.abspath(path))
-    for line in read_lines(path):
-        stats["records"] += 1
-        if line.error:
-            findings.append(Finding(line.where, "parse", line.error))
-            continue
-        problems = record_problems(line.record)
-        findings.extend(Finding(line.where, _classify(p), p) for p in problems)
-        if not isinstance(line.record, dict):
+    try:
+        lines = list(iter_prompt_lines(path))
+    except Exception as exc:  # unreadable: OSError, or pyarrow's errors for a damaged file
+        findings.append(Finding(path, "parse", f"cannot read it ({type(exc).__name__}: {exc})"))
+        return ids, contents
+    for line in lines:
+        stats["records"] += line.line > 0
+        findings.extend(Finding(line.where if line.line else path, kind, message)
+                        for kind, message in line.problems)
+        if not isinstance(line.row, dict):
             continue
         _check_media(line, base, decode_media, findings, stats)
-        meta = line.record.get("metadata")
-        sample_id = meta.get("sample_id") if isinstance(meta, dict) else None
-        if isinstance(sample_id, str) and sample_id:
-            if sample_id in ids:
-                findings.append(Finding(line.where, "duplicate_id",
-                                        f"sample_id {sample_id!r} already at {ids[sample_id]}"))
-            else:
-                ids[sample_id] = line.where
-        prompt = line.record.get("prompt")
-        if isinstance(prompt, str):
-            digest = content_hash(prompt, [resolve_media(p, base)
-                                           for _, p in media_entries(line.record)])
-            if digest in contents:
-                stats["duplicate_prompts"] += 1
-            else:
-                contents[digest] = line.where
+        if line.record is None:
+            continue
+        sample_id = line.record["metadata"]["sample_id"]
+        if sample_id in ids:
+            findings.append(Finding(line.where, "duplicate_id",
+                                    f"sample_id {sample_id!r} already at {ids[sample_id]}"))
+        elif line.id_given:
+            ids[sample_id] = line.where
+        digest = content_hash(line.record["prompt"], [resolve_media(p, base)
+                                                      for _, p in media_entries(line.row)])
+        if digest in contents:
+            stats["duplicate_prompts"] += 1
+        else:
+            contents[digest] = line.where
+    if not lines:
+        findings.append(Finding(path, "schema", "holds no prompt (empty file, or only blank "
+                                                "lines)"))
     return ids, contents
 
 
-def _check_media(line: Line, base: str, decode_media: bool, findings: list[Finding],
+def _check_media(line: PromptLine, base: str, decode_media: bool, findings: list[Finding],
                  stats: Counter) -> None:
-    for key, entry in media_entries(line.record):
+    listed = {k: v for k, v in line.row.items() if isinstance(v, list)}  # else a schema finding
+    for key, entry in media_entries(listed):
         if is_url(entry):
             continue
         path = resolve_media(entry, base)
@@ -121,11 +124,28 @@ def _check_media(line: Line, base: str, decode_media: bool, findings: list[Findi
                 findings.append(Finding(line.where, "decode", problem))
 
 
+def expand_folders(train: str | None, evals: Sequence[str]) -> tuple[str | None, list[str]]:
+    """A dataset folder as ``--train`` is its train file, its test file added to the evals
+    (the split ``launch --prompt-data <folder>`` trains and evaluates on); as ``--eval``, its
+    test file."""
+    evals = [dataset_splits(p)["test"] if os.path.isdir(p) and dataset_splits(p) else p
+             for p in evals]
+    if train is not None and os.path.isdir(train) and dataset_splits(train):
+        splits = dataset_splits(train)
+        train, evals = splits["train"], [splits["test"], *evals]
+    return train, evals
+
+
 def inspect_files(*, train: str | None, evals: Sequence[str] = (), decode_media: bool = False
                   ) -> tuple[list[Finding], Counter]:
     """Check the files; returns (findings, counts)."""
     findings: list[Finding] = []
     stats: Counter = Counter()
+    train, evals = expand_folders(train, evals)
+    for path in [p for p in [train, *evals] if p is not None and os.path.isdir(p)]:
+        findings.append(Finding(path, "parse", folder_problem(path) or "a folder"))
+    if findings:
+        return findings, stats
     train_ids: dict[str, str] = {}
     train_contents: dict[str, str] = {}
     if train is not None:

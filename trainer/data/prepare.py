@@ -9,6 +9,13 @@ Converters (``--source``):
   ``videos`` are kept, every other top-level field goes into the metadata: GenEval's
   ``metadata.jsonl`` keeps its ``tag`` / ``include`` / ``exclude``; a missing task /
   sample_id is filled in), or plain text, one prompt per line (Flow-GRPO's ``.txt`` lists).
+  JSONL and text files are read by the trainer's own reader (``trainer.data.prompt_files``),
+  so a line it refuses here ``launch`` would refuse too, with the same message.
+
+A Flow-GRPO dataset folder (``train.txt`` + ``test.txt``, or ``train_metadata.jsonl`` +
+``test_metadata.jsonl``: ``prompt_files.SPLIT_LAYOUTS``) as ``--input`` keeps its split:
+``--output`` is then a folder, and ``train.jsonl`` and ``test.jsonl`` are written into it (ids
+``<prefix>train_<n>`` and ``<prefix>test_<n>``), a dataset folder ``--prompt-data`` takes as is.
 
 Sample ids are ``<id-prefix><n:07d>`` with n the 1-based row (or line) number across the
 input files in sorted order, counting skipped rows too, so an id always points back at its
@@ -21,6 +28,7 @@ import json
 import os
 from typing import Any, Callable, Iterator
 
+from trainer.data.prompt_files import dataset_splits, iter_prompt_lines
 from trainer.data.records import PARQUET_SUFFIXES, is_parquet, write_jsonl
 from trainer.data.schema import MEDIA_PLACEHOLDERS
 
@@ -58,35 +66,33 @@ def _parquet_column(path: str, wanted: str | None) -> Iterator[Any]:
         yield from batch.column(0).to_pylist()
 
 
+def _line_count(path: str) -> int:
+    with open(path, "rb") as f:
+        return sum(1 for _ in f)
+
+
 def _text_rows(path: str, problems: list[str]) -> Iterator[tuple[str | None, dict[str, Any]]]:
+    """(prompt, row) per source row; (None, {}) for a row that is skipped (blank, empty prompt,
+    or bad: then its problem is recorded), so the row count, and so the ids, stay aligned."""
     if is_parquet(path):
         for value in _parquet_column(path, None):
             yield value, {}
-    elif path.lower().endswith(JSONL_SUFFIXES):
-        with open(path, encoding="utf-8") as f:
-            for number, text in enumerate(f, start=1):
-                if not text.strip():
-                    yield None, {}
-                    continue
-                try:
-                    row = json.loads(text)
-                except json.JSONDecodeError as exc:
-                    problems.append(f"{path}:{number}: invalid JSON ({exc.msg})")
-                    yield None, {}
-                    continue
-                if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                    problems.append(f"{path}:{number}: no string 'prompt' field")
-                    yield None, {}
-                    continue
-                if "metadata" in row and not isinstance(row["metadata"], dict):
-                    problems.append(f"{path}:{number}: 'metadata' is not an object")
-                    yield None, {}
-                    continue
-                yield row["prompt"], row
-    else:
-        with open(path, encoding="utf-8") as f:
-            for text in f:
-                yield text.rstrip("\n"), {}
+        return
+    last = 0
+    for line in iter_prompt_lines(path):
+        yield from [(None, {})] * (line.line - last - 1)  # blank lines the reader skips
+        last = max(last, line.line)
+        row = line.row
+        if isinstance(row, dict) and isinstance(row.get("prompt"), str) \
+                and not row["prompt"].strip():
+            yield None, {}  # an empty prompt: skipped and counted, as in parquet sources
+        elif line.problems:
+            where = line.where if line.line else path
+            problems.extend(f"{where}: {message}" for _, message in line.problems)
+            yield None, {}
+        else:
+            yield row["prompt"], row
+    yield from [(None, {})] * max(0, _line_count(path) - last)
 
 
 def _emit(rows: Iterator[tuple[Any, dict[str, Any]]], *, task: str, id_prefix: str,
@@ -148,6 +154,41 @@ def prepare(*, source: str, input_path: str, output: str, task: str = "t2i",
     """Run a converter; returns counts. Raises PrepareError (nothing written) on bad input."""
     if source not in CONVERTERS:
         raise PrepareError(f"unknown source {source!r} (known: {', '.join(CONVERTERS)})")
+    splits = dataset_splits(input_path) if os.path.isdir(input_path) else None
+    if splits is not None and source == "prompts":
+        return _prepare_split_folder(splits, input_path, output, task=task, id_prefix=id_prefix)
+    return _prepare_one(source=source, input_path=input_path, output=output, task=task,
+                        id_prefix=id_prefix, prompt_column=prompt_column)
+
+
+def _prepare_split_folder(splits: dict[str, str], input_path: str, output: str, *, task: str,
+                          id_prefix: str | None) -> dict[str, int]:
+    """A dataset folder: each split converted on its own into ``<output>/<split>.jsonl``;
+    both are checked before either is written."""
+    if output.lower().endswith(JSONL_SUFFIXES) or os.path.isfile(output):
+        raise PrepareError(f"{input_path} is a dataset folder ({', '.join(splits.values())}): "
+                           f"--output must be a folder, where train.jsonl and test.jsonl are "
+                           f"written (merging them would lose the split); got {output!r}")
+    stem = os.path.basename(os.path.normpath(input_path)) + "_" if id_prefix is None \
+        else id_prefix
+    stats = {"written": 0, "skipped_empty": 0}
+    converted, problems = {}, []
+    for split, path in splits.items():
+        part = {"written": 0, "skipped_empty": 0}
+        converted[split] = list(convert_prompts(path, task=task, id_prefix=f"{stem}{split}_",
+                                                prompt_column=None, stats=part,
+                                                problems=problems))
+        stats = {k: stats[k] + part[k] for k in stats}
+    if problems:
+        raise PrepareError(f"{len(problems)} problem(s) in {input_path}:\n  "
+                           + "\n  ".join(problems))
+    for split, records in converted.items():
+        write_jsonl(os.path.join(output, f"{split}.jsonl"), records)
+    return stats
+
+
+def _prepare_one(*, source: str, input_path: str, output: str, task: str,
+                 id_prefix: str | None, prompt_column: str | None) -> dict[str, int]:
     stats = {"written": 0, "skipped_empty": 0}
     problems: list[str] = []
     records = list(CONVERTERS[source](input_path, task=task, id_prefix=id_prefix,

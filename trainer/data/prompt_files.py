@@ -13,17 +13,40 @@ Formats, by suffix:
 * parquet (``.parquet``, ``.pq``): the same fields as columns.
 
 A record is ``{"prompt": str, "metadata": {...}}``; ``task`` and ``sample_id`` are filled in
-(``<file stem>_<i:07d>``, i the record's 0-based position, as before) when absent.
+(``<file stem>_<i:07d>``, i the record's 0-based position, as before) when absent. A line is
+refused when its prompt is not a non-empty string, its metadata not an object, its task not
+a known one, its sample_id not a non-empty string, or its ``<image>`` / ``<video>``
+placeholders do not match its media lists: each problem carries the class ``data inspect``
+reports it under.
+
+A Flow-GRPO dataset folder (``dataset/ocr`` with ``train.txt`` and ``test.txt``,
+``dataset/geneval`` with ``train_metadata.jsonl`` and ``test_metadata.jsonl``; also
+``train.jsonl`` / ``test.jsonl`` or ``.parquet``, what ``data prepare`` writes from such a
+folder) is a pair of prompt files: ``dataset_splits`` names them, and the config loader
+points ``data.prompt_data`` at the train file and ``data.eval_prompt_data`` at the test file.
+
+This module is THE reader: the trainer (``trainer.prompts``), preflight, ``data inspect`` and
+``data prepare`` all read prompt files through ``iter_prompt_lines``, so a file one of them
+accepts the others accept too.
 """
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from trainer.data.records import is_parquet, read_lines
-from trainer.data.schema import MEDIA_PLACEHOLDERS, normalize_prompt
+from trainer.data.schema import MEDIA_PLACEHOLDERS, TASKS, normalize_prompt
 
 TEXT_SUFFIXES = (".txt", ".text", ".lst")
+# Dataset folders, in the order they are looked for: (train file, test file).
+SPLIT_LAYOUTS: tuple[tuple[str, str], ...] = (
+    ("train.txt", "test.txt"),                       # Flow-GRPO's ocr, pickscore, drawbench
+    ("train_metadata.jsonl", "test_metadata.jsonl"),  # Flow-GRPO's geneval
+    ("train.jsonl", "test.jsonl"),                   # data prepare's output for a folder
+    ("train.parquet", "test.parquet"),
+)
 MAX_REPORTED = 20  # problems listed in one error; the rest are counted
 _CUT = 80
 
@@ -47,35 +70,101 @@ def cut(value: Any, limit: int = _CUT) -> str:
     return f"{text[:limit]}... ({len(text)} characters)"
 
 
-def _from_row(row: Any, where: str, problems: list[str]) -> dict | None:
+@dataclass
+class PromptLine:
+    """One line (or parquet row) of a prompt file as the trainer reads it.
+
+    ``record`` is ``{"prompt", "metadata"}`` with ``task`` / ``sample_id`` filled in, or None
+    when the line cannot be used; ``problems`` are ``(class, message)`` pairs, the classes of
+    ``data inspect`` (parse, schema, task, placeholder); ``row`` is the parsed line as written
+    (its media lists included); ``id_given`` says whether the file named the sample_id.
+    """
+
+    path: str
+    line: int
+    record: dict | None = None
+    problems: list[tuple[str, str]] = field(default_factory=list)
+    row: Any = None
+    id_given: bool = False
+
+    @property
+    def where(self) -> str:
+        return f"{self.path}:{self.line}"
+
+
+def _row_problems(row: Any) -> list[tuple[str, str]]:
+    """What stops a parsed row from being a training record (empty when it is one)."""
     if not isinstance(row, dict):
-        problems.append(f"{where}: a record must be a JSON object, got {type(row).__name__}")
-        return None
+        return [("schema", f"a record must be a JSON object, got {type(row).__name__}")]
+    problems = []
     prompt = row.get("prompt")
-    if not isinstance(prompt, str) or not prompt.strip():
-        problems.append(f"{where}: no non-empty string 'prompt' (got {cut(prompt)})")
-        return None
+    if "prompt" not in row:
+        problems.append(("schema", "missing required key 'prompt'"))
+    elif not isinstance(prompt, str) or not prompt.strip():
+        problems.append(("schema", f"'prompt' must be a non-empty string, got {cut(prompt)}"))
     meta = row.get("metadata") if row.get("metadata") is not None else {}
     if not isinstance(meta, dict):
-        problems.append(f"{where}: 'metadata' must be an object, got {cut(meta)}")
-        return None
-    meta = dict(meta)
+        return problems + [("schema", f"'metadata' must be an object, got {cut(meta)}")]
+    task, sample_id = meta.get("task", TASKS[0]), meta.get("sample_id", "filled")
+    if task not in TASKS:
+        problems.append(("task", f"unknown task {task!r} (known: {', '.join(TASKS)})"))
+    if not isinstance(sample_id, str) or not sample_id.strip():
+        problems.append(("schema", f"'metadata.sample_id' must be a non-empty string, got "
+                                   f"{cut(sample_id)}"))
+    for key, placeholder in MEDIA_PLACEHOLDERS.items():
+        paths = row.get(key, [])
+        if not isinstance(paths, list) or not all(isinstance(q, str) and q for q in paths):
+            problems.append(("schema", f"'{key}' must be a list of paths"))
+        elif isinstance(prompt, str) and prompt.count(placeholder) != len(paths):
+            problems.append(("placeholder", f"{prompt.count(placeholder)} {placeholder} "
+                             f"placeholder(s) in the prompt but {len(paths)} "
+                             f"entr{'y' if len(paths) == 1 else 'ies'} in '{key}'"))
+    return problems
+
+
+def _record(row: dict) -> dict:
+    meta = dict(row.get("metadata") or {})
     for key, value in row.items():  # GenEval's tag / include / exclude, and the like
         if key not in ("prompt", "metadata", *MEDIA_PLACEHOLDERS):
             meta.setdefault(key, value)
-    return {"prompt": prompt, "metadata": meta}
+    return {"prompt": row["prompt"], "metadata": meta}
 
 
-def _read_text(path: str, problems: list[str]) -> list[tuple[int, dict]]:
-    out = []
-    try:
+def _raw_lines(path: str) -> Iterator[PromptLine]:
+    if path.lower().endswith(TEXT_SUFFIXES):
         with open(path, encoding="utf-8") as f:
-            for number, text in enumerate(f, start=1):
-                if text.strip():
-                    out.append((number, {"prompt": text.strip(), "metadata": {}}))
-    except UnicodeDecodeError as exc:
-        problems.append(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})")
-    return out
+            try:
+                for number, text in enumerate(f, start=1):
+                    if text.strip():
+                        yield PromptLine(path, number, row={"prompt": text.strip()})
+            except UnicodeDecodeError as exc:
+                yield PromptLine(path, 0, problems=[(
+                    "parse", f"not UTF-8 text ({exc.reason} at byte {exc.start})")])
+        return
+    for line in read_lines(path):
+        yield PromptLine(path, line.line, row=line.record,
+                         problems=[("parse", line.error)] if line.error else [])
+
+
+def iter_prompt_lines(path: str | Path) -> Iterator[PromptLine]:
+    """Every line of a prompt file (``.txt`` list, JSONL, parquet), checked and normalised;
+    bad lines come back with their problems instead of stopping the read. Raises OSError (and
+    pyarrow's errors for a damaged parquet file) for a file that cannot be read at all."""
+    path, index = str(path), 0
+    stem = Path(path).stem
+    for line in _raw_lines(path):
+        if line.problems:
+            yield line
+            continue
+        line.problems = _row_problems(line.row)
+        if not line.problems:
+            line.record = _record(line.row)
+            meta = line.record["metadata"]
+            line.id_given = "sample_id" in meta
+            meta.setdefault("task", TASKS[0])
+            meta.setdefault("sample_id", f"{stem}_{index:07d}")
+            index += 1
+        yield line
 
 
 def read_prompt_file(path: str | Path) -> list[dict]:
@@ -88,18 +177,13 @@ def read_numbered(path: str | Path) -> list[tuple[str, dict]]:
     """``read_prompt_file`` with each record's ``file:line``."""
     path = str(path)
     problems: list[str] = []
-    numbered: list[tuple[int, dict]] = []
+    numbered: list[tuple[str, dict]] = []
     try:
-        if path.lower().endswith(TEXT_SUFFIXES):
-            numbered = _read_text(path, problems)
-        else:
-            for line in read_lines(path):
-                if line.error is not None:
-                    problems.append(f"{line.where}: {line.error}")
-                    continue
-                record = _from_row(line.record, line.where, problems)
-                if record is not None:
-                    numbered.append((line.line, record))
+        for line in iter_prompt_lines(path):
+            where = path if line.line == 0 else line.where
+            problems += [f"{where}: {message}" for _, message in line.problems]
+            if line.record is not None:
+                numbered.append((line.where, line.record))
     except (OSError, UnicodeDecodeError) as exc:
         raise PromptFileError([f"{path}: cannot read it ({type(exc).__name__}: {exc})"]) \
             from None
@@ -112,11 +196,29 @@ def read_numbered(path: str | Path) -> list[tuple[str, dict]]:
         problems.append(f"{path}: holds no prompt (empty file, or only blank lines)")
     if problems:
         raise PromptFileError(problems)
-    stem = Path(path).stem
-    for index, (_, record) in enumerate(numbered):
-        record["metadata"].setdefault("task", "t2i")
-        record["metadata"].setdefault("sample_id", f"{stem}_{index:07d}")
-    return [(f"{path}:{number}", record) for number, record in numbered]
+    return numbered
+
+
+def dataset_splits(folder: str | Path) -> dict[str, str] | None:
+    """``{"train": file, "test": file}`` of a dataset folder (``SPLIT_LAYOUTS``), else None."""
+    folder = Path(folder)
+    for train, test in SPLIT_LAYOUTS:
+        if (folder / train).is_file() and (folder / test).is_file():
+            return {"train": str(folder / train), "test": str(folder / test)}
+    return None
+
+
+def split_layouts_text() -> str:
+    return " or ".join(f"{a} + {b}" for a, b in SPLIT_LAYOUTS)
+
+
+def folder_problem(folder: str | Path) -> str | None:
+    """Why a folder given as prompt data is not a dataset folder (None when it is one)."""
+    if dataset_splits(folder) is not None:
+        return None
+    present = sorted(os.listdir(folder))[:8]
+    return (f"{folder} is a folder but not a dataset folder: it needs {split_layouts_text()} "
+            f"(it holds {present or 'nothing'})")
 
 
 def overlap_problems(train: list[tuple[str, dict]], evals: list[tuple[str, dict]]

@@ -3,7 +3,7 @@
     from trainer.engine import launch_embedded_engine, EngineClient, SGLangEngineClient
 
 Both clients answer the same calls (generate, checksum, version, release, resume, health,
-update_weights_from_disk, close) with the same response schema (trainer/models/schema.py).
+update_weights_from_disk, close) with the same response schema (trainer/models/wire/).
 See trainer/engine/README.md.
 """
 from trainer.engine.embedded.client import EngineClient, EngineError

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from trainer.models import noise, schema
+from trainer.models import noise, wire
 from trainer.models.batch import RolloutBatch  # noqa: F401  (its home; re-exported for importers)
 from trainer.tasks import GENERATION_TASKS  # noqa: E402,F401  (torch-free home, re-exported)
 
@@ -175,30 +175,31 @@ class GenerativeModelAdapter(abc.ABC):
         return noise.gaussian(sample_ids, noise.step_stream(step_index), shape, seed=seed,
                               dtype=dtype, device=device)
 
-    # ---- rollout request / response (trainer.models.schema documents the schema) ----------
+    # ---- rollout request / response (trainer.models.wire draws the schema) ---------------
     def build_rollout_request(self, prompts: Sequence[str], sample_ids: Sequence[str],
                               sampling: Mapping[str, Any], *, rollout_id: int | None, seed: int,
                               sde_indices: Sequence[int] | None = None,
                               group_index: Sequence[int] | None = None) -> dict[str, Any]:
         """A request in SGLang's diffusion rollout schema for B candidates.
 
-        ``sampling`` is the --sampling-config dict. The trained SDE steps are the driver's
-        resolved ``sde_indices`` (keyword) or else ``sampling["sde_indices"]``; they are sorted
-        and deduplicated. ``group_index`` defaults to one group per distinct prompt, numbered in
-        order of first appearance. Raises one ValueError listing every problem (guidance_scale
-        != 1.0, SDE step with sigma == 1 under 'sde', bad geometry, duplicate sample ids...).
+        ``sampling`` is the rollout.sampling config (a ``SamplingConfig``, or its table). The
+        trained SDE steps are the driver's resolved ``sde_indices`` (keyword) or else the
+        config's; they are sorted and deduplicated. ``group_index`` defaults to one group per
+        distinct prompt, numbered in order of first appearance. Raises one ValueError listing
+        every problem (guidance_scale != 1.0, an SDE step where the SDE type has no density,
+        bad geometry, duplicate sample ids...).
         """
-        return schema.build_request(self, prompts, sample_ids, sampling, rollout_id=rollout_id,
-                                    seed=seed, sde_indices=sde_indices, group_index=group_index)
+        return wire.build_request(self, prompts, sample_ids, sampling, rollout_id=rollout_id,
+                                  seed=seed, sde_indices=sde_indices, group_index=group_index)
 
     def validate_rollout_response(self, response: Mapping[str, Any],
                                   request: Mapping[str, Any]) -> None:
         """Raise one ValueError listing every way ``response`` does not answer ``request``."""
-        schema.validate_response(self, response, request)
+        wire.validate_response(self, response, request)
 
     def pack_trajectory(self, response: Mapping[str, Any], request: Mapping[str, Any]) -> RolloutBatch:
         """Validate ``response`` and lay it out as a RolloutBatch (tensors decoded if JSON)."""
-        return schema.pack(self, response, request)
+        return wire.pack(self, response, request)
 
     def replay_velocity(self, transformer: nn.Module, batch: RolloutBatch, step: int) -> torch.Tensor:
         """v at trained step ``step`` (0..S-1) of every candidate: the actor's replay forward.

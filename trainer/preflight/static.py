@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trainer.config import Config, ConfigError
+from trainer.config.hub import download_hint
 from trainer.config.sampling import KL_FORMS, SamplingConfig, fraction_window  # noqa: F401 (re-exported)
 from trainer.preflight.algorithm_rules import check_algorithm, check_reference_options
 from trainer.preflight.checker import Checker, flagged
@@ -74,14 +75,15 @@ _DOTPATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
 
 
 # ---- SDE steps (trainer.config.sampling owns the rules; these names are kept for callers) -------
-def static_sde_indices(sampling: dict[str, Any]) -> list[int]:
+# Step resolution whatever the SDE type: its undefined points are judged by _check_sampling.
+def static_sde_indices(sampling: "dict[str, Any] | SamplingConfig") -> list[int]:
     """The SDE steps resolved without a rollout id (evaluation, or resampling off)."""
-    return SamplingConfig.from_dict({**sampling, "sde_type": "dance"}).static_indices()
+    return SamplingConfig.from_dict(sampling, type_rules=False).static_indices()
 
 
-def trainable_indices_upper_bound(sampling: dict[str, Any]) -> list[int]:
+def trainable_indices_upper_bound(sampling: "dict[str, Any] | SamplingConfig") -> list[int]:
     """Every step at which some rollout (any rollout id) or evaluation could inject SDE noise."""
-    return SamplingConfig.from_dict({**sampling, "sde_type": "dance"}).reachable_noise_steps()
+    return SamplingConfig.from_dict(sampling, type_rules=False).reachable_noise_steps()
 
 
 def local_sample_count(cfg: Config, world_size: int) -> int:
@@ -102,7 +104,8 @@ def _check_model(c: Checker) -> None:
     if not m.model_path:
         c.error(f"{flagged('model.model_path')} is required")
     elif c.check_paths and m.model_path != "toy" and not Path(m.model_path).is_dir():
-        c.error(f"{flagged('model.model_path')}={m.model_path!r} is not a directory")
+        c.error(f"{flagged('model.model_path')}={m.model_path!r} is not a directory"
+                + download_hint(m.model_path))
 
 
 def _check_trainable(c: Checker) -> None:
@@ -155,8 +158,8 @@ def _check_trainable(c: Checker) -> None:
 
 
 def _check_sampling(c: Checker) -> None:
-    """Every rule of trainer.config.sampling.SamplingConfig; unknown keys are an error there too (the
-    request builder refuses them, so a warning here would only defer the failure)."""
+    """Every rule of trainer.config.sampling.SamplingConfig, on the config the loader merged
+    (unknown keys were refused there, where they were set), the SDE type's from its table."""
     config, problems = SamplingConfig.check(c.cfg.rollout.sampling)
     for problem in problems:
         c.error(f"rollout.sampling.{problem} (--sampling-config)")

@@ -2,7 +2,9 @@
 and GRPO advantages from their components.
 
 Built-in scorers, by short name in ``[reward.scorers.NAME]`` or by dotpath (their heavy
-imports happen only when one is built): see ``trainer.rewards.spec.BUILTIN_SCORERS``.
+imports happen only when one is built): see ``trainer.rewards.spec.BUILTIN_SCORERS``. Custom
+reward functions, in our form or the Flow-GRPO reference's: ``function``; clients of the
+reference's reward servers: ``flowgrpo_server``; every HTTP request bounded: ``bounded_http``.
 
 Names resolve lazily (PEP 562): ``trainer.rewards.spec``, which preflight imports, must not
 pull torch in through this package.

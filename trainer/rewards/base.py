@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import abc
 import math
-from typing import Any, ClassVar, Mapping, Sequence
+import numbers
+from typing import Any, ClassVar, Iterable, Mapping, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -88,17 +90,42 @@ def check_score_inputs(images: Any, prompts: Sequence[str], metadata: Sequence[A
     return int(batch)
 
 
+_FP32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _plain_values(name: str, values: Any, problems: list[str]) -> torch.Tensor | None:
+    """A list / tuple / numpy array of numbers (None for "not scored") -> fp64 [B].
+
+    Numbers only: a string such as "0.5" or a bool is refused, not coerced (a reward that
+    returns text has a bug the trainer must not hide)."""
+    if isinstance(values, np.ndarray) and values.dtype.kind in "fiu":
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float64))
+    if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable):
+        problems.append(f"component {name!r}: expected one number per sample, got "
+                        f"{type(values).__name__}")
+        return None
+    items = list(values)
+    bad = [i for i, v in enumerate(items) if v is not None and
+           (isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real))]
+    if bad:
+        shown = ", ".join(f"[{i}]={items[i]!r} ({type(items[i]).__name__})" for i in bad[:3])
+        problems.append(f"component {name!r}: values must be numbers (None or NaN for a sample "
+                        f"not scored), got {shown}{' ...' if len(bad) > 3 else ''}")
+        return None
+    return torch.tensor([math.nan if v is None else float(v) for v in items], dtype=torch.float64)
+
+
 def to_component_tensor(name: str, values: Any, batch: int,
                         problems: list[str]) -> torch.Tensor | None:
-    """One scorer output -> CPU fp32 [B]; appends to ``problems`` instead of raising."""
+    """One scorer output -> CPU fp32 [B]; appends to ``problems`` instead of raising.
+
+    Refused: non-numbers (strings are not parsed), the wrong length, complex or bool tensors,
+    and finite values beyond fp32's range (1e300 would silently become inf)."""
     if isinstance(values, torch.Tensor):
         tensor = values.detach()
     else:
-        try:
-            tensor = torch.as_tensor([math.nan if v is None else float(v) for v in values],
-                                     dtype=torch.float32)
-        except (TypeError, ValueError) as exc:
-            problems.append(f"component {name!r}: values are not numbers ({exc})")
+        tensor = _plain_values(name, values, problems)
+        if tensor is None:
             return None
     if tensor.dim() != 1 or tensor.shape[0] != batch:
         problems.append(f"component {name!r}: expected shape [{batch}], got {list(tensor.shape)}")
@@ -106,4 +133,11 @@ def to_component_tensor(name: str, values: Any, batch: int,
     if tensor.is_complex() or tensor.dtype == torch.bool:
         problems.append(f"component {name!r}: dtype {tensor.dtype} is not a real number type")
         return None
-    return tensor.to(device="cpu", dtype=torch.float32)
+    wide = tensor.to(device="cpu", dtype=torch.float64)  # the host sync that ends a CUDA score
+    overflow = (wide.isfinite() & (wide.abs() > _FP32_MAX)).nonzero().flatten().tolist()
+    if overflow:
+        shown = ", ".join(f"[{i}]={wide[i].item():.3g}" for i in overflow[:3])
+        problems.append(f"component {name!r}: values beyond float32's range ({_FP32_MAX:.3g}) "
+                        f"would become inf: {shown}; rescale the reward")
+        return None
+    return wide.to(torch.float32)

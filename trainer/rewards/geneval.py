@@ -18,6 +18,13 @@ size and renormalised; "left of"/"right of" when its x component is below -0.5/a
 ``mode = "partial"``: the fraction of requirements that pass (a denser signal for RL).
 A sample without ``include`` metadata scores NaN.
 
+No detector works out of the box: we found no PyPI package that ships a COCO detector's
+weights inside its wheel (ultralytics, yolov5, torchvision's detection models, effdet,
+mmdetection and the open-vocabulary detectors all download weights at first use, which a run
+here never does; mediapipe's wheel holds a label map but no detector model). Two ways in: the
+Flow-GRPO reference's GenEval server (Mask2Former + CLIP colours) through the
+``geneval_server`` scorer (``trainer.rewards.flowgrpo_server``), or a detector of your own:
+
 ``detector`` is the dotpath of a factory ``make(**detector_options) -> detect`` with
 ``detect(images uint8 [B, H, W, 3] tensor) -> per image a list of {"class": str,
 "score": float, "box": [x0, y0, x1, y1] in pixels, "color": str (when the detector
@@ -34,6 +41,10 @@ import torch
 from trainer.rewards.base import RewardError, RewardScorer, load_object
 
 RELATIONS = ("left of", "right of", "above", "below")
+NO_DETECTOR = ("geneval needs detector = \"pkg.mod.make_detector\": no PyPI package we know "
+               "ships a COCO detector's weights in its wheel (they download them), so none "
+               "works out of the box; or use [reward.scorers.geneval_server], the Flow-GRPO "
+               "reference's GenEval server")
 MODES = ("strict", "partial")
 
 
@@ -89,7 +100,7 @@ class GenEvalScorer(RewardScorer):
 
     components: ClassVar[tuple[str, ...]] = ("geneval",)
 
-    def __init__(self, *, detector: str, detector_options: dict | None = None,
+    def __init__(self, *, detector: str | None = None, detector_options: dict | None = None,
                  threshold: float = 0.3, position_margin: float = 0.1, mode: str = "strict",
                  device: str | torch.device | None = None) -> None:
         problems = self.check_options(detector=detector, detector_options=detector_options,
@@ -102,14 +113,17 @@ class GenEvalScorer(RewardScorer):
         self.device = device
 
     @classmethod
-    def check_options(cls, detector: str = "", detector_options: dict | None = None,
+    def check_options(cls, detector: str | None = None, detector_options: dict | None = None,
                       mode: str = "strict", **_: Any) -> list[str]:
         problems = []
-        try:
-            if not callable(load_object(detector, "geneval detector")):
-                problems.append(f"geneval detector {detector!r} is not callable")
-        except ValueError as exc:
-            problems.append(str(exc))
+        if not detector:
+            problems.append(NO_DETECTOR)
+        else:
+            try:
+                if not callable(load_object(detector, "geneval detector")):
+                    problems.append(f"geneval detector {detector!r} is not callable")
+            except ValueError as exc:
+                problems.append(str(exc))
         if detector_options is not None and not isinstance(detector_options, dict):
             problems.append(f"detector_options={detector_options!r} must be a table")
         if mode not in MODES:

@@ -10,7 +10,12 @@ Runtimes:
   weights are never loaded locally.
 
 A custom reward function (``custom_reward_path``) runs in-process next to the scorer in every
-runtime, so a remote PickScore and a local rule-based term can be combined.
+runtime, so a remote PickScore and a local rule-based term can be combined; it may be written
+in our form or the Flow-GRPO reference's, and every call into it has a deadline
+(``reward.custom_timeout_s``): ``trainer.rewards.function``.
+
+With any component weight given, every component the scorers produce needs one (0 included):
+one left out would weigh nothing without a word.
 
 Managers are cached per configuration: building one twice with the same arguments returns the
 same object, so a model is loaded once per process, not once per rollout.
@@ -30,7 +35,7 @@ from trainer.rewards.base import (SUPPORTED_TRACKS, RewardError, RewardScorer, c
 from trainer.rewards.function import FunctionScorer
 from trainer.rewards.remote import RemoteScorer
 from trainer.rewards.spec import ScorerSpec, option_problems, resolve_weights, scorer_class, \
-    scorer_specs
+    scorer_specs, shadowing_problems, unweighed_problem
 
 RUNTIMES: tuple[str, ...] = ("colocate", "cpu", "remote")
 
@@ -140,7 +145,8 @@ def _cache_key(args: dict[str, Any]) -> tuple:
 def build_reward_manager(*, scorer_path: str | None, model_path: str | None, runtime: str,
                          endpoint: str | None = None, device: str | torch.device | None = None,
                          custom_reward_path: str | None = None, timeout_s: float = 60.0,
-                         max_retries: int = 3, **scorer_kwargs: Any) -> RewardManager:
+                         max_retries: int = 3, custom_timeout_s: float = 600.0,
+                         **scorer_kwargs: Any) -> RewardManager:
     """Build (or return the cached) single-scorer manager for this configuration.
 
     ``scorer_kwargs`` go to the scorer's constructor (e.g. ``dtype``, ``batch_size``); for the
@@ -158,7 +164,7 @@ def build_reward_manager(*, scorer_path: str | None, model_path: str | None, run
     return _cached(specs, runtime=runtime, endpoint=endpoint, device=device,
                    custom_reward_path=custom_reward_path, timeout_s=timeout_s,
                    max_retries=max_retries, remote_kwargs=remote_kwargs,
-                   problems=tuple(problems))
+                   custom_timeout_s=custom_timeout_s, problems=tuple(problems))
 
 
 def build_reward_manager_from_config(reward, device: str | torch.device | None = None,
@@ -171,13 +177,18 @@ def build_reward_manager_from_config(reward, device: str | torch.device | None =
         raise ValueError("reward configuration: " + "; ".join(problems))
     by_spec = {spec.name: scorer_class(spec.path).components for spec in specs}
     weights, required, problems = resolve_weights(reward, by_spec, specs)
+    problems += [p for spec in specs for p in shadowing_problems(spec, scorer_class(spec.path))]
     if problems:
         raise ValueError("reward configuration: " + "; ".join(problems))
     # weights are part of the cache key: two configs never share (and rewrite) one manager's
-    return _cached(specs, runtime=reward.runtime, endpoint=reward.endpoint, device=device,
-                   custom_reward_path=reward.custom_reward_path, timeout_s=reward.timeout_s,
-                   max_retries=max_retries, remote_kwargs={}, weights=weights,
-                   required=tuple(required))
+    manager = _cached(specs, runtime=reward.runtime, endpoint=reward.endpoint, device=device,
+                      custom_reward_path=reward.custom_reward_path, timeout_s=reward.timeout_s,
+                      max_retries=max_retries, remote_kwargs={}, weights=weights,
+                      required=tuple(required), custom_timeout_s=reward.custom_timeout_s)
+    unweighed = unweighed_problem(manager.components, manager.weights)
+    if unweighed:
+        raise ValueError("reward configuration: " + unweighed)
+    return manager
 
 
 def _cached(specs: list[ScorerSpec], **kwargs: Any) -> RewardManager:
@@ -213,7 +224,8 @@ def _resolve_device(runtime: str, device, problems: list[str]) -> torch.device |
 
 
 def _build(specs: list[ScorerSpec], *, runtime, endpoint, device, custom_reward_path, timeout_s,
-           max_retries, remote_kwargs, problems=(), weights=None, required=()) -> RewardManager:
+           max_retries, remote_kwargs, problems=(), weights=None, required=(),
+           custom_timeout_s=600.0) -> RewardManager:
     problems = list(problems)
     if runtime not in RUNTIMES:
         problems.append(f"runtime {runtime!r} is not one of {list(RUNTIMES)}")
@@ -248,7 +260,9 @@ def _build(specs: list[ScorerSpec], *, runtime, endpoint, device, custom_reward_
             scorer.name = spec.where
         scorers.append(scorer)
     if custom_reward_path is not None:
-        scorers.append(FunctionScorer.from_dotpath(custom_reward_path))
+        scorers.append(FunctionScorer.from_dotpath(custom_reward_path,
+                                                   device=resolved or torch.device("cpu"),
+                                                   timeout_s=custom_timeout_s))
     manager = RewardManager(scorers, runtime=runtime, device=resolved)
     manager.weights, manager.required = dict(weights or {}), list(required)
     return manager

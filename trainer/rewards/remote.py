@@ -13,10 +13,14 @@ base64-encoded PNG (8-bit RGB) -> 200 ``{"rewards": {component: [number | null] 
 group if the component is required). The reply must hold exactly the components the request
 listed. A non-2xx reply carries a plain-text or JSON body with the reason.
 
-Client policy: every request has a socket timeout (``timeout_s``); timeouts, refused or reset
-connections, 5xx and 429 are retried up to ``max_retries`` times with exponential backoff
-(``backoff_s * 2**attempt``, at most 30 s); a 4xx, malformed JSON, missing or unexpected
-components and wrong lengths are the server's or the configuration's bug and fail at once.
+Client policy: every attempt has a deadline on the whole exchange (``timeout_s``: connect,
+send, and the whole reply, so a server that trickles bytes cannot hold it) and a reply size cap
+(``max_reply_bytes``, 16 MiB): ``trainer.rewards.bounded_http``. Missed deadlines, refused or
+reset connections, 5xx and 429 are retried up to ``max_retries`` times with exponential backoff
+(``backoff_s * 2**attempt``, at most 30 s), so one ``score`` call waits at most
+``(max_retries + 1) * timeout_s`` plus the backoffs; a 4xx, an oversized or malformed reply,
+missing or unexpected components and wrong lengths are the server's or the configuration's
+bug and fail at once.
 Either way the error is a RemoteRewardError naming the endpoint and every attempt's failure.
 """
 from __future__ import annotations
@@ -26,10 +30,7 @@ import http.client
 import io
 import json
 import math
-import socket
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
@@ -37,6 +38,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from trainer.rewards import bounded_http
 from trainer.rewards.base import RewardError, RewardScorer, check_score_inputs
 
 SCHEMA = "flowgrpo.reward.v1"
@@ -80,14 +82,16 @@ class RemoteScorer(RewardScorer):
     Args:
         endpoint: the URL (http or https).
         components: what the server produces; None asks the server once (GET) at construction.
-        timeout_s: socket timeout per attempt.
+        timeout_s: deadline of each attempt, the whole exchange (connect, send, whole reply).
+        max_reply_bytes: a larger reply fails the request at once (not retried).
         max_retries: retries after the first attempt for retryable failures.
         backoff_s: first backoff; doubles per retry.
     """
 
     def __init__(self, endpoint: str, *, components: Sequence[str] | None = None,
                  timeout_s: float = 60.0, max_retries: int = 3, backoff_s: float = 0.5,
-                 png_compress_level: int = 1) -> None:
+                 png_compress_level: int = 1,
+                 max_reply_bytes: int = bounded_http.DEFAULT_MAX_REPLY_BYTES) -> None:
         problems = []
         if not endpoint.startswith(("http://", "https://")):
             problems.append(f"endpoint {endpoint!r} is not an http(s) URL")
@@ -97,6 +101,8 @@ class RemoteScorer(RewardScorer):
             problems.append(f"max_retries={max_retries} must be >= 0")
         if backoff_s < 0:
             problems.append(f"backoff_s={backoff_s} must be >= 0")
+        if not max_reply_bytes > 0:
+            problems.append(f"max_reply_bytes={max_reply_bytes} must be > 0")
         if problems:
             raise ValueError("remote reward: " + "; ".join(problems))
         self.endpoint = endpoint
@@ -104,6 +110,7 @@ class RemoteScorer(RewardScorer):
         self.max_retries = int(max_retries)
         self.backoff_s = float(backoff_s)
         self.png_compress_level = int(png_compress_level)
+        self.max_reply_bytes = int(max_reply_bytes)
         if components is None:
             info = self._request(None)
             components = info.get("components") if isinstance(info, dict) else None
@@ -119,30 +126,31 @@ class RemoteScorer(RewardScorer):
         for attempt in range(self.max_retries + 1):
             if attempt:
                 time.sleep(min(self.backoff_s * 2 ** (attempt - 1), _MAX_BACKOFF_S))
-            request = urllib.request.Request(
-                self.endpoint, data=body, method="GET" if body is None else "POST",
-                headers={"Content-Type": "application/json", "Accept": "application/json"})
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
-                    raw = reply.read()
-            except urllib.error.HTTPError as exc:
-                detail = exc.read(500).decode("utf-8", "replace").strip()
-                failures.append(f"attempt {attempt + 1}: HTTP {exc.code} {detail}")
-                if exc.code >= 500 or exc.code in _RETRY_STATUS:
+                reply = bounded_http.request(
+                    self.endpoint, body=body, deadline_s=self.timeout_s,
+                    max_reply_bytes=self.max_reply_bytes,
+                    headers={"Content-Type": "application/json", "Accept": "application/json"})
+            except bounded_http.ReplyTooLarge as exc:
+                failures.append(f"attempt {attempt + 1}: {exc} (max_reply_bytes)")
+                break
+            except bounded_http.DeadlineExceeded as exc:
+                failures.append(f"attempt {attempt + 1}: timed out: {exc} (timeout_s)")
+                continue
+            except (OSError, http.client.HTTPException) as exc:
+                failures.append(f"attempt {attempt + 1}: {type(exc).__name__}: {exc}")
+                continue
+            if reply.status >= 300:
+                detail = reply.body[:500].decode("utf-8", "replace").strip()
+                failures.append(f"attempt {attempt + 1}: HTTP {reply.status} {detail}")
+                if reply.status >= 500 or reply.status in _RETRY_STATUS:
                     continue
                 break
-            except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError,
-                    http.client.HTTPException) as exc:
-                reason = getattr(exc, "reason", exc)
-                kind = "timed out" if isinstance(reason, (socket.timeout, TimeoutError)) \
-                    else f"{type(reason).__name__}: {reason}"
-                failures.append(f"attempt {attempt + 1}: {kind}")
-                continue
             try:
-                return json.loads(raw)
+                return json.loads(reply.body)
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 failures.append(f"attempt {attempt + 1}: malformed JSON reply ({exc}): "
-                                f"{raw[:200]!r}")
+                                f"{reply.body[:200]!r}")
                 break
         raise RemoteRewardError(f"remote reward {self.endpoint} failed after {len(failures)} "
                                 f"attempt(s): " + " | ".join(failures))
@@ -184,8 +192,9 @@ class RemoteScorer(RewardScorer):
             if bad:
                 problems.append(f"{name!r}: non-numeric values at {bad[:5]}")
                 continue
+            # fp64: the manager refuses a value beyond fp32's range instead of an inf
             out[name] = torch.tensor([math.nan if v is None else float(v) for v in values],
-                                     dtype=torch.float32)
+                                     dtype=torch.float64)
         if problems:
             raise RemoteRewardError(f"{self.endpoint}: bad reply: " + "; ".join(problems))
         return out

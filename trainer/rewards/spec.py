@@ -12,7 +12,11 @@ single-scorer keys) resolved into one list, their weights, and the checks of bot
     threshold = 0.3                     # every other key goes to the scorer's constructor
 
 Reserved keys: ``path``, ``weight`` (default 1.0; applies to each component the scorer
-produces), ``model_path``, ``required``. The old keys (``scorer_path``, ``model_path``,
+produces), ``model_path``, ``required``, ``options``. ``[reward.scorers.NAME.options]`` passes
+its keys to the constructor verbatim, reserved names included: CLIPScore's own ``weight`` (its
+2.5 rescale) is ``options = { weight = 100 }``. A reserved key set in the table whose name the
+constructor also takes, with no ``options`` entry for it, is an error (it used to become the
+mixing weight without a word). The old keys (``scorer_path``, ``model_path``,
 ``component_weights``, ``custom_reward_path``) keep working: without a ``scorers`` table,
 ``scorer_path`` is the one scorer; ``custom_reward_path`` runs beside either;
 ``component_weights`` still weighs components by name (a component weighed there and by its
@@ -47,9 +51,16 @@ BUILTIN_SCORERS: dict[str, str] = {
     "imagereward": "trainer.rewards.imagereward.ImageRewardScorer",
     "vlm_judge": "trainer.rewards.vlm_judge.VLMJudgeScorer",
     "geneval": "trainer.rewards.geneval.GenEvalScorer",
+    "geneval_server": "trainer.rewards.flowgrpo_server.GenEvalServerScorer",
+    "deqa": "trainer.rewards.flowgrpo_server.DeQAServerScorer",
+    "unifiedreward_server": "trainer.rewards.flowgrpo_server.UnifiedRewardServerScorer",
     "toy": "trainer.toy.reward.ToyCompositionScorer",
 }
-RESERVED_KEYS = ("path", "weight", "model_path", "required")
+RESERVED_KEYS = ("path", "weight", "model_path", "required", "options")
+# reserved keys a constructor may also take: set at the top level they mean the reserved thing,
+# so a constructor option of the same name must come through the ``options`` sub-table
+_ROLES = {"path": "scorer's dotpath", "weight": "mixing weight", "required": "required flag"}
+_SHADOWING = tuple(_ROLES)
 _DOTPATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
 _IDENT = re.compile(r"^[A-Za-z_]\w*$")
 
@@ -63,6 +74,7 @@ class ScorerSpec:
     model_path: str | None = None
     required: bool = False
     options: dict = field(default_factory=dict)
+    reserved_set: tuple[str, ...] = ()  # _SHADOWING keys the table sets at its top level
 
     @property
     def where(self) -> str:
@@ -98,11 +110,35 @@ def _table_spec(name: str, table: Any, problems: list[str]) -> ScorerSpec | None
     if not isinstance(required, bool):
         problems.append(f"{where}.required={required!r} must be true or false")
     options = {k: v for k, v in table.items() if k not in RESERVED_KEYS}
+    verbatim = table.get("options", {})
+    if not isinstance(verbatim, dict):
+        problems.append(f"{where}.options must be a table of constructor options, "
+                        f"got {verbatim!r}")
+        verbatim = {}
+    twice = sorted(set(options) & set(verbatim))
+    if twice:
+        problems.append(f"{where}: options {twice} are given both in the table and in "
+                        f"{where}.options; keep one")
+    if "model_path" in verbatim:
+        problems.append(f"{where}.options.model_path: give model_path in {where} itself")
+    options.update(verbatim)
     bad = [k for k in options if not _IDENT.match(str(k))]
     if bad:
         problems.append(f"{where}: option names {bad} are not identifiers")
     return ScorerSpec(name, path or "", float(weight) if _is_number(weight) else 1.0,
-                      model_path, bool(required), options)
+                      model_path, bool(required), options,
+                      tuple(k for k in _SHADOWING if k in table))
+
+
+def shadowing_problems(spec: ScorerSpec, cls: type) -> list[str]:
+    """A reserved key set in the table that the constructor also takes, with no
+    ``options`` entry saying what the constructor gets: the user may have meant either."""
+    params = inspect.signature(cls).parameters
+    clash = [k for k in spec.reserved_set if k in params and k not in spec.options]
+    return [f"{spec.where}.{k} is read as the table's {_ROLES[k]}, but {spec.path} also takes "
+            f"a constructor option {k!r}: say what the constructor gets in {spec.where}.options "
+            f"(e.g. options = {{ {k} = ... }}) and keep {k} = ... for the {_ROLES[k]}"
+            for k in clash]
 
 
 def scorer_specs(reward) -> tuple[list[ScorerSpec], list[str]]:
@@ -197,8 +233,44 @@ def resolve_weights(reward, components: dict[str, tuple[str, ...]],
     return weights, required, problems
 
 
-def import_problems(reward) -> list[str]:
-    """Import every reward dotpath and check every option (no weights are loaded)."""
+def unweighed_problem(produced, weights: dict[str, float],
+                      owners: dict[str, str] | None = None) -> str | None:
+    """With any weight given, every produced component needs one: a component left out would
+    silently weigh 0 (a custom reward beside the toy recipe's weights trained on nothing)."""
+    missing = [c for c in produced if c not in weights] if weights else []
+    if not missing:
+        return None
+    named = ", ".join(f"{c!r}" + (f" ({owners[c]})" if owners and c in owners else "")
+                      for c in missing)
+    return (f"components {named} are produced but have no weight, so training would ignore "
+            f"them: give each a weight in reward.component_weights (or its scorer table's "
+            f"weight); 0 logs a component without training on it")
+
+
+def _custom_problems(reward, dummy_batch: dict | None
+                     ) -> tuple[tuple[str, ...] | None, list[str]]:
+    """The custom reward's components, and its problems: import, form, and (``dummy_batch``:
+    preflight's height, width and first records) one call on a dummy batch."""
+    from trainer.rewards.function import FunctionScorer, dummy_batch_problems  # local: torch
+    where = "reward.custom_reward_path"
+    if not (isinstance(reward.custom_timeout_s, (int, float)) and reward.custom_timeout_s > 0):
+        return None, [f"reward.custom_timeout_s={reward.custom_timeout_s!r} must be > 0"]
+    try:
+        scorer = FunctionScorer.from_dotpath(reward.custom_reward_path,
+                                             timeout_s=reward.custom_timeout_s)
+    except ValueError as exc:
+        return None, [f"{where}: {exc}"]
+    except Exception as exc:  # the user's factory failed (or missed its deadline)
+        return None, [f"{where}: building {reward.custom_reward_path} failed: "
+                      f"{type(exc).__name__}: {exc}"]
+    if dummy_batch is None:
+        return scorer.components, []
+    return scorer.components, dummy_batch_problems(scorer, **dummy_batch)
+
+
+def import_problems(reward, *, dummy_batch: dict | None = None) -> list[str]:
+    """Import every reward dotpath and check every option (no weights are loaded); with
+    ``dummy_batch`` (``dummy_batch_problems``' keywords), call the custom reward once."""
     specs, problems = scorer_specs(reward)
     components: dict[str, tuple[str, ...]] = {}
     for spec in specs:
@@ -208,6 +280,7 @@ def import_problems(reward) -> list[str]:
             problems.append(f"{spec.where}: {exc}")
             continue
         components[spec.name] = cls.components
+        problems += shadowing_problems(spec, cls)
         if reward.runtime == "remote":
             continue  # the remote server builds it; here only its component names count
         model_key = f"{spec.where}.model_path" if spec.weight is not None else \
@@ -215,11 +288,10 @@ def import_problems(reward) -> list[str]:
         problems += [f"{spec.where}: {p}" for p in
                      option_problems(cls, spec.options, spec.model_path, spec.path, model_key)]
     if reward.custom_reward_path:
-        from trainer.rewards.function import FunctionScorer  # local: torch, as above
-        try:
-            components["custom"] = FunctionScorer.from_dotpath(reward.custom_reward_path).components
-        except ValueError as exc:
-            problems.append(f"reward.custom_reward_path: {exc}")
+        custom, custom_problems = _custom_problems(reward, dummy_batch)
+        problems += custom_problems
+        if custom is not None:
+            components["custom"] = custom
     weights, required, weight_problems = resolve_weights(reward, components, specs)
     problems += weight_problems
     produced = {c for comps in components.values() for c in comps}
@@ -233,4 +305,11 @@ def import_problems(reward) -> list[str]:
         if unweighed:
             problems.append(f"weights for components {unweighed} that no scorer produces "
                             f"(produced: {sorted(produced)})")
+        owners = {c: ("reward.custom_reward_path" if name == "custom" else
+                      next(s.where for s in specs if s.name == name))
+                  for name, comps in components.items() for c in comps}
+        problem = unweighed_problem([c for comps in components.values() for c in comps],
+                                    weights, owners)
+        if problem:
+            problems.append(problem)
     return problems

@@ -6,7 +6,8 @@ One request per image: the image as a ``data:image/png;base64`` URL and the ques
 match of ``score_pattern`` in the answer (its first group when it has one; default: the first
 number; UnifiedReward-style answers want ``"Final Score:\\s*(-?\\d+(?:\\.\\d+)?)"``), mapped to
 [0, 1] by ``(s - score_min) / (score_max - score_min)`` and clipped there; an answer without a
-match scores NaN (that sample only). Transport failures (connection, timeout, HTTP 5xx) are
+match scores NaN (that sample only). ``timeout_s`` bounds each request's whole exchange and a
+reply is capped in size (``bounded_http``). Transport failures (connection, timeout, HTTP 5xx) are
 retried ``max_retries`` times with a short backoff, then the whole batch fails with every cause
 listed: a judge that cannot answer must not train the policy on zeros.
 
@@ -15,19 +16,19 @@ An API key, when the server wants one, is read from the environment variable nam
 """
 from __future__ import annotations
 
+import http.client
 import json
 import math
 import os
 import re
 import string
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
 import torch
 
+from trainer.rewards import bounded_http
 from trainer.rewards.base import RewardScorer
 from trainer.rewards.remote import RemoteRewardError, encode_png_base64
 
@@ -121,16 +122,21 @@ class VLMJudgeScorer(RewardScorer):
             headers["Authorization"] = f"Bearer {self.api_key}"
         errors = []
         for attempt in range(self.max_retries + 1):
-            request = urllib.request.Request(self.url, data=body, headers=headers)
-            try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                    reply = json.loads(response.read())
+            try:  # a deadline on the whole exchange and a size cap (bounded_http)
+                response = bounded_http.request(self.url, body=body, headers=headers,
+                                                deadline_s=self.timeout_s)
+                if response.status >= 300:
+                    errors.append(f"HTTP {response.status}")
+                    if response.status < 500:  # the request itself is wrong: retrying cannot help
+                        break
+                    time.sleep(min(2.0, 0.2 * 2 ** attempt))
+                    continue
+                reply = json.loads(response.body)
                 return str(reply["choices"][0]["message"]["content"])
-            except urllib.error.HTTPError as exc:
-                errors.append(f"HTTP {exc.code}")
-                if exc.code < 500:  # the request itself is wrong: retrying cannot help
-                    break
-            except (urllib.error.URLError, TimeoutError, OSError) as exc:
+            except bounded_http.ReplyTooLarge as exc:
+                errors.append(str(exc))
+                break
+            except (OSError, http.client.HTTPException) as exc:  # the deadline included
                 errors.append(f"{type(exc).__name__}: {exc}")
             except (ValueError, KeyError, IndexError, TypeError) as exc:
                 errors.append(f"malformed reply ({type(exc).__name__}: {exc})")

@@ -51,7 +51,7 @@ class RolloutDriver:
     Args:
         adapter: the model family's adapter (builds requests, validates and packs responses).
         engines: ``EngineClient`` / ``SGLangEngineClient`` instances (one per GPU of this rank).
-        sampling: the --sampling-config dict (validated as a trainer.config.sampling.SamplingConfig).
+        sampling: the rollout.sampling config (a SamplingConfig, or its table), validated here.
         seed: --generation-seed (the driver's x_T recipe seed).
         task: generation task, the artifact subdirectory (e.g. "t2i").
         artifact_root: where sidecars and PNGs go; None writes nothing.
@@ -63,15 +63,16 @@ class RolloutDriver:
     """
 
     def __init__(self, adapter: GenerativeModelAdapter, engines: list[Any], *,
-                 sampling: dict[str, Any], seed: int, task: str, artifact_root: str | None = None,
+                 sampling: "dict[str, Any] | SamplingConfig", seed: int, task: str,
+                 artifact_root: str | None = None,
                  retention: int = 2, wave_size: int | None = None,
                  sample_id_mode: str = "metadata",
                  noise_steps: Callable[[int], list[int]] | None = None) -> None:
         problems = []
         if not engines:
             problems.append("no engines")
-        if not isinstance(sampling, dict):
-            problems.append(f"sampling must be a dict, got {type(sampling).__name__}")
+        if not isinstance(sampling, (dict, SamplingConfig)):
+            problems.append(f"sampling must be a dict or a SamplingConfig, got {type(sampling).__name__}")
             sampling = {}
         if isinstance(seed, bool) or not isinstance(seed, int):
             problems.append(f"seed must be an integer, got {seed!r}")
@@ -84,7 +85,7 @@ class RolloutDriver:
             problems.append(f"retention must be an integer, got {retention!r}")
         if sample_id_mode not in SAMPLE_ID_MODES:
             problems.append(f"sample_id_mode must be one of {SAMPLE_ID_MODES}, got {sample_id_mode!r}")
-        configured = sampling.get("sample_id_mode")
+        configured = getattr(sampling, "sample_id_mode", None) or sampling.get("sample_id_mode")
         if configured is not None and configured != sample_id_mode:
             problems.append(f"sampling['sample_id_mode'] is {configured!r} but the driver was built "
                             f"with {sample_id_mode!r}")
@@ -94,7 +95,7 @@ class RolloutDriver:
             raise _problem_list("invalid rollout driver configuration", problems)
         self.adapter = adapter
         self.engines = list(engines)
-        self.sampling = dict(sampling)
+        self.sampling = config.to_dict()
         self.sampling_config: SamplingConfig = config
         self.seed = int(seed)
         self.task = task

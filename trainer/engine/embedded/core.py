@@ -279,7 +279,7 @@ class EngineCore:
                                    spec.height, spec.width, spec.guidance_scale)
 
     def generate(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Serve one rollout request (``trainer.models.schema``); tensors stay on the device."""
+        """Serve one rollout request (``trainer.models.wire``); tensors stay on the device."""
         with self._lock:
             self._check_open("generate")
             spec = parse_generate_request(self.adapter, request)

@@ -1,6 +1,6 @@
 """The embedded engine's HTTP mode: SGLang's diffusion rollout endpoints, on loopback.
 
-Endpoints (JSON in and out, tensors encoded by ``trainer.engine.wire``):
+Endpoints (JSON in and out, tensors encoded by ``trainer.models.wire.codec``):
 
     POST /rollout/generate              batched request (prompt list) -> one batched response
                                         SGLang form (prompt string)   -> list of per-output responses
@@ -31,8 +31,7 @@ from typing import Any, Callable
 
 from trainer.engine.embedded.core import EngineCore, EngineStateError
 from trainer.engine.embedded.request import RequestError
-from trainer.engine.wire import to_wire
-from trainer.models.schema import ROLLOUT_PATH
+from trainer.models.wire import ROLLOUT_PATH, to_wire
 
 MAX_BODY_BYTES = 64 << 20
 

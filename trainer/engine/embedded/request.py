@@ -1,10 +1,10 @@
 """The engine's own reading of a rollout request: every check, one error listing every problem.
 
-The driver's requests are built and checked by the adapter (``trainer.models.schema``), but the
+The driver's requests are built and checked by the adapter (``trainer.models.wire``), but the
 engine also serves HTTP, where anything may arrive, so it validates independently and turns a
 request into a ``GenerateSpec``. Two request shapes are accepted, both SGLang's field names:
 
-- batched (``trainer.models.schema``): ``prompt`` is a list, one entry per candidate, with
+- batched (``trainer.models.wire``): ``prompt`` is a list, one entry per candidate, with
   ``extra_sampling_params.sample_ids`` of the same length. Answered with one batched response.
 - SGLang's single-prompt form: ``prompt`` is a string and ``num_outputs_per_prompt`` (default
   1, or the number of sample ids) candidates share it. Answered over HTTP with SGLang's list of
@@ -25,10 +25,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from flowgrpo_kernels.sde_reference import LOG_PROB_FORMS
+from flowgrpo_kernels.sde_types import (LOG_PROB_FORMS, SDE_TYPES, SIGMA_ONE_TREATMENTS, TABLE,
+                                        undefined_step_problems)
 from trainer.models import noise
 from trainer.models.base import GenerativeModelAdapter
-from trainer.config.sampling import SDE_TYPES, SIGMA_ONE_TREATMENTS
 from trainer.utils.values import is_int, is_number
 
 DEFAULT_ETA = 0.7
@@ -67,7 +67,7 @@ class GenerateSpec:
     return_env: bool = False
     single_prompt: bool = False      # SGLang's prompt-string form (HTTP replies a list)
     guidance_scale: float = 1.0      # > 1: CFG against the empty prompt (trainer.models.guidance)
-    sigma_one: str = "refuse"        # sde at sigma == 1 (trainer.config.sampling)
+    sigma_one: str = "refuse"        # a step at sigma == 1 (flowgrpo_kernels.sde_types)
     log_prob_form: str = "gaussian"  # kernels.sde_log_prob's form
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
 
@@ -226,12 +226,13 @@ def _sde(request: Mapping[str, Any], extra: Mapping[str, Any], steps: Any, sigma
     if log_prob_form not in LOG_PROB_FORMS:
         problems.append(f"extra_sampling_params.log_prob_form must be one of {LOG_PROB_FORMS}, "
                         f"got {log_prob_form!r}")
-    if sde_type == "sde" and sigma_one == "refuse" and sigmas and float(eta) > 0:
-        singular = [i for i in indices if 0 <= i < len(sigmas) - 1 and sigmas[i] >= 1.0]
-        if singular:
-            problems.append(f"rollout_sde_type='sde' is singular at sigma == 1 (steps {singular}): "
-                            "std_dev_t = eta*sqrt(sigma/(1-sigma)) is infinite there; use later "
-                            "steps, 'dance' or extra_sampling_params.sigma_one='clamp_to_next'")
+    row = TABLE[sde_type] if sde_type in SDE_TYPES else None
+    if row is not None and row.eta_problem(float(eta), noise_required=False):
+        problems.append(f"rollout_noise_level: {row.eta_problem(float(eta), noise_required=False)}")
+    if row is not None and sigmas and sigma_one in SIGMA_ONE_TREATMENTS and \
+            log_prob_form in LOG_PROB_FORMS:
+        problems += [f"rollout_sde_step_indices: {p}" for p in undefined_step_problems(
+            sde_type, float(eta), indices, sigmas, sigma_one=sigma_one, log_prob_form=log_prob_form)]
     if rollout and indices and float(eta) == 0.0:
         problems.append("rollout_noise_level is 0 but SDE steps were requested: an eta == 0 step "
                         "is deterministic and has no log-prob")

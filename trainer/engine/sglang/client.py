@@ -25,8 +25,7 @@ from typing import Any
 from trainer.engine.embedded.client import EngineError
 from trainer.engine.embedded.core import EngineStateError
 from trainer.engine.sglang.rollout import decode_tensors, to_schema_response, to_sglang_requests
-from trainer.engine.wire import from_wire
-from trainer.models.schema import ROLLOUT_PATH
+from trainer.models.wire import ROLLOUT_PATH, from_wire
 
 
 class EngineRequestError(ValueError):

@@ -1,4 +1,4 @@
-"""Our rollout request/response (trainer/models/schema.py) <-> SGLang's ``POST /rollout/generate``.
+"""Our rollout request/response (trainer/models/wire/) <-> SGLang's ``POST /rollout/generate``.
 
 Facts of the released API (sglang 0.5.23, ``multimodal_gen/runtime/entrypoints/post_training``)
 this module is written against:
@@ -238,7 +238,7 @@ def _pad_stack(values: list[torch.Tensor]) -> torch.Tensor:
 def to_schema_response(answers: Sequence[Any], sent: Sequence[Mapping[str, Any]],
                        request: Mapping[str, Any]) -> dict[str, Any]:
     """SGLang's answers (one list of outputs per sent request, tensors decoded) -> our batched
-    response (trainer/models/schema.py). Raises one SGLangResponseError listing every problem."""
+    response (trainer/models/wire/). Raises one SGLangResponseError listing every problem."""
     extra = request["extra_sampling_params"]
     family, steps = extra["model_family"], int(request["num_inference_steps"])
     indices = [int(i) for i in request["rollout_sde_step_indices"]]

@@ -334,7 +334,7 @@ def sglang_config_problems(cfg: Any) -> list[str]:
     """Preflight: why ``cfg`` cannot train on its SGLang servers ([] when it can)."""
     r = cfg.rollout
     problems = [f"rollout.sampling: {p}" for p in
-                stock_problems(r.sampling or {}, extension=bool(r.sglang_extension))]
+                stock_problems(r.sampling.to_dict(), extension=bool(r.sglang_extension))]
     if r.sglang_weight_sync not in ("tensor", "disk"):
         problems.append(f"rollout.sglang_weight_sync must be 'tensor' or 'disk', "
                         f"got {r.sglang_weight_sync!r}")

@@ -1,18 +1,19 @@
-"""Building a rollout request (``build_request``): the request half of the rollout wire
-schema that ``trainer.models.schema`` documents. Every problem is collected and raised as ONE
-ValueError naming them all."""
+"""The request half of the rollout wire: ``build_request`` turns prompts, candidate ids and
+the sampling config into the request drawn in ``trainer.models.wire``. Every problem is
+collected and raised as ONE ValueError naming them all."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
-from trainer.models import noise
+from flowgrpo_kernels.sde_types import undefined_step_problems
 from trainer.config.sampling import SamplingConfig
+from trainer.models import noise
+from trainer.models.wire.model import WireModel
 from trainer.utils.values import is_int
 
-if TYPE_CHECKING:  # for annotations only: base imports this module, so never at run time
-    from trainer.models.base import GenerativeModelAdapter
+ROLLOUT_PATH = "/rollout/generate"  # where an engine serves the request (SGLang's path)
 
 
 def _candidate_problems(prompts: list, sample_ids: list) -> list[str]:
@@ -58,18 +59,15 @@ def _resolve_sde_steps(cfg: SamplingConfig, indices: Any, steps: int,
     return resolved, deterministic
 
 
-def _schedule(adapter: "GenerativeModelAdapter", cfg: SamplingConfig, resolved: list[int],
+def _schedule(adapter: WireModel, cfg: SamplingConfig, resolved: list[int],
               problems: list[str]) -> torch.Tensor:
-    """The fp32 sigma schedule; 'sde' refuses steps at sigma == 1 unless told to clamp."""
+    """The fp32 sigma schedule; noisy steps where the SDE type has no density are refused
+    (flowgrpo_kernels.sde_types)."""
     steps = cfg.num_inference_steps
     sigmas = adapter.scheduler_sigmas(steps, cfg.height, cfg.width).to(torch.float32)
-    if cfg.sde_type == "sde" and cfg.sigma_one == "refuse":
-        singular = [i for i in resolved if 0 <= i < steps and float(sigmas[i]) >= 1.0]
-        if singular:
-            problems.append(
-                f"sde_type='sde' cannot sample steps {singular} with sigma_one='refuse': "
-                "sigma == 1 there and std_dev_t = eta*sqrt(sigma/(1-sigma)) is singular (use "
-                "later steps, 'dance', or sigma_one='clamp_to_next')")
+    problems += [f"sde_indices: {p}" for p in undefined_step_problems(
+        cfg.sde_type, cfg.eta, resolved, sigmas.tolist(), sigma_one=cfg.sigma_one,
+        log_prob_form=cfg.log_prob_form)]
     return sigmas
 
 
@@ -88,7 +86,7 @@ def _groups(prompts: list, group_index: Sequence[int] | None, problems: list[str
     return group
 
 
-def _latent_shapes(adapter: "GenerativeModelAdapter", cfg: SamplingConfig,
+def _latent_shapes(adapter: WireModel, cfg: SamplingConfig,
                    problems: list[str]) -> tuple[list[int], list[int]]:
     """(latent shape, x_T draw shape) at the request's geometry."""
     height, width = cfg.height, cfg.width
@@ -101,7 +99,7 @@ def _latent_shapes(adapter: "GenerativeModelAdapter", cfg: SamplingConfig,
     return latent_shape, init_shape
 
 
-def _extra_sampling_params(adapter: "GenerativeModelAdapter", cfg: SamplingConfig,
+def _extra_sampling_params(adapter: WireModel, cfg: SamplingConfig,
                            sample_ids: list[str], group: list, *, rollout_id: int | None,
                            seed: int, resolved: list[int], trained: list[int],
                            sigmas: torch.Tensor, latent_shape: list[int],
@@ -134,12 +132,13 @@ def _extra_sampling_params(adapter: "GenerativeModelAdapter", cfg: SamplingConfi
     return extra
 
 
-def build_request(adapter: "GenerativeModelAdapter", prompts: Sequence[str],
+def build_request(adapter: WireModel, prompts: Sequence[str],
                   sample_ids: Sequence[str], sampling: Mapping[str, Any], *,
                   rollout_id: int | None, seed: int,
                   sde_indices: Sequence[int] | None = None,
                   group_index: Sequence[int] | None = None) -> dict[str, Any]:
-    """See ``GenerativeModelAdapter.build_rollout_request``; raises one ValueError listing all problems."""
+    """See ``GenerativeModelAdapter.build_rollout_request`` (``sampling``: a SamplingConfig or
+    its table); raises one ValueError listing all problems."""
     cfg, problems = SamplingConfig.check(sampling)
     if cfg is None:  # the SDE steps cannot be resolved: nothing below can be checked
         raise ValueError(f"invalid rollout request for {adapter.family!r}:\n  - " + "\n  - ".join(problems))

@@ -1,128 +1,20 @@
-"""The rollout wire schema (SGLang's diffusion rollout shape), its JSON codec and its checks.
-
-One schema for both engines: the embedded engine answers it in-process (tensors) and over
-HTTP (JSON, POST ``ROLLOUT_PATH``); an SGLang diffusion server answers it over HTTP. The
-adapter builds the request, checks the response and packs it (``GenerativeModelAdapter``
-delegates here); the engine produces exactly the response below.
-
-Request (``build_request``, built in ``trainer.models.rollout_request``; plain JSON types
-only, so ``json.dumps`` works as is)::
-
-    prompt                          list[str]   B candidate prompts (a group repeats its prompt)
-    seed                            int         base seed of the run (the engine's own RNG seed)
-    width, height                   int         pixels
-    num_inference_steps             int         N, every step is run
-    guidance_scale                  float       1.0, or > 1: CFG against the empty prompt
-    rollout                         True
-    rollout_sde_type                "sde" | "dance" | "cps" (trainer.config.sampling.SDE_TYPES)
-    rollout_noise_level             float       eta
-    rollout_sde_step_indices        list[int]   the S SDE steps (sorted, unique, in [0, N))
-    rollout_return_dit_trajectory   True
-    rollout_return_denoising_env    True
-    extra_sampling_params           dict:
-        sample_ids                  list[str]   B stable candidate ids
-        group_index                 list[int]   B, prompt group of each candidate
-        rollout_id                  int | None
-        model_family                str         adapter family that built the request
-        latent_shape                list[int]   per-candidate latent, transformer layout
-        init_noise_latent_shape     list[int]   shape x_T is drawn in before packing, [C, h, w]
-        sigmas                      list[float] N+1 schedule, 1.0 ... 0.0   (driver_sigmas)
-        noise_recipe                str         ``noise.RECIPE``            (driver_xt)
-        initial_noise_seed          int         seed of the recipe          (driver_xt)
-        sigma_one                   str         "refuse" | "clamp_to_next" (sde at sigma == 1)
-        log_prob_form               str         "gaussian" | "squared_residual" (kernels)
-        train_step_indices          list[int]   trained subset of the SDE steps (optional;
-                                                absent = all; pack keeps only these)
-        initial_noise_ids           list[str]   B ids x_T is drawn from (optional, driver_xt;
-                                                absent = sample_ids). The driver's
-                                                ``init_same_noise`` gives every candidate of a
-                                                group its first candidate's id here.
-
-Step i goes from sigmas[i] to sigmas[i+1]. With ``driver_sigmas`` the engine uses ``sigmas``
-exactly as given (it must not shift them again). With ``driver_xt`` x_T is
-``adapter.initial_latents(sample_ids, ..., seed=initial_noise_seed)`` and the noise of SDE step
-i is ``adapter.step_noise(sample_ids, i, latent_shape, seed=initial_noise_seed)``; without it the
-keys are absent and the engine draws from its own RNG seeded with ``seed``.
-
-Response (``ROLLOUT_RESPONSE_FIELDS``; in-process every tensor is a ``torch.Tensor``; over
-JSON a tensor is ``encode_tensor``'s tagged base64 safetensors blob, or a nested list)::
-
-    rollout_log_probs       [B, S] float32     log N(x_{i+1}; mean_i, std_i^2), mean over elements
-    dit_trajectory          dict:
-        latents             [B, S, 2, *latent] (x_i, x_{i+1}) at each SDE step i, transformer
-                                               layout, the dtype the engine sampled in
-        timesteps           [N] float32        the family's timestep of each step
-                                               (``adapter.timesteps_from_sigmas``)
-        sigmas              [N+1] float32      the schedule actually used
-    denoising_env           dict name -> [B, ...]  frozen conditions, ``adapter.encode_prompts``;
-                                               with CFG also the empty prompt's, "neg:"-prefixed
-    sde_indices             list[int]          echo of rollout_sde_step_indices
-    height, width           int                echo of the request (the only source of the grid)
-    sample_ids              list[str]          echo of extra_sampling_params.sample_ids
-    images                  [B, H, W, 3] uint8 decoded images (optional)
-    policy_version          int                the engine's committed weight version (optional)
-
-Why pairs and not the S+1 chain: the trained steps need not be contiguous (e.g. [1, 3, 5]), and each replayed transition needs exactly its own x_i and x_{i+1}.
-"""
+"""The response half of the rollout wire: decoding, every check against its request (one
+ValueError naming every problem), and packing into the RolloutBatch the reward and the actor
+take. The schema is drawn in ``trainer.models.wire``."""
 from __future__ import annotations
 
-import base64
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 import torch
-from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
 
 from trainer.models.batch import RolloutBatch
 from trainer.models.guidance import NEGATIVE_PREFIX
-from trainer.models.rollout_request import build_request  # noqa: F401  (the request half)
+from trainer.models.wire.codec import TENSOR_TAG, decode_tensor
+from trainer.models.wire.model import WireModel
 from trainer.utils.values import is_int
-
-if TYPE_CHECKING:  # for annotations only: base imports this module, so never at run time
-    from trainer.models.base import GenerativeModelAdapter
-
-ROLLOUT_PATH = "/rollout/generate"
 
 ROLLOUT_RESPONSE_FIELDS = ("rollout_log_probs", "dit_trajectory", "denoising_env", "sde_indices",
                            "height", "width", "sample_ids", "images", "policy_version")
-
-TENSOR_TAG = "__tensor__"
-_TENSOR_FORMAT = "safetensors+base64"
-
-
-# ---- JSON codec -------------------------------------------------------------------------
-def encode_tensor(t: torch.Tensor) -> dict[str, str]:
-    """A tensor as a JSON object: its one-entry safetensors file, base64-encoded (any dtype)."""
-    blob = save_safetensors({"t": t.detach().to("cpu").contiguous()})
-    return {TENSOR_TAG: _TENSOR_FORMAT, "data": base64.b64encode(blob).decode("ascii")}
-
-
-def decode_tensor(obj: Mapping[str, Any]) -> torch.Tensor:
-    if obj.get(TENSOR_TAG) != _TENSOR_FORMAT:
-        raise ValueError(f"unknown tensor encoding {obj.get(TENSOR_TAG)!r} (expected {_TENSOR_FORMAT!r})")
-    return load_safetensors(base64.b64decode(obj["data"]))["t"]
-
-
-def to_jsonable(obj: Any) -> Any:
-    """Replace every tensor (at any depth) with ``encode_tensor``; the rest is left as is."""
-    if isinstance(obj, torch.Tensor):
-        return encode_tensor(obj)
-    if isinstance(obj, Mapping):
-        return {str(k): to_jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [to_jsonable(v) for v in obj]
-    return obj
-
-
-def from_jsonable(obj: Any) -> Any:
-    """Inverse of ``to_jsonable``: decode every tagged tensor (nested lists stay lists)."""
-    if isinstance(obj, Mapping):
-        if TENSOR_TAG in obj:
-            return decode_tensor(obj)
-        return {k: from_jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [from_jsonable(v) for v in obj]
-    return obj
 
 
 def _as_tensor(value: Any, where: str, problems: list[str], dtype: torch.dtype | None = None):
@@ -203,7 +95,7 @@ def _log_prob_problems(resp: dict[str, Any], batch: int, n_sde: int) -> list[str
     return problems
 
 
-def _trajectory_problems(adapter: "GenerativeModelAdapter", traj: Mapping[str, Any],
+def _trajectory_problems(adapter: WireModel, traj: Mapping[str, Any],
                          request: Mapping[str, Any]) -> list[str]:
     """Latents [B, S, 2, *latent], sigmas [N+1] (the request's when it sent them) and the
     family's timesteps of those sigmas."""
@@ -250,7 +142,7 @@ def _trajectory_problems(adapter: "GenerativeModelAdapter", traj: Mapping[str, A
     return problems
 
 
-def _denoising_env_problems(adapter: "GenerativeModelAdapter", resp: dict[str, Any],
+def _denoising_env_problems(adapter: WireModel, resp: dict[str, Any],
                             request: Mapping[str, Any]) -> list[str]:
     """The frozen conditions: every condition key (and its negative half under CFG), batch-first."""
     problems: list[str] = []
@@ -292,7 +184,7 @@ def _optional_field_problems(resp: dict[str, Any], request: Mapping[str, Any]) -
     return problems
 
 
-def response_problems(adapter: "GenerativeModelAdapter", response: Any,
+def response_problems(adapter: WireModel, response: Any,
                       request: Mapping[str, Any]) -> tuple[dict[str, Any] | None, list[str]]:
     """Every way ``response`` fails ``request``; also returns the response with tensors decoded.
 
@@ -322,7 +214,7 @@ def response_problems(adapter: "GenerativeModelAdapter", response: Any,
     return resp, problems
 
 
-def validate_response(adapter: "GenerativeModelAdapter", response: Any,
+def validate_response(adapter: WireModel, response: Any,
                       request: Mapping[str, Any]) -> dict[str, Any]:
     """Raise one ValueError listing every problem; return the response with tensors decoded."""
     resp, problems = response_problems(adapter, response, request)
@@ -333,7 +225,7 @@ def validate_response(adapter: "GenerativeModelAdapter", response: Any,
     return resp
 
 
-def pack(adapter: "GenerativeModelAdapter", response: Any, request: Mapping[str, Any]) -> "RolloutBatch":
+def pack(adapter: WireModel, response: Any, request: Mapping[str, Any]) -> "RolloutBatch":
     """Validate, then lay the response out as the RolloutBatch the reward and the actor take."""
     resp = validate_response(adapter, response, request)
     extra = request["extra_sampling_params"]
