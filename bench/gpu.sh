@@ -174,6 +174,7 @@ purpose_gpu-tests() {
   step smoke_kernels 60 python3 bench/bench_kernels.py --shapes 8x36864 --dtypes bf16 \
     --impls eager,triton
   step smoke_ipc 60 python3 bench/bench_ipc.py --smoke
+  step smoke_sglang_sync 120 python3 bench/bench_sglang_sync.py --mb 64 --repeats 1
   step smoke_optimizer 90 python3 bench/bench_optimizer.py --layers 1 --repeats 2
   step smoke_engine 60 python3 bench/bench_engine.py --tiny --layers 2 --warmup 1 --repeats 1
   step smoke_forward 150 python3 bench/bench_forward.py --tiny --layers 2 --repeats 2 --batch 2 \

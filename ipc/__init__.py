@@ -3,6 +3,7 @@
 Public API:
     channel_pair() -> (sender_end, receiver_end)
     WeightReceiver(conn, params, *, modes=None, backend="auto", timeout_s=60.0, verify="full")
+        .start(), or .serve(conn) for a connection made later (conn=None at construction)
     WeightSender(conn, *, backend="auto", bucket_bytes=512 << 20, timeout_s=60.0)
     WeightSyncError, SyncStats, LazyTensor, weights_checksum(tensors)
 

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ipc import _kernels
-from ipc.checksum import M32, lanes_tensor, words_of
+from ipc.checksum import M32, run_lanes
 
 Piece = tuple[int, int, int]  # (entry, first element, element count)
 
@@ -108,8 +108,7 @@ class CopyPlan:
                 src_flat = sources[k].reshape(-1)
                 dst_flat[first:first + count].copy_(src_flat[first:first + count])
             wpe = words_per_element(dst_flat.element_size())
-            words = words_of(dst_flat[first:first + count])
-            extra.append((k, lanes_tensor(words, first * wpe)))
+            extra.append((k, run_lanes(dst_flat[first:first + count], first * wpe)))
 
     def slot(self, memory: torch.Tensor, k: int) -> torch.Tensor:
         """Flat view of entry k's bytes in `memory`, in its destination dtype."""

@@ -55,6 +55,13 @@ def words_of(t: torch.Tensor) -> torch.Tensor:
 def lanes_tensor(words: torch.Tensor, first: int = 0) -> torch.Tensor:
     """Lanes of a run of words whose first word has index `first` in its tensor, as an int64
     tensor [2] on the words' device (no host sync, so it can sit in a stream)."""
+    if words.device.type == "cpu":
+        return _lanes_numpy(words, first)
+    return _lanes_torch(words, first)
+
+
+def _lanes_torch(words: torch.Tensor, first: int) -> torch.Tensor:
+    """The definition in int64 torch ops (exact on any device, no reliance on wrap-around)."""
     acc = torch.zeros(2, dtype=torch.int64, device=words.device)
     n = words.numel()
     for lo in range(0, n, _REF_STEP):
@@ -67,6 +74,45 @@ def lanes_tensor(words: torch.Tensor, first: int = 0) -> torch.Tensor:
         acc += torch.stack([v.sum(), iv.sum()])
         acc &= M32
     return acc
+
+
+def _lanes_numpy(words, first: int) -> torch.Tensor:
+    """The same lanes on the CPU in numpy's uint32 arithmetic, which wraps mod 2^32 by
+    definition: a few uint32 passes instead of the reference's int64 temporaries (the CPU
+    path is the shared-memory transport's copy and verification). `words`: a CPU tensor of
+    words (int64 values) or a numpy array of unsigned words."""
+    if isinstance(words, torch.Tensor):
+        words = words.numpy()
+    a = b = np.uint32(0)
+    mix, shift = np.uint32(MIX), np.uint32(15)
+    with np.errstate(over="ignore"):
+        for lo in range(0, words.size, _REF_STEP):
+            u = words[lo:lo + _REF_STEP].astype(np.uint32)
+            w = (u + np.uint32(1)) * mix
+            v = w ^ (w >> shift)
+            start = first + lo
+            if start + u.size <= M32:
+                i = np.arange(start, start + u.size, dtype=np.uint32)
+            else:  # indices wrap past 2^32 within this run
+                i = np.arange(start, start + u.size, dtype=np.uint64).astype(np.uint32)
+            a = a + v.sum(dtype=np.uint32)
+            b = b + (i * v).sum(dtype=np.uint32)
+    return torch.tensor([int(a), int(b)], dtype=torch.int64)
+
+
+def run_lanes(flat: torch.Tensor, first: int = 0) -> torch.Tensor:
+    """Lanes of a flat run of a tensor whose first word has index `first` (int64 [2] on its
+    device). On the CPU the words are read in place as unsigned numpy views (no int64 copy)."""
+    if flat.device.type != "cpu" or flat.numel() == 0:
+        return lanes_tensor(words_of(flat), first)
+    size = flat.element_size()
+    if size == 1:
+        raw = flat.view(torch.uint8).numpy()
+    elif size == 2:
+        raw = flat.view(torch.int16).numpy().view(np.uint16)
+    else:
+        raw = flat.view(torch.int32).numpy().view(np.uint32)
+    return _lanes_numpy(raw, first)
 
 
 def lanes_of_words(words: torch.Tensor, first: int = 0) -> tuple[int, int]:

@@ -59,7 +59,9 @@ class WeightReceiver:
     """Serves weight syncs into `params` (the engine's live tensors, by engine name).
 
     Args:
-        conn: the receiver end of `ipc.channel_pair()`.
+        conn: the receiver end of `ipc.channel_pair()`, or any connection with the same
+            send/recv/poll methods (`multiprocessing.connection.Client/Listener`); None to
+            re-home the weights now and take the sender's connection later (`serve`).
         params: name -> tensor; all on one device (CPU: "shm" backend, CUDA: "cuda").
         modes: mode ("full", "adapter", "merge") -> exact names a sync of that mode covers.
         backend: "auto", "shm" or "cuda".
@@ -159,11 +161,29 @@ class WeightReceiver:
 
     def start(self) -> "WeightReceiver":
         """Serve syncs on a background thread."""
+        if self._conn is None:
+            raise ValueError("WeightReceiver.start: no connection yet (call serve(conn))")
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, name="weight-receiver",
                                             daemon=True)
             self._thread.start()
         return self
+
+    def serve(self, conn) -> "WeightReceiver":
+        """Serve syncs from a new sender connection (a trainer that connected, or reconnected
+        after a restart), on a fresh thread. The previous connection's thread is stopped
+        first; version, weights and dirty state carry over, so a dirty engine still takes only
+        a retry of its dirty version."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(timeout=self._timeout)
+            if self._thread.is_alive():
+                raise TimeoutError("WeightReceiver.serve: the previous connection's sync did "
+                                   f"not end within {self._timeout:g} s")
+        with self._busy:
+            self._conn, self._sender_pid, self._thread = conn, None, None
+            self._stop = threading.Event()
+        return self.start()
 
     def close(self) -> None:
         """Stop serving. The weights stay valid (the module keeps its tensors)."""

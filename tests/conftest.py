@@ -3,6 +3,8 @@
 - Offline Hugging Face hubs for every test: nothing may be downloaded, and a missing local
   file must fail instead of silently fetching (or silently returning a broken tokenizer).
 - ``tiny_model_dir``: session-cached tiny random model directories (tests/tiny_models.py).
+- Under ``CI=true`` a skip for a missing dependency that the README's test command installs
+  fails the run (tests/ci_skips.py); GPU-only skips stay skips.
 - ``torch_single_thread``: one intra-op thread for the duration of a test. NOTE: on a shared
   machine under load, OpenMP workers spinning against other processes made a tiny forward far
   slower with two threads than with one (figures:
@@ -16,6 +18,8 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+
+from ci_skips import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401 (hooks)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

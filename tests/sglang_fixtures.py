@@ -1,41 +1,97 @@
-"""SGLang's own post-training HTTP layer (sglang==0.5.23) on loopback, over a tiny Qwen-Image.
+"""SGLang's own diffusion server (sglang==0.5.23) on loopback, over a tiny Qwen-Image, on CPU.
 
-    with serve_sglang(model_dir) as server:   # server.url, server.scheduler
+    with serve_sglang(model_dir) as server:   # server.url, server.adapter, server.served_tensors()
         ...
 
-What is SGLang's code here: the FastAPI routers (``rollout_api``, ``weights_api``: request
-parsing, ``SamplingParams`` validation, per-output slicing, msgpack + tensor tags), the
-request -> ``Req`` preparation, the pipeline object (a ``LoRAPipeline``: SGLang's own
-constructor, LoRA layer conversion and merge), Qwen-Image's timestep stage
-(``TimestepPreparationStage`` with ``prepare_mu`` over SGLang's ``FlowMatchEulerDiscreteScheduler``
-built from the checkpoint's scheduler config), the rollout hooks (``prepare_rollout_if_enabled``
-is called through the denoising stage's module, where plugins hook it, as SGLang's loop calls
-it), the scheduler's ``step`` with the ``FlowRolloutController`` transition (the SDE step, its
-log-prob, the [T+1] trajectory, the denoising env), the scheduler/worker post-training mixins
-(payload selection by GPU UUID, ``MultiprocessingSerializer`` + restricted unpickler,
-``WeightsUpdater`` flattened-bucket reconstruction, in-place load and ``lora_merge``,
-``TensorUpdateChecker``).
-What stands in for SGLang's GPU runtime: ``TinyScheduler`` answers ``async_scheduler_client.
-forward`` with the tiny diffusers model of tests/tiny_models.py (prompt encoding, the
-transformer forward, VAE decode through our adapter; x_T drawn from the request's generators as
-SGLang draws it: one generator per output seeded seed + k), and ``TinyPipeline`` hands SGLang's
-pipeline constructor those already-built modules instead of loading a checkpoint.
+The server is split as SGLang splits it: the HTTP process (here: the test process, SGLang's
+FastAPI routers in a uvicorn thread) and a worker process that holds the pipeline (here: one
+spawned child, ``_worker_main``). What runs is SGLang's code:
+
+- HTTP side: ``rollout_api`` and ``weights_api`` routers (request parsing, ``SamplingParams``
+  validation against the Qwen-Image pipeline config, ``prepare_request``, per-output slicing of
+  the rollout answer, msgpack + tensor tags, weight-route request objects).
+- worker side: ``QwenImagePipeline`` built by SGLang from the model directory with its own
+  component loaders: SGLang's native ``QwenImageTransformer2DModel`` (packed ``to_added_qkv``),
+  its native ``AutoencoderKLQwenImage``, its scheduler and tokenizer; its stage list
+  (input validation, text encoding with Qwen-Image's template and drop index, latent
+  preparation, timestep preparation with ``prepare_mu``, the denoising stage with the rollout
+  hooks and ``FlowRolloutController``, decoding), run by the pipeline's own executor; the
+  scheduler/worker post-training mixins (payload selection, ``MultiprocessingSerializer``,
+  ``WeightsUpdater`` with the native model's name mapping into packed parameters, ``lora_merge``,
+  ``TensorUpdateChecker``, ``get_weights_checksum``).
+
+What stands in, and why (nothing else does):
+
+1. SGLang's CPU kernels: on a CPU, SGLang's ``CustomOp`` layers dispatch to ``forward_cpu`` and
+   ``fuse_scale_shift_kernel`` to ``_fuse_scale_shift_kernel_cpu``, which call
+   ``torch.ops.sgl_kernel.*_cpu`` from sgl-kernel's CPU build. That build is not published as a
+   wheel (PyPI's ``sgl-kernel`` is the CUDA build), so every ``CustomOp`` runs its own
+   ``forward_native`` and ``fuse_scale_shift_kernel`` is SGLang's own torch fallback
+   (``fallback_torch.fuse_scale_shift_kernel_native``, what SGLang selects on MPS/MUSA).
+2. SGLang's scheduler process and its ZMQ sockets: ``async_scheduler_client.forward`` sends
+   each request to the worker over a pipe, one at a time, and the worker calls what SGLang's
+   GPU worker calls (``pipeline.forward`` for a ``Req``, the mixin's handler for a weight
+   request). Process groups (world size 1) use gloo on CPU instead of NCCL.
+3. The worker's GPU UUID (SGLang picks the payload exported from its own GPU by it): a CPU has
+   none, so ``server.set_device_uuid(uuid)`` answers ``current_platform.get_device_uuid`` in
+   the worker for the test of that selection.
+4. SGLang's native Qwen2.5-VL text encoder does not import against the installed transformers
+   (``Qwen2_5_VLCausalLMOutputWithPast`` is gone): SGLang's own loader then falls back to
+   transformers' ``Qwen2_5_VLModel``, and that is what encodes (SGLang's behaviour, untouched).
+
+Precision: fp32 everywhere (``dit_precision``, ``vae_precision``, ``text_encoder_precisions``),
+so the engine-vs-replay gap measured against the trainer's diffusers transformer is the gap
+between the two implementations, not a dtype's rounding.
+
+The worker keeps torch.distributed and SGLang's monkey patches (torch reductions, kernels) out
+of the test process, where the trainer runs single-process.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import multiprocessing
 import os
+import pickle
 import socket
 import threading
 import time
+import traceback
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+#: seconds any one call to the worker may take (a rollout of the tiny model takes a few)
+WORKER_TIMEOUT_S = 300.0
+
+_SG = "sglang.multimodal_gen."
+#: Per family SGLang serves natively: its pipeline class and config class (as ``sglang serve``
+#: resolves them from a model id, which a tiny local directory does not carry).
+NATIVE_PIPELINES = {
+    "qwen_image": (_SG + "runtime.pipelines.qwen_image.QwenImagePipeline",
+                   _SG + "configs.pipeline_configs.qwen_image.QwenImagePipelineConfig"),
+    "sd3": (_SG + "runtime.pipelines.stable_diffusion_3.StableDiffusion3Pipeline",
+            _SG + "configs.pipeline_configs.stablediffusion3.StableDiffusion3PipelineConfig"),
+    "flux": (_SG + "runtime.pipelines.flux.FluxPipeline",
+             _SG + "configs.pipeline_configs.flux.FluxPipelineConfig"),
+}
+
+
+def _attr(dotpath: str):
+    import importlib
+
+    module, _, name = dotpath.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def family_of(model_dir) -> str:
+    """The family of a tiny model directory (tests/tiny_models.py names it after the family)."""
+    return Path(model_dir).name
 
 
 @contextlib.contextmanager
@@ -53,45 +109,40 @@ def _process_state_kept():
 
 
 def require_sglang() -> None:
-    """Skip the calling test module unless the pinned SGLang is installed."""
+    """Skip the calling test module unless SGLang imports (under CI=true the skip fails the
+    run: tests/ci_skips.py). The message keeps the real ImportError: a dependency SGLang
+    imports and the requirements file lacks shows up by name."""
     import pytest
 
     with _process_state_kept():
-        pytest.importorskip("sglang.multimodal_gen", reason="install tests/requirements-sglang."
-                            "txt, then sglang==0.5.23 with --no-deps (README's test command)")
+        try:
+            import sglang.multimodal_gen  # noqa: F401
+        except ImportError as exc:
+            pytest.skip(f"could not import 'sglang.multimodal_gen': {exc} (install "
+                        "tests/requirements-sglang.txt, then sglang==0.5.23 with --no-deps: "
+                        "the README's test command)", allow_module_level=True)
 
 
-def _sglang():
-    """SGLang's modules (importing them takes ~20 s: done once, lazily)."""
+def _http_modules():
+    """What the HTTP process imports from SGLang."""
     with _process_state_kept():
-        return _import_sglang()
-
-
-def _import_sglang():
-    from sglang.multimodal_gen.configs.pipeline_configs.qwen_image import QwenImagePipelineConfig
-    from sglang.multimodal_gen.runtime.entrypoints.post_training import (io_struct, rollout_api,
-                                                                          weights_api)
-    from sglang.multimodal_gen.runtime.pipelines_core.schedule_batch import OutputBatch, Req
-    from sglang.multimodal_gen.runtime.pipelines.qwen_image import prepare_mu
-    from sglang.multimodal_gen.runtime.pipelines_core.lora.pipeline import LoRAPipeline
-    from sglang.multimodal_gen.runtime.pipelines_core.stages import denoising
-    from sglang.multimodal_gen.runtime.post_training import (gpu_worker_post_training_mixin,
-                                                              rollout_hooks,
-                                                              scheduler_post_training_mixin,
-                                                              tensor_update_checker)
-    from sglang.multimodal_gen.runtime.models.schedulers.scheduling_flow_match_euler_discrete import (
-        FlowMatchEulerDiscreteScheduler)
-    from sglang.multimodal_gen.runtime.post_training.flow_rollout_controller import (
-        FlowRolloutController)
-    from sglang.multimodal_gen.runtime.scheduler_client import async_scheduler_client
-    from sglang.multimodal_gen.runtime.server_args import ServerArgs, set_global_server_args
+        from sglang.multimodal_gen.runtime.entrypoints.post_training import (rollout_api,
+                                                                              weights_api)
+        # the trainer reads the native DiT's packing table (trainer/engine/sglang/packing.py):
+        # imported here first, so its import-time side effects are undone as well
+        from sglang.multimodal_gen.runtime.loader import utils  # noqa: F401
+        from sglang.multimodal_gen.runtime.models.dits import (flux, qwen_image,  # noqa: F401
+                                                              stablediffusion3)
+        from sglang.multimodal_gen.runtime.scheduler_client import async_scheduler_client
+        from sglang.multimodal_gen.runtime.server_args import ServerArgs, set_global_server_args
     return locals()
 
 
 def restore_torch_reductions() -> None:
-    """Undo SGLang's ``monkey_patch_torch_reductions`` (its worker applies it on every tensor
-    update): the patched reducer assumes CUDA tensors and breaks pickling CPU tensors, which
-    the rest of the suite does through torch.multiprocessing."""
+    """Undo SGLang's ``monkey_patch_torch_reductions`` in this process (a test that runs
+    SGLang's deserializer here applies it): the patched reducer assumes CUDA tensors and
+    breaks pickling CPU tensors, which the rest of the suite does through
+    torch.multiprocessing."""
     from torch.multiprocessing import reductions
 
     if hasattr(reductions, "_reduce_tensor_original"):
@@ -101,175 +152,221 @@ def restore_torch_reductions() -> None:
         reductions.init_reductions()
 
 
-def tiny_pipeline_class():
-    """A ``LoRAPipeline`` over modules built in-process: SGLang's constructor runs (its LoRA
-    bookkeeping, its stage list), only loading a checkpoint and building an executor are
-    replaced; its stage is Qwen-Image's timestep preparation, as ``QwenImagePipeline`` adds it."""
-    s = _sglang()
-
-    class TinyPipeline(s["LoRAPipeline"]):
-        pipeline_name = "TinyQwenImage"
-        _required_config_modules = ["transformer", "scheduler"]
-
-        def __init__(self, model_path, server_args, modules) -> None:
-            self._built = modules
-            super().__init__(model_path, server_args)
-
-        def build_executor(self, server_args):
-            return None  # stages are called one at a time by TinyScheduler
-
-        def load_modules(self, server_args, loaded_modules=None):
-            return dict(self._built)
-
-        def create_pipeline_stages(self, server_args):
-            self.add_standard_timestep_preparation_stage(prepare_extra_kwargs=[s["prepare_mu"]])
-
-    return TinyPipeline
-
-
-def _server_args(s, model_dir):
-    """SGLang's native Qwen-Image configs (task T2I, QwenImageSamplingParams), as a server
-    launched on a Qwen-Image checkpoint resolves them; the VAE's arch from its config.json (the
-    timestep stage's ``prepare_mu`` reads its scale factor)."""
-    server_args = s["ServerArgs"](model_path=str(model_dir), pipeline_class_name="QwenImagePipeline")
-    server_args.pipeline_config = s["QwenImagePipelineConfig"]()
-    vae = server_args.pipeline_config.vae_config
+def server_args(model_dir, modules: dict | None = None):
+    """SGLang's ``ServerArgs`` for a tiny model: the family's native pipeline class and config
+    (``NATIVE_PIPELINES``), fp32 components (module docstring)."""
+    s = modules or _http_modules()
+    pipeline, config = NATIVE_PIPELINES[family_of(model_dir)]
+    config_cls = _attr(config)
+    args = s["ServerArgs"](model_path=str(model_dir),
+                           pipeline_class_name=pipeline.rpartition(".")[2])
+    encoders = len(config_cls().text_encoder_precisions)
+    args.pipeline_config = config_cls(dit_precision="fp32", vae_precision="fp32",
+                                      text_encoder_precisions=("fp32",) * encoders)
+    vae = args.pipeline_config.vae_config
     vae.update_model_arch(json.loads((Path(model_dir) / "vae" / "config.json").read_text()))
     vae.post_init()
-    return server_args
+    return args
 
 
-def _build_controller(*, batch, pipeline_config):
-    """SGLang's scheduler-stepped rollout controller, minus sequence-parallel sharding (its
-    default needs SGLang's process groups; one worker here)."""
-    return _sglang()["FlowRolloutController"](
-        sde_type=batch.rollout_sde_type, noise_level=float(batch.rollout_noise_level),
-        log_prob_no_const=batch.rollout_log_prob_no_const, debug_mode=batch.rollout_debug_mode,
-        sde_step_indices=batch.rollout_sde_step_indices, generator=batch.generator,
-        return_dit_trajectory=batch.rollout_return_dit_trajectory,
-        return_step_indices=batch.rollout_return_step_indices,
-        shard_for_sp=lambda b, x: x, gather_for_sp=lambda b, x: x,
-        sigmas=batch.scheduler.sigmas, latents_shape=tuple(batch.latents.shape))
+# ---- the worker process ------------------------------------------------------------------------
+def _cpu_kernels() -> None:
+    """Replacement 1 of the module docstring."""
+    from sglang.kernels.ops.diffusion.common import fallback_torch
+    from sglang.multimodal_gen.runtime.layers import elementwise, layernorm
+    from sglang.multimodal_gen.runtime.layers.custom_op import CustomOp
+
+    CustomOp.dispatch_forward = lambda self: self.forward_native
+    for module in (layernorm, elementwise):
+        module.fuse_scale_shift_kernel = fallback_torch.fuse_scale_shift_kernel_native
 
 
-class TinyScheduler:
-    """Answers SGLang's scheduler-client calls in-process (see the module docstring)."""
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
-    def __init__(self, model_dir, server_args) -> None:
-        from trainer.models.qwen_image import QwenImageAdapter
 
-        s = _sglang()
-        self.s, self.server_args = s, server_args
-        self.adapter = QwenImageAdapter(str(model_dir))
-        self.frozen = self.adapter.load_frozen(device="cpu", dtype=torch.float32)
-        self.transformer = self.adapter.load_train_model().eval()
-        scheduler = s["FlowMatchEulerDiscreteScheduler"].from_pretrained(str(model_dir),
-                                                                         subfolder="scheduler")
-        self.pipeline = tiny_pipeline_class()(str(model_dir), server_args,
-                                              {"transformer": self.transformer,
-                                               "scheduler": scheduler})
-        self.lock = threading.Lock()
-        self.requests: list = []  # every rollout Req, for the tests to inspect
-        self.weight_requests: list = []  # every weight-route request object
+class _Worker:
+    """The worker side: SGLang's pipeline and its post-training mixins (module docstring)."""
 
-        class Worker(s["gpu_worker_post_training_mixin"].GPUWorkerPostTrainingMixin):
+    def __init__(self, model_dir: str, extension: bool) -> None:
+        from sglang.multimodal_gen.runtime.distributed import parallel_state
+        from sglang.multimodal_gen.runtime.entrypoints.post_training import io_struct
+        from sglang.multimodal_gen.runtime.pipelines_core.schedule_batch import Req
+        from sglang.multimodal_gen.runtime.post_training import (gpu_worker_post_training_mixin,
+                                                                  scheduler_post_training_mixin)
+        from sglang.multimodal_gen.runtime.server_args import set_global_server_args
+
+        _cpu_kernels()
+        if extension:
+            _load_extension()
+        self.server_args = server_args(model_dir)
+        set_global_server_args(self.server_args)
+        parallel_state.maybe_init_distributed_environment_and_model_parallel(
+            1, 1, distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+        pipeline_cls = _attr(NATIVE_PIPELINES[family_of(model_dir)][0])
+        self.pipeline = pipeline_cls(model_dir, self.server_args)
+        self.Req, self.io = Req, io_struct
+
+        class Worker(gpu_worker_post_training_mixin.GPUWorkerPostTrainingMixin):
             local_rank = 0
+            rank = 0
 
-            def update_weights_from_tensor_checker(inner, req):  # one worker: no TP gather
-                checker = s["tensor_update_checker"].TensorUpdateChecker(inner.pipeline)
-                return checker.verify(target_module=req.target_module,
-                                      expected_named_tensors_sha256=req
-                                      .expected_named_tensors_sha256)
-
-        class Scheduler(s["scheduler_post_training_mixin"].SchedulerPostTrainingMixin):
+        class Scheduler(scheduler_post_training_mixin.SchedulerPostTrainingMixin):
             worker = Worker()
 
-        Worker.pipeline, Worker.server_args = self.pipeline, server_args
-        Scheduler.server_args = server_args
+        Worker.pipeline, Worker.server_args = self.pipeline, self.server_args
+        # the process groups SGLang's GPU worker keeps (gloo, world size 1)
+        Worker.sp_group, Worker.tp_group = parallel_state.get_sp_group(), parallel_state.get_tp_group()
+        Worker.sp_cpu_group, Worker.tp_cpu_group = Worker.sp_group.cpu_group, Worker.tp_group.cpu_group
+        Scheduler.server_args = self.server_args
         self.scheduler = Scheduler()
+
+    def forward(self, req):
+        if isinstance(req, self.Req):
+            out = self.pipeline.forward(req, self.server_args)
+            return out, _stepped(req)
+        io, sched = self.io, self.scheduler
+        handlers = {io.UpdateWeightFromTensorReqInput: sched._handle_update_weights_from_tensor,
+                    io.UpdateWeightFromTensorCheckerReqInput:
+                        sched._handle_update_weights_from_tensor_checker,
+                    io.UpdateWeightFromDiskReqInput: sched._handle_update_weights_from_disk,
+                    io.GetWeightsChecksumReqInput: sched._handle_get_weights_checksum}
+        return handlers[type(req)]([req]), None
+
+    def set_device_uuid(self, uuid: str) -> None:
+        from sglang.srt.platforms import current_platform
+
+        current_platform.get_device_uuid = lambda index: uuid
+
+    def named_tensors(self, module: str = "transformer") -> dict[str, torch.Tensor]:
+        m = self.pipeline.get_module(module)
+        out = {n: p.detach().clone() for n, p in m.named_parameters()}
+        out.update({n: b.detach().clone() for n, b in m.named_buffers()})
+        return out
+
+
+def _stepped(req) -> dict[str, Any]:
+    """What the tests read back from the request SGLang's loop stepped."""
+    scheduler = getattr(req, "scheduler", None)
+    return {"seed": req.seed, "num_outputs_per_prompt": req.num_outputs_per_prompt,
+            "cfg": bool(req.sampling_params.should_use_classifier_free_guidance()),
+            "sigmas": None if scheduler is None else scheduler.sigmas.clone(),
+            "timesteps": None if req.timesteps is None else req.timesteps.clone()}
+
+
+def _load_extension() -> None:
+    """What SGLang's plugin loader does in every process for ``SGLANG_PLUGINS=flowgrpo``."""
+    from sglang.multimodal_gen.runtime.platforms.plugins import HookRegistry
+
+    from trainer.engine.sglang import extension
+
+    extension.register()
+    HookRegistry.apply_hooks()
+
+
+def _worker_main(conn, model_dir: str, extension: bool) -> None:
+    torch.set_num_threads(1)  # tiny model: intra-op threads only spin (tests/conftest.py)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            worker = _Worker(model_dir, extension)
+        conn.send_bytes(pickle.dumps(("ready", None)))
+    except BaseException:
+        conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
+        return
+    while True:
+        try:
+            op, args = pickle.loads(conn.recv_bytes())
+        except EOFError:
+            return
+        if op == "stop":
+            return
+        try:
+            reply = ("ok", getattr(worker, op)(*args))
+        except BaseException:
+            reply = ("error", traceback.format_exc())
+        conn.send_bytes(pickle.dumps(reply))
+
+
+class WorkerProcess:
+    """The spawned worker and the one pipe to it; every call has a deadline."""
+
+    def __init__(self, model_dir, *, extension: bool = False) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.lock = threading.Lock()
+        self.process = ctx.Process(target=_worker_main, args=(child, str(model_dir), extension),
+                                   daemon=True)
+        self.process.start()
+        child.close()
+        self._reply("starting SGLang's pipeline", 600.0)
+
+    def _reply(self, what: str, timeout_s: float):
+        if not self.conn.poll(timeout_s):
+            raise TimeoutError(f"the SGLang worker did not answer {what} within {timeout_s} s")
+        status, value = pickle.loads(self.conn.recv_bytes())
+        if status == "error":
+            raise RuntimeError(f"the SGLang worker failed {what}:\n{value}")
+        return value
+
+    def call(self, op: str, *args):
+        with self.lock:
+            self.conn.send_bytes(pickle.dumps((op, args)))
+            return self._reply(op, WORKER_TIMEOUT_S)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.conn.send_bytes(pickle.dumps(("stop", ())))
+        self.process.join(timeout=30)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=10)
+        self.conn.close()
+
+
+# ---- the HTTP process --------------------------------------------------------------------------
+class SGLangServer:
+    """``url``; ``adapter`` (the trainer's adapter of the served checkpoint, for building
+    requests); ``requests`` (what SGLang's loop stepped, per rollout request: seed, outputs,
+    CFG, the scheduler's sigmas and timesteps) and ``weight_requests`` (every weight-route
+    request object), in order; ``served_tensors()`` (the worker's live module tensors)."""
+
+    def __init__(self, url: str, worker: WorkerProcess, adapter) -> None:
+        self.url, self.worker, self.adapter = url, worker, adapter
+        self.requests: list[dict[str, Any]] = []
+        self.weight_requests: list = []
+
+    def served_tensors(self, module: str = "transformer") -> dict[str, torch.Tensor]:
+        return self.worker.call("named_tensors", module)
+
+    def set_device_uuid(self, uuid: str) -> None:
+        """The GPU UUID the worker reports (replacement 3 of the module docstring)."""
+        self.worker.call("set_device_uuid", uuid)
 
     async def forward(self, req):
         return await asyncio.to_thread(self._forward, req)
 
     def _forward(self, req):
-        io, sched = self.s["io_struct"], self.scheduler
-        with self.lock:
-            if isinstance(req, self.s["Req"]):
-                return self._rollout(req)
+        from sglang.multimodal_gen.runtime.pipelines_core.schedule_batch import Req
+
+        if not isinstance(req, Req):
             self.weight_requests.append(req)
-            handlers = {io.UpdateWeightFromTensorReqInput: sched._handle_update_weights_from_tensor,
-                        io.UpdateWeightFromTensorCheckerReqInput:
-                            sched._handle_update_weights_from_tensor_checker,
-                        io.UpdateWeightFromDiskReqInput: sched._handle_update_weights_from_disk,
-                        io.GetWeightsChecksumReqInput: sched._handle_get_weights_checksum}
-            return handlers[type(req)]([req])
-
-    def _prepare(self, req):
-        """x_T from the request's generators, then SGLang's timestep stage (Qwen-Image's order:
-        latent preparation, timestep preparation, denoising)."""
-        n, h, w = req.num_outputs_per_prompt, req.height, req.width
-        gens = [torch.Generator("cpu").manual_seed(req.seed + k) for k in range(n)]
-        shape = self.adapter.latent_shape(h, w)
-        req.generator = gens
-        req.latents = torch.stack([torch.randn(shape, generator=g) for g in gens])
-        (stage,) = self.pipeline.stages
-        return stage(req, self.server_args)
-
-    @torch.no_grad()
-    def _rollout(self, req):
-        s, adapter = self.s, self.adapter
-        self.requests.append(req)
-        req = self._prepare(req)
-        n, h, w = req.num_outputs_per_prompt, req.height, req.width
-        scheduler, timesteps = req.scheduler, req.timesteps
-        cond = adapter.encode_prompts(self.frozen, [req.prompt] * n)
-
-        hooks = s["rollout_hooks"]
-        # called through the denoising stage's module attribute, as SGLang's loop calls it
-        # (where a plugin's hook on it takes effect)
-        s["denoising"].prepare_rollout_if_enabled(
-            batch=req, pipeline_config=self.server_args.pipeline_config,
-            build_controller=_build_controller)
-        latents = req.latents
-        # SGLang's Qwen-Image cond kwargs: no mask when every text token is real (always so
-        # for one prompt), txt_seq_lens, img_shapes, and the embeddings
-        mask = cond["prompt_embeds_mask"]
-        pos = {"encoder_hidden_states": cond["prompt_embeds"],
-               "encoder_hidden_states_mask": None if bool(mask.all()) else mask,
-               "txt_seq_lens": mask.sum(dim=1).tolist(),
-               "img_shapes": [[(1, *(d // 2 for d in adapter.latent_grid(h, w)))]] * n}
-        hooks.init_rollout_env_if_enabled(batch=req, image_kwargs={}, pos_cond_kwargs=pos,
-                                          neg_cond_kwargs={}, guidance=None)
-        scheduler.set_begin_index(0)
-        # eager: SGLang compiles its LoRA layers' forward (a GPU-side speed-up, slow on CPU)
-        with torch.compiler.set_stance("force_eager"):
-            for i, t in enumerate(timesteps):
-                v = adapter.velocity(self.transformer, latents, scheduler.sigmas[i], cond, h, w)
-                latents = scheduler.step(v, t, latents, return_dict=False,
-                                         **hooks.rollout_step_kwargs(req))[0]
-        hooks.finalize_rollout_if_enabled(batch=req, latents=latents,
-                                          num_inference_steps=len(timesteps),
-                                          final_timestep=timesteps.new_zeros(()),
-                                          pipeline_config=self.server_args.pipeline_config)
-        images = adapter.decode(self.frozen, latents, h, w)  # uint8 [n, H, W, 3]
-        # SGLang's decoded frames: float in [0, 1], [B, C, F=1, H, W]
-        output = (images.permute(0, 3, 1, 2).float() / 255.0).unsqueeze(2)
-        return s["OutputBatch"](output=output, rollout_trajectory_data=req.rollout_trajectory_data)
+        out, stepped = self.worker.call("forward", req)
+        if stepped is not None:
+            self.requests.append(stepped)
+        return out
 
 
-class SGLangServer:
-    def __init__(self, url: str, scheduler: TinyScheduler) -> None:
-        self.url, self.scheduler = url, scheduler
-
-
-def build_app(scheduler: TinyScheduler, *, weights_api: bool = True):
-    """SGLang's own post-training routers (plus a /health) with ``scheduler`` behind them;
+def build_app(server: SGLangServer, *, weights_api: bool = True):
+    """SGLang's own post-training routers (plus a /health) in front of ``server``'s worker;
     ``weights_api=False`` leaves the weight routes out (a server that cannot take a sync)."""
     from fastapi import FastAPI
 
-    s = _sglang()
-    # SGLang's routers call one process-wide client: one served scheduler at a time
-    s["async_scheduler_client"].forward = scheduler.forward
+    s = _http_modules()
+    # SGLang's routers call one process-wide client: one served worker at a time
+    s["async_scheduler_client"].forward = server.forward
     app = FastAPI()
     app.include_router(s["rollout_api"].router)
     if weights_api:
@@ -279,37 +376,47 @@ def build_app(scheduler: TinyScheduler, *, weights_api: bool = True):
 
 
 @contextlib.contextmanager
-def serve_sglang(model_dir, *, weights_api: bool = True):
-    """Start SGLang's HTTP layer on a free loopback port in a thread; yields an SGLangServer."""
+def serve_sglang(model_dir, *, weights_api: bool = True, extension: bool = False):
+    """Start SGLang's worker process and its HTTP layer on a free loopback port; yields an
+    SGLangServer. ``extension``: load ``trainer.engine.sglang.extension`` in both processes,
+    as ``SGLANG_PLUGINS=flowgrpo`` does."""
     import uvicorn
 
-    s = _sglang()
+    from trainer.models import adapter_class
+
+    s = _http_modules()
     client = s["async_scheduler_client"]
-    previous = client.__dict__.get("forward")  # an outer serve_sglang's scheduler, if any
-    server_args = _server_args(s, model_dir)
-    s["set_global_server_args"](server_args)
-    scheduler = TinyScheduler(model_dir, server_args)
+    previous = client.__dict__.get("forward")  # an outer serve_sglang's worker, if any
+    s["set_global_server_args"](server_args(model_dir, s))
+    if extension:
+        with _process_state_kept():
+            _load_extension()
     strategy = torch.multiprocessing.get_sharing_strategy()
     # CPU tensors travel SGLang's payload through torch's reductions in shared-memory files
     torch.multiprocessing.set_sharing_strategy("file_system")
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(build_app(scheduler, weights_api=weights_api),
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("SGLang's HTTP layer did not start")
-        time.sleep(0.05)
+    worker = WorkerProcess(model_dir, extension=extension)
+    server = None
     try:
-        yield SGLangServer(f"http://127.0.0.1:{port}", scheduler)
+        sglang = SGLangServer("", worker, adapter_class(family_of(model_dir))(str(model_dir)))
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sglang.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        server = uvicorn.Server(uvicorn.Config(build_app(sglang, weights_api=weights_api),
+                                               log_level="warning"))
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 60
+        while not server.started:
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise RuntimeError("SGLang's HTTP layer did not start")
+            time.sleep(0.05)
+        yield sglang
     finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        sock.close()
+        if server is not None:
+            server.should_exit = True
+            thread.join(timeout=30)
+            sock.close()
+        worker.close()
         if previous is None:
             client.__dict__.pop("forward", None)
         else:

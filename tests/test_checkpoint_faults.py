@@ -277,3 +277,30 @@ def test_export_verifies_checkpoint_contents(model_dir, tmp_path, caplog):
     assert "iter_0000002 skipped" in caplog.text and "content checksum" in caplog.text
     with pytest.raises(ExportError, match="iteration 2 .* content checksum"):
         plan_export(root, tmp_path / "out", iteration=2, base_model_path=base.parent)
+
+
+def test_a_shard_removed_from_the_marker_is_not_verified_or_exported(model_dir, tmp_path,
+                                                                     caplog):
+    """COMMITTED edited to drop a shard's entry, then that shard corrupted: the file on disk
+    the marker does not list makes the iteration untrusted, so export falls back to the
+    previous one and refuses the explicit request (issue 49: it exported as "verified")."""
+    from trainer.checkpoint.export import ExportError, plan_export
+    root = tmp_path / "ckpt"
+    _two_saves(model_dir, root)
+    newest = root / "t2i" / layout.iter_name(2)
+    shard = _shard(newest)
+    marker = json.loads((newest / layout.COMMITTED).read_text())
+    del marker["files"][shard.relative_to(newest).as_posix()]
+    (newest / layout.COMMITTED).write_text(json.dumps(marker))
+    data = bytearray(shard.read_bytes())
+    data[100:116] = bytes(b ^ 0xFF for b in data[100:116])
+    shard.write_bytes(bytes(data))
+    assert any("COMMITTED does not list" in p for p in layout.commit_problems(newest))
+    base = tmp_path / "base" / "transformer"
+    base.mkdir(parents=True)
+    (base / "config.json").write_text(json.dumps({"_class_name": "TinyNet"}))
+    with caplog.at_level(logging.WARNING, "trainer.checkpoint"):
+        plan = plan_export(root, tmp_path / "out", base_model_path=base.parent)
+    assert plan.iter_dir.name == layout.iter_name(1)
+    with pytest.raises(ExportError, match="iteration 2 .*does not list"):
+        plan_export(root, tmp_path / "out", iteration=2, base_model_path=base.parent)

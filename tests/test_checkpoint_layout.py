@@ -60,10 +60,12 @@ def test_rotation_plan(tmp_path):
     removed = layout.rotate(task, keep=3, new_iteration=6, overwrite=True)
     assert sorted(p.name for p in removed) == ["iter_0000001", "iter_0000002", "iter_0000005",
                                                "iter_0000009"]
-    assert [n for n, _ in layout.iteration_dirs(task)] == [3, 4]
+    # iter_6: the directory about to be written, holding only this process's writer tag
+    assert [n for n, _ in layout.iteration_dirs(task)] == [3, 4, 6]
+    assert [p.name for p in (task / "iter_0000006").iterdir()] == [layout.WRITER_TAG]
     assert not [p for p in task.iterdir() if p.name.startswith(".trash-")]
     layout.rotate(task, keep=0, new_iteration=7)  # keep <= 0 keeps every committed one
-    assert [n for n, _ in layout.iteration_dirs(task)] == [3, 4]
+    assert [n for n, _ in layout.iteration_dirs(task)] == [3, 4, 7]
 
 
 def test_base_model_hash_is_content_not_location(tmp_path):
@@ -101,3 +103,27 @@ def test_contract_mismatches_name_every_difference():
     # a full checkpoint carries every weight: a different base does not matter
     assert contract_mismatches(full, dict(full, base_model_hash="sha256:cc")) == []
     assert contract_mismatches(full, saved)[0].startswith("mode: checkpoint has 'full'")
+
+
+def test_a_same_size_edit_between_samples_needs_the_full_base_hash(tmp_path):
+    """What the sampled base hash guarantees and what not (README's fault table): an edit of
+    bytes between its samples, size unchanged, is invisible to it; checkpoint.base_hash=full
+    sees it. A contract recorded in one mode is checked in that mode (issue 49)."""
+    from trainer.checkpoint.contract import base_hash_matches
+    a, b = tmp_path / "a" / "transformer", tmp_path / "b" / "transformer"
+    for d in (a, b):
+        d.mkdir(parents=True)
+        (d / "w.safetensors").write_bytes(bytes(range(256)) * 16_384)   # 4 MiB
+    data = bytearray((b / "w.safetensors").read_bytes())
+    gap = 64 << 10                                     # just past the first 64 KiB sample
+    data[gap:gap + 4096] = bytes(x ^ 0xFF for x in data[gap:gap + 4096])  # one tensor's bytes
+    (b / "w.safetensors").write_bytes(bytes(data))
+    assert base_model_hash(a) == base_model_hash(b)                        # not guaranteed
+    full_a = base_model_hash(a, full=True)
+    assert full_a.startswith("sha256-full:") and full_a != base_model_hash(b, full=True)
+    assert base_hash_matches(a, None, full_a) and not base_hash_matches(b, None, full_a)
+    assert base_hash_matches(b, None, base_model_hash(a))                  # sampled: same
+    saved = {"mode": "lora", "base_model_hash": full_a, "base_model_path": str(a)}
+    assert contract_mismatches(saved, dict(saved, base_model_hash=base_model_hash(a))) == []
+    edited = dict(saved, base_model_hash=base_model_hash(b), base_model_path=str(b))
+    assert [p.split(":")[0] for p in contract_mismatches(saved, edited)] == ["base_model_hash"]

@@ -115,6 +115,19 @@ def test_checksum_detects_flips_swaps_and_is_chunkable():
     assert tuple(sum(p[i] for p in parts) % 2**32 for i in range(2)) == base
 
 
+def test_cpu_lanes_equal_the_int64_definition_across_the_index_wrap():
+    from ipc.checksum import _lanes_numpy, _lanes_torch, run_lanes
+
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.bfloat16, torch.float32, torch.uint8, torch.int64):
+        t = (torch.randn(5003, generator=g) * 1000).to(dtype)
+        words = words_of(t)
+        for first in (0, 7, 2**32 - 100):  # word indices past 2^32 wrap in lane b
+            want = _lanes_torch(words, first)
+            assert torch.equal(_lanes_numpy(words, first), want), (dtype, first)
+            assert torch.equal(run_lanes(t.reshape(-1), first), want), (dtype, first)
+
+
 def test_checksum_words_by_dtype():
     assert words_of(torch.zeros(3, dtype=torch.int64)).numel() == 6
     assert words_of(torch.zeros(3, dtype=torch.bool)).numel() == 3

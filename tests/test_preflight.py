@@ -224,6 +224,8 @@ ALLOWED = [
                                "reward.endpoint=http://127.0.0.1:9000/score"], {}),
     ("sglang_one_url_per_rank", ["rollout.engine=sglang",
                                  'rollout.sglang_urls=["http://a:1", "http://b:1"]',
+                                 # a family SGLang serves (trainer/engine/README.md)
+                                 "model.adapter_path=trainer.models.qwen_image.QwenImageAdapter",
                                  # stock SGLang: its own sigmas and noise (see test_sglang_client)
                                  'rollout.sampling={"driver_sigmas": false, "driver_xt": false}'],
      {"world_size": 2}),

@@ -1,9 +1,11 @@
-"""The trainer's SGLang path against SGLang's own post-training HTTP layer (sglang==0.5.23,
-pinned in tests/requirements-sglang.txt and the README's test command), on CPU.
+"""The trainer's SGLang path against SGLang's own diffusion server (sglang==0.5.23, pinned in
+tests/requirements-sglang.txt and the README's test command), on CPU.
 
-tests/sglang_fixtures.py mounts SGLang's routers over a tiny Qwen-Image; SGLang's own code
-validates the requests, runs the rollout controller (SDE step, log-prob, trajectory), slices
-and msgpack-encodes the answers, deserializes weight payloads and checks SHA-256 digests.
+tests/sglang_fixtures.py serves a tiny Qwen-Image with SGLang's native pipeline: its native DiT
+(packed ``to_added_qkv``), text encoding, latent preparation, timestep preparation, denoising
+stage with the rollout controller, decoding, its weight updater and checker. The trainer
+replays with its own diffusers transformer loaded from the same weights, so the engine-vs-replay
+log-prob gap measured here is between two implementations.
 """
 from __future__ import annotations
 
@@ -17,7 +19,10 @@ import torch
 from sglang_fixtures import (require_sglang, restore_torch_reductions, serve_sglang,
                              trainer_overrides)
 
+from trainer.models.qwen_image import QwenImageAdapter
+
 from trainer.engine.sglang.client import SGLangEngineClient
+from trainer.engine.sglang.packing import ServedLayout
 from trainer.engine.sglang.rollout import sample_seed, stock_problems
 from trainer.engine.sglang.sync import (SGLangSyncError, SGLangWeightSync, serialize_payload,
                                         tensor_sha256)
@@ -40,7 +45,18 @@ def server(tiny_model_dir):
 
 @pytest.fixture
 def adapter(server):
-    return server.scheduler.adapter
+    return server.adapter
+
+
+def _sender(client, **kwargs):
+    """A sender that names what SGLang's native DiT holds (what connect_sglang builds)."""
+    return SGLangWeightSync(client, served_dit=QwenImageAdapter.sglang_dit, **kwargs)
+
+
+def _as_served(named) -> dict[str, torch.Tensor]:
+    """Our (diffusers) tensors under the native DiT's names, packed as it packs them."""
+    packer = ServedLayout(QwenImageAdapter.sglang_dit).packer()
+    return {served: t for n, p in named for served, t in packer.add(n, p.detach())}
 
 
 def _request(adapter, prompts=PROMPTS, ids=IDS, rollout_id=0):
@@ -82,36 +98,59 @@ def test_sglang_refuses_what_it_lacks(server):
                           extension=True) == []
 
 
-def test_rollout_packs_and_replays_with_ratio_one(server, adapter):
+def test_rollout_packs_and_replays_through_our_transformer(server, adapter):
+    """SGLang's native pipeline samples; our diffusers transformer, loaded from the same
+    checkpoint, replays: the first ratio is 1 up to the two implementations' fp32 gap."""
     from trainer.actor.replay import replay_log_probs
 
     client = SGLangEngineClient(server.url)
     request = _request(adapter)
-    seen = len(server.scheduler.requests)
+    seen = len(server.requests)
     response = client.generate(request)
-    sent = server.scheduler.requests[seen:]
+    sent = server.requests[seen:]
     # one output per SGLang request, each seeded from its sample id (distinct noise)
-    assert [r.num_outputs_per_prompt for r in sent] == [1] * 4
+    assert [r["num_outputs_per_prompt"] for r in sent] == [1] * 4
     # SGLang's Qwen-Image defaults to CFG (guidance 4.0): the request turns it off
-    assert not any(r.sampling_params.should_use_classifier_free_guidance() for r in sent)
-    assert sorted(r.seed for r in sent) == sorted(sample_seed(7, i) for i in IDS)
-    assert len({r.seed for r in sent}) == 4
+    assert not any(r["cfg"] for r in sent)
+    assert sorted(r["seed"] for r in sent) == sorted(sample_seed(7, i) for i in IDS)
+    assert len({r["seed"] for r in sent}) == 4
     batch = adapter.pack_trajectory(response, request)
     assert batch.latents.shape[:2] == (4, 2) and batch.images.dtype == torch.uint8
     assert not torch.equal(batch.latents[0], batch.latents[1])  # same prompt, other noise
     # SGLang's sigmas and per-step timesteps ([T+1] on the wire) mapped onto our schema
     assert torch.allclose(response["dit_trajectory"]["sigmas"],
                           adapter.scheduler_sigmas(4, 32, 32).float())
-    # replay with the same weights: the first PPO ratio is 1 up to fp32 rounding
+    # SGLang's text encoding stage: the embeddings our adapter computes for the same prompt
+    frozen = adapter.load_frozen(device="cpu", dtype=torch.float32)
+    ours = adapter.encode_prompts(frozen, PROMPTS[:1])["prompt_embeds"][0]
+    assert torch.allclose(batch.conditions["prompt_embeds"][0], ours, atol=1e-5, rtol=0)
     with torch.no_grad():
-        replay = replay_log_probs(adapter, server.scheduler.transformer, batch, backend="torch")
-    assert torch.allclose(replay, batch.log_probs, atol=2e-4, rtol=0)
+        replay = replay_log_probs(adapter, adapter.load_train_model().eval(), batch,
+                                  backend="torch")
+    gap = (replay - batch.log_probs).abs().max()
+    print(f"native-vs-replay: max |logp gap| {float(gap):.3g}, "
+          f"max |ratio - 1| {float((replay - batch.log_probs).exp().sub(1).abs().max()):.3g}")
+    assert float(gap) < 2e-4
     assert float((replay - batch.log_probs).exp().sub(1).abs().max()) < 1e-3
     # a candidate is a pure function of (seed, sample id): asking again alone reproduces it
     again = adapter.pack_trajectory(client.generate(_request(adapter, PROMPTS[2:3], IDS[2:3])),
                                     _request(adapter, PROMPTS[2:3], IDS[2:3]))
     assert torch.equal(again.latents[0], batch.latents[2])
     assert torch.equal(again.images[0], batch.images[2])
+
+
+def test_conditions_arrive_as_sglang_sends_them(server, adapter):
+    """SGLang's denoising stage keeps ``batch.prompt_embeds`` (a list: one tensor per text
+    encoder) in ``pos_cond_kwargs.encoder_hidden_states``, and no mask for a one-prompt
+    request: the raw answer has that form and the client maps it."""
+    from trainer.engine.sglang.rollout import to_sglang_requests
+
+    body = to_sglang_requests(_request(adapter, PROMPTS[:1], IDS[:1]))[0]
+    answer = SGLangEngineClient(server.url)._call("POST", "/rollout/generate", body)
+    pos = answer[0]["denoising_env"]["pos_cond_kwargs"]
+    assert isinstance(pos["encoder_hidden_states"], list)
+    assert len(pos["encoder_hidden_states"]) == 1
+    assert pos["encoder_hidden_states_mask"] is None
 
 
 def test_payload_reads_back_through_sglang_deserializer():
@@ -147,24 +186,46 @@ def _bumped(adapter, delta: float):
 
 @pytest.mark.parametrize("transport", ["tensor", "disk"])
 def test_weight_sync_changes_served_weights(server, adapter, transport, tmp_path):
+    """Every tensor lands, packed ones included: the native DiT's ``to_added_qkv`` is the
+    concatenation of the add_q/k/v projections we send, and SGLang's checker agrees with the
+    manifest named as the server holds it."""
     client = SGLangEngineClient(server.url)
     request = _request(adapter, PROMPTS[:1], IDS[:1])
     before = client.generate(request)
     model = _bumped(adapter, 0.01 if transport == "tensor" else -0.01)
-    sender = SGLangWeightSync(client, transport=transport, bucket_bytes=1 << 20,
-                              disk_dir=tmp_path if transport == "disk" else None)
+    sender = _sender(client, transport=transport, bucket_bytes=1 << 20,
+                     disk_dir=tmp_path if transport == "disk" else None)
     stats = sender.sync(5, model.named_parameters())
     assert stats.tensors == len(list(model.parameters())) and client.committed_version == 5
-    served = dict(server.scheduler.transformer.named_parameters())
-    assert all(torch.equal(served[n], p) for n, p in model.named_parameters())
+    served, trained = server.served_tensors(), _as_served(model.named_parameters())
+    assert "transformer_blocks.0.attn.to_added_qkv.weight" in trained
+    assert set(trained) <= set(served)
+    assert all(torch.equal(served[n], p) for n, p in trained.items())
     # the checker compares SHA-256 values: one wrong digest fails the sync's verification
-    digests = {n: tensor_sha256(p) for n, p in model.named_parameters()}
-    name = next(iter(digests))
+    digests = {n: tensor_sha256(p) for n, p in trained.items()}
+    name = "transformer_blocks.0.attn.to_added_qkv.weight"
     with pytest.raises(SGLangSyncError, match="checksum mismatch"):
         sender._check({**digests, name: "0" * 64}, 6)
     after = client.generate(request)
     assert after["policy_version"] == 5
     assert not torch.equal(after["images"], before["images"])
+
+
+def test_manifest_in_our_names_misses_the_packed_tensors(server, adapter):
+    """Without the packing table the manifest names add_q/k/v_proj, which the native module
+    does not have: SGLang's checker reports them missing (the first sync of a run failed so)."""
+    client = SGLangEngineClient(server.url)
+    with pytest.raises(SGLangSyncError, match=r"missing \d+ tensor.*add_[qkv]_proj"):
+        SGLangWeightSync(client).sync(6, _bumped(adapter, 0.004).named_parameters())
+    assert client.committed_version is None
+
+
+def test_checksum_is_asked_of_the_transformer_only(server, adapter):
+    client = SGLangEngineClient(server.url)
+    seen = len(server.weight_requests)
+    digest = json.loads(client.checksum())
+    assert [r.module_names for r in server.weight_requests[seen:]] == [["transformer"]]
+    assert list(digest) == ["transformer"]
 
 
 LORA = ["lora.rank=4", "lora.alpha=8", "fsdp.trainable_mode=lora", "train.lr=3e-2"]
@@ -193,15 +254,15 @@ def test_trainer_step_through_sglang_syncs_the_served_weights(server, tiny_model
         assert metrics["train/logp_parity"] < 2e-4  # replay vs SGLang's own log-prob
         assert metrics["train/optimizer_steps"] > 0
         assert trainer.policy_version == 1 and trainer.engine.committed_version == 1
-        served = dict(server.scheduler.transformer.named_parameters())
+        served = server.served_tensors()
         if lora:
             assert trainer.cfg.sync_mode == "merge"
-            trained = dict(merged_full_tensors(trainer.model, 8 / 4))
+            trained = _as_served(merged_full_tensors(trainer.model, 8 / 4))
         else:
             names = trainer._engine_names()
-            trained = {names[n]: p for n, p in trainer.model.named_parameters()}
+            trained = _as_served((names[n], p) for n, p in trainer.model.named_parameters())
         assert set(trained) == set(served)
-        base = dict(server.scheduler.adapter.load_train_model().named_parameters())
+        base = _as_served(server.adapter.load_train_model().named_parameters())
         assert any(not torch.equal(p, base[n]) for n, p in trained.items())
         assert all(torch.equal(served[n], p) for n, p in trained.items())
         batch = trainer.rollout(1)  # served by version 1 (the driver checks the echo)
@@ -226,19 +287,17 @@ def test_trainer_refuses_sglang_server_without_weight_sync(tiny_model_dir, tmp_p
 def test_payload_labelled_with_gpu_uuid(server, adapter, monkeypatch):
     """One payload per rank, labelled with its GPU's UUID: SGLang's worker takes the payload
     whose UUID is its own (prefix and case normalised) and refuses when none is."""
-    from sglang.multimodal_gen.runtime.post_training import gpu_worker_post_training_mixin as mixin
-
     from trainer.engine.sglang import sync as sglang_sync
 
     monkeypatch.setattr(sglang_sync, "gpu_uuid", lambda device: "GPU-00ab-CD")
-    monkeypatch.setattr(mixin.current_platform, "get_device_uuid", lambda index: "00ab-cd")
     client = SGLangEngineClient(server.url)
     model = _bumped(adapter, 0.003)
-    SGLangWeightSync(client).sync(8, model.named_parameters())
-    assert server.scheduler.weight_requests[-2].payload_gpu_uuids == ["GPU-00ab-CD"]
-    monkeypatch.setattr(mixin.current_platform, "get_device_uuid", lambda index: "ffff")
+    server.set_device_uuid("00ab-cd")
+    _sender(client).sync(8, model.named_parameters())
+    assert server.weight_requests[-2].payload_gpu_uuids == ["GPU-00ab-CD"]
+    server.set_device_uuid("ffff")
     with pytest.raises(SGLangSyncError, match="no payload was exported from this worker's GPU"):
-        SGLangWeightSync(client).sync(9, model.named_parameters())
+        _sender(client).sync(9, model.named_parameters())
     assert client.committed_version == 8  # a failed sync never advances the version
 
 
@@ -261,5 +320,54 @@ def test_checker_catches_an_update_sglang_skipped(server, adapter):
     renamed = [("renamed." + n if i == 0 else n, p)
                for i, (n, p) in enumerate(model.named_parameters())]
     with pytest.raises(SGLangSyncError, match="missing 1 tensor"):
-        SGLangWeightSync(client).sync(11, renamed)
+        _sender(client).sync(11, renamed)
     assert client.committed_version != 11
+
+
+def _policy_copy(trainer, adapter):
+    """Our diffusers transformer holding the trainer's current weights (a replay model)."""
+    names = trainer._engine_names()
+    model = adapter.load_train_model().eval()
+    model.load_state_dict({names[n]: p.detach().clone() for n, p in
+                           trainer.model.named_parameters()})
+    return model
+
+
+def test_training_run_samples_every_rollout_from_the_weights_it_synced(server, tiny_model_dir,
+                                                                       tmp_path):
+    """A CPU training run through SGLang's stock path: each step's weights go through SGLang's
+    updater into the native DiT and its checker verifies them (the version advances only
+    then), and the next rollout is sampled by them: its recorded log-probs are the new
+    policy's replay, not the old one's."""
+    from trainer.actor.replay import replay_log_probs
+    from trainer.config import load_config
+    from trainer.loop import Trainer
+    from trainer.preflight import preflight
+
+    overrides = trainer_overrides(tiny_model_dir("qwen_image"), server.url, tmp_path)
+    cfg = load_config("tiny", overrides + ["train.num_rollouts=3", "train.lr=2e-2"])
+    preflight(cfg, world_size=1, device="cpu")
+    trainer = Trainer(cfg, rank=0, world=1, device="cpu")
+    adapter = server.adapter
+    try:
+        assert trainer.engine.committed_version == 0
+        for step in range(2):
+            old = _policy_copy(trainer, adapter)
+            seen = len(server.weight_requests)
+            trainer.train_step(step)
+            new = _policy_copy(trainer, adapter)
+            kinds = [type(r).__name__ for r in server.weight_requests[seen:]]
+            assert kinds[-1] == "UpdateWeightFromTensorCheckerReqInput"
+            assert trainer.policy_version == trainer.engine.committed_version == step + 1
+            served = server.served_tensors()
+            assert all(torch.equal(served[n], p)
+                       for n, p in _as_served(new.named_parameters()).items())
+            batch = trainer.rollout(step + 1)
+            assert batch.policy_version == step + 1
+            with torch.no_grad():
+                new_replay = replay_log_probs(adapter, new, batch, backend="torch")
+                old_replay = replay_log_probs(adapter, old, batch, backend="torch")
+            assert float((new_replay - batch.log_probs).abs().max()) < 2e-4
+            assert float((old_replay - batch.log_probs).abs().max()) > 2e-3
+    finally:
+        trainer.close()

@@ -154,8 +154,10 @@ def _sglang_output(steps: int, seed: int, *, env: bool = True) -> dict:
         tokens = 3 + seed % 2
         # SGLang sends no mask when every token is real (a one-prompt request); test both forms
         mask = torch.ones(tokens, dtype=torch.bool) if seed % 2 else None
+        # the embeddings as SGLang's denoising stage keeps batch.prompt_embeds: a list with
+        # one tensor per text encoder
         out["denoising_env"] = {"image_kwargs": None, "neg_cond_kwargs": None, "guidance": None,
-                                "pos_cond_kwargs": {"encoder_hidden_states": torch.randn(tokens, 6),
+                                "pos_cond_kwargs": {"encoder_hidden_states": [torch.randn(tokens, 6)],
                                                     "encoder_hidden_states_mask": mask,
                                                     "txt_seq_lens": [tokens]}}
     return out
@@ -204,6 +206,12 @@ def test_sglang_answers_map_onto_our_schema():
         to_schema_response(bad, bodies, request)
     text = str(info.value)
     assert "candidate 0 (s0): seed" in text and "expected a list of 1 output, got 2" in text
+    two_encoders = [[_sglang_output(steps, b["seed"])] for b in bodies]
+    pos = two_encoders[0][0]["denoising_env"]["pos_cond_kwargs"]
+    pos["encoder_hidden_states"] = pos["encoder_hidden_states"] * 2
+    with pytest.raises(SGLangResponseError, match="encoder_hidden_states holds "
+                       r"\['Tensor', 'Tensor'\], expected one tensor"):
+        to_schema_response(two_encoders, bodies, request)
     with pytest.raises(ValueError, match="stock SGLang rejects"):
         to_sglang_requests({**request, "extra_sampling_params": {
             **request["extra_sampling_params"], "sigmas": [1.0, 0.0]}})
@@ -241,12 +249,22 @@ def test_preflight_names_what_stock_sglang_cannot_do():
                      "sglang_weight_sync must be 'tensor' or 'disk'",
                      "sglang_concurrency must be a positive integer"):
         assert fragment in text, fragment
+    assert "model family 'toy': the SGLang client maps the denoising env of ['qwen_image']" \
+        in text  # the tiny recipe's toy adapter
+    qwen = "model.adapter_path=trainer.models.qwen_image.QwenImageAdapter"
     ok = load_config("tiny", ["rollout.engine=sglang", 'rollout.sglang_urls=["http://127.0.0.1:9"]',
-                              'rollout.sampling={"driver_sigmas": false, "driver_xt": false}'])
+                              'rollout.sampling={"driver_sigmas": false, "driver_xt": false}', qwen])
     preflight(ok, world_size=1, device="cpu", check_paths=False)
+    for family in ("sd3", "flux"):  # SGLang rolls them out; the client does not map them yet
+        other = load_config("tiny", ["rollout.engine=sglang",
+                                     'rollout.sglang_urls=["http://127.0.0.1:9"]',
+                                     'rollout.sampling={"driver_sigmas": false, '
+                                     '"driver_xt": false}', f"model.adapter_path={family}"])
+        with pytest.raises(ConfigError, match=f"model family '{family}': the SGLang client"):
+            preflight(other, world_size=1, device="cpu", check_paths=False)
     # the extension takes the driver's sigmas, x_T and noise, and dance (on the driver's noise)
     urls = ["rollout.engine=sglang", 'rollout.sglang_urls=["http://127.0.0.1:9"]',
-            "rollout.sglang_extension=true"]
+            "rollout.sglang_extension=true", qwen]
     preflight(load_config("tiny", urls + ['rollout.sampling={"sde_type": "dance", '
                                           '"driver_sigmas": true, "driver_xt": true}']),
               world_size=1, device="cpu", check_paths=False)

@@ -1,7 +1,8 @@
 """trainer.engine.sglang.extension loaded into SGLang's own rollout path (sglang==0.5.23) by
 SGLang's hook registry, on CPU: the driver's sigmas (through SGLang's timestep stage), x_T and
-step noise, ``dance``, kernels.sde_step as the sampler; inert for stock requests.
-tests/sglang_fixtures.py says what is SGLang's code."""
+step noise, ``dance``, kernels.sde_step as the sampler; inert for stock requests. The server is
+SGLang's native Qwen-Image pipeline (tests/sglang_fixtures.py says what is SGLang's code); the
+replay runs our diffusers transformer from the same checkpoint."""
 from __future__ import annotations
 
 import json
@@ -28,14 +29,14 @@ PROMPTS = ["a red panda"] * 2
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    with serve_sglang(tiny_model_dir("qwen_image")) as srv:
-        from sglang.multimodal_gen.runtime.platforms.plugins import HookRegistry
-
-        from trainer.engine.sglang import extension as sglang_extension
-
-        sglang_extension.register()  # what SGLang's loader calls for SGLANG_PLUGINS=flowgrpo
-        HookRegistry.apply_hooks()
+    # the plugin registered in both processes, as SGLang's loader does for SGLANG_PLUGINS=flowgrpo
+    with serve_sglang(tiny_model_dir("qwen_image"), extension=True) as srv:
         yield srv
+
+
+def _served(server):
+    """(adapter, our diffusers transformer with the served checkpoint's weights)."""
+    return server.adapter, server.adapter.load_train_model().eval()
 
 
 #: A schedule SGLang's own grid for the tiny Qwen-Image at 32x32 (shifted, stretched to 0.02)
@@ -65,7 +66,7 @@ def test_dance_with_driver_noise_is_our_sampler(server):
     import flowgrpo_kernels as kernels
     from trainer.actor.replay import replay_log_probs
 
-    adapter, transformer = server.scheduler.adapter, server.scheduler.transformer
+    adapter, transformer = _served(server)
     request = _request(adapter, {"driver_xt": True, "sde_type": "dance"}, [0, 2])
     with pytest.raises(ValueError, match="stock SGLang rejects"):
         SGLangEngineClient(server.url).generate(request)  # stock client: refused before sending
@@ -98,7 +99,7 @@ def test_driver_sigmas_are_the_schedule_sglang_runs(server, driver_xt):
     import flowgrpo_kernels as kernels
     from trainer.actor.replay import replay_log_probs
 
-    adapter, transformer = server.scheduler.adapter, server.scheduler.transformer
+    adapter, transformer = _served(server)
     stock = _request(adapter, {"driver_xt": False, "sde_type": "sde"}, [1, 2])
     served = SGLangEngineClient(server.url).generate(stock)["dit_trajectory"]["sigmas"]
     assert not torch.allclose(served, torch.tensor(DRIVER_SIGMAS), atol=1e-3)
@@ -107,11 +108,11 @@ def test_driver_sigmas_are_the_schedule_sglang_runs(server, driver_xt):
                        sigmas=DRIVER_SIGMAS)
     with pytest.raises(ValueError, match="stock SGLang rejects"):
         SGLangEngineClient(server.url).generate(request)
-    seen = len(server.scheduler.requests)
+    seen = len(server.requests)
     response = SGLangEngineClient(server.url, extension=True).generate(request)
-    for req in server.scheduler.requests[seen:]:  # what SGLang's loop stepped
-        assert torch.equal(req.scheduler.sigmas, torch.tensor(DRIVER_SIGMAS))
-        assert torch.equal(req.timesteps, req.scheduler.sigmas[:-1] * 1000)
+    for req in server.requests[seen:]:  # what SGLang's loop stepped
+        assert torch.equal(req["sigmas"], torch.tensor(DRIVER_SIGMAS))
+        assert torch.equal(req["timesteps"], req["sigmas"][:-1] * 1000)
     assert torch.equal(response["dit_trajectory"]["sigmas"], torch.tensor(DRIVER_SIGMAS))
     batch = adapter.pack_trajectory(response, request)
     if driver_xt:  # step 1 is kernels.sde_step from the driver's sigma 0.8 to 0.5
@@ -140,7 +141,7 @@ def test_bad_driver_sigmas_are_a_400(server):
 
 
 def test_hooks_are_inert_for_stock_requests(server):
-    adapter, transformer = server.scheduler.adapter, server.scheduler.transformer
+    adapter, transformer = _served(server)
     from trainer.actor.replay import replay_log_probs
 
     request = _request(adapter, {"driver_xt": False, "sde_type": "sde"}, [1, 2])

@@ -213,21 +213,20 @@ def _claim_on_rank0(cfg: Config, rank: int):
     """Rank 0 locks the run dir and applies --resume/--overwrite; every rank gets its
     verdict (the lock, or None, and the resulting config)."""
     from trainer.utils.collectives import broadcast_from_rank0
-    lock, load, error = None, None, None
+    lock, ck, error = None, None, None
     if rank == 0:
         try:
             lock = RunDirLock(cfg.logging.run_dir).acquire()
-            load = claim_run_dir(cfg).checkpoint.load
+            ck = claim_run_dir(cfg).checkpoint  # --load and, on --resume, --save may change
         except RunDirError as exc:
             error = str(exc)
             if lock is not None:
                 lock.release()
                 lock = None
-    load, error = broadcast_from_rank0((load, error))
+    ck, error = broadcast_from_rank0((ck, error))
     if error is not None:
         raise RunDirError(error)
-    return lock, dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint,
-                                                                         load=load))
+    return lock, dataclasses.replace(cfg, checkpoint=ck)
 
 
 def _known_failures() -> tuple[type[BaseException], ...]:

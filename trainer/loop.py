@@ -27,6 +27,7 @@ from trainer.actor.update import train_on
 from trainer.algorithms import algorithm_noise_steps, training_sampling
 from trainer.algorithms.nft_step import nft_train_on
 from trainer.checkpoint import save_checkpoint
+from trainer.checkpoint.trained import worth_saving
 from trainer.config import Config, write_resolved
 from trainer.ema import build_ema
 from trainer.engine import launch_embedded_engine
@@ -459,14 +460,16 @@ class Trainer(TrainerState):
         progress.close()
         hook.remove()
         history["last"] = last
-        if self.rank == 0:
-            (self.run_dir / "summary.json").write_text(json.dumps(history, indent=2))
+        if self.rank == 0:  # a full disk is logged and counted (trainer.metrics), not fatal
+            self.metrics.write_text("summary.json", json.dumps(history, indent=2))
         return history
 
     def maybe_save(self, step: int, is_last: bool) -> None:
         """Every save_interval rollouts and at the end; save_interval -1 never saves. A failed
         final save raises (the run ends non-zero: its result is not on disk)."""
         ck = self.cfg.checkpoint
+        if not worth_saving(self, step, is_last):  # untrained: skip, or raise at the end
+            return
         if ck.save_interval < 0:
             return
         if is_last or (ck.save_interval and step % ck.save_interval == 0):

@@ -7,18 +7,20 @@ same prompts (exact resume needs only the rollout id).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-from trainer.data.prompt_files import read_prompt_file
+from trainer.data.prompt_files import open_prompt_file
 from trainer.toy.world import make_prompt_records
 
 TOY_TRAIN_SIZE = 4096
 TOY_EVAL_SIZE = 64
 
 
-def load_records(source: str, *, seed: int = 0, limit: int | None = None) -> list[dict]:
+def load_records(source: str, *, seed: int = 0, limit: int | None = None
+                 ) -> Sequence[dict]:
     if source.startswith("toy:"):
         split = source.split(":", 1)[1] or "train"
         n = TOY_TRAIN_SIZE if split == "train" else TOY_EVAL_SIZE
@@ -26,7 +28,10 @@ def load_records(source: str, *, seed: int = 0, limit: int | None = None) -> lis
     else:
         if not Path(source).exists():
             raise FileNotFoundError(f"prompt data {source!r} does not exist")
-        records = read_prompt_file(source)  # PromptFileError (a ValueError) names file:line
+        # line offsets, parsed on access (trainer.data.prompt_files: memory on every rank);
+        # PromptFileError (a ValueError) names file:line
+        records = open_prompt_file(source)
+        return records[:limit] if limit else records
     for i, r in enumerate(records):
         r["metadata"].setdefault("task", "t2i")
         r["metadata"].setdefault("sample_id", f"{Path(source).stem}_{i:07d}")

@@ -254,5 +254,7 @@ def log_pictures(trainer, step: int, *, evaluated: bool) -> None:
         log_samples(trainer.metrics, "train/samples", step, images, prompts, rewards,
                     path=trainer.run_dir / "train_samples" / f"step{step:05d}.png")
     if evaluated:
-        path = write_reward_curve(trainer.run_dir)
-        trainer.metrics.image("reward_curve", step, np.asarray(Image.open(path).convert("RGB")))
+        # drawn in memory, written by the logger: a full disk is counted, not fatal
+        curve = draw_reward_curve(*reward_series(read_metrics(trainer.run_dir / "metrics.jsonl")))
+        trainer.metrics.image("reward_curve", step, curve,
+                              path=trainer.run_dir / "reward_curve.png")

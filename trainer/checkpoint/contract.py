@@ -35,9 +35,15 @@ from trainer.actor.sync import sync_payload
 # base would cost tens of seconds of reads at every save and resume, the samples 1 MiB per
 # file; two fine-tunes of one architecture still differ (training moves nearly every tensor,
 # so nearly every sample). Small files (configs, indexes, anything <= 1 MiB) are hashed whole.
+# What it does not see: an edit of bytes between the samples of a file whose size stays the
+# same (one tensor changed in place). ``checkpoint.base_hash = "full"`` hashes every byte
+# instead; its value carries its own prefix, so a check always recomputes in the mode the
+# checkpoint recorded.
 _WHOLE_FILE_MAX = 1 << 20
 _SAMPLES = 16
 _SAMPLE_BYTES = 64 << 10
+_FULL_PREFIX = "sha256-full:"
+BASE_HASH_MODES = ("sampled", "full")
 
 
 def model_weights_dir(model_path: str | Path) -> Path:
@@ -47,10 +53,13 @@ def model_weights_dir(model_path: str | Path) -> Path:
     return p / "transformer" if (p / "transformer").is_dir() else p
 
 
-def _file_digest(path: Path, size: int) -> str:
+def _file_digest(path: Path, size: int, full: bool = False) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        if size <= _WHOLE_FILE_MAX:
+        if full:
+            while chunk := f.read(8 << 20):
+                h.update(chunk)
+        elif size <= _WHOLE_FILE_MAX:
             h.update(f.read())
         else:
             step = (size - _SAMPLE_BYTES) // (_SAMPLES - 1)
@@ -60,21 +69,31 @@ def _file_digest(path: Path, size: int) -> str:
     return h.hexdigest()
 
 
-def base_model_hash(model_path: str | Path, revision: str | None = None) -> str:
+def base_model_hash(model_path: str | Path, revision: str | None = None, *,
+                    full: bool = False) -> str:
     """A content hash of the trainable base (the transformer directory), independent of
-    where it lives: relative file names, sizes and sampled contents, plus the revision."""
+    where it lives: relative file names, sizes and sampled contents (every byte with
+    ``full``), plus the revision."""
     root = model_weights_dir(model_path)
+    prefix = _FULL_PREFIX if full else "sha256:"
     h = hashlib.sha256(f"revision={revision}\n".encode())
     if not root.is_dir():
         h.update(f"not-a-directory:{model_path}".encode())
-        return "sha256:" + h.hexdigest()
+        return prefix + h.hexdigest()
     for p in sorted(root.rglob("*")):
         rel = p.relative_to(root)
         if not p.is_file() or any(part.startswith(".") for part in rel.parts):
             continue
         size = p.stat().st_size
-        h.update(f"{rel.as_posix()}\x1f{size}\x1f{_file_digest(p, size)}\x1e".encode())
-    return "sha256:" + h.hexdigest()
+        h.update(f"{rel.as_posix()}\x1f{size}\x1f{_file_digest(p, size, full)}\x1e".encode())
+    return prefix + h.hexdigest()
+
+
+def base_hash_matches(model_path: str | Path, revision: str | None, recorded: str) -> bool:
+    """Whether the base at ``model_path`` has the ``recorded`` hash, computed in the mode the
+    recorded value was (sampled or full)."""
+    full = str(recorded).startswith(_FULL_PREFIX)
+    return base_model_hash(model_path, revision, full=full) == recorded
 
 
 def lora_scaling(contract: dict[str, Any]) -> float:
@@ -90,7 +109,9 @@ def adapter_contract(cfg, adapter, model_path: str | Path) -> dict[str, Any]:
         targets = sorted(str(t) for t in targets)
     return {
         "mode": "lora" if lora else "full",
-        "base_model_hash": base_model_hash(model_path, cfg.model.revision),
+        "base_model_hash": base_model_hash(
+            model_path, cfg.model.revision,
+            full=getattr(cfg.checkpoint, "base_hash", "sampled") == "full"),
         "base_model_path": str(model_path),
         "revision": cfg.model.revision,
         "rank": int(cfg.lora.rank) if lora else 0,
@@ -113,6 +134,8 @@ def contract_mismatches(saved: dict[str, Any], current: dict[str, Any]) -> list[
         keys.append("base_model_hash")
     problems = []
     for k in keys:
+        if k == "base_model_hash" and _same_base_other_mode(saved, current):
+            continue
         if saved.get(k) != current.get(k):
             why = ""
             if k == "alpha":
@@ -124,6 +147,16 @@ def contract_mismatches(saved: dict[str, Any], current: dict[str, Any]) -> list[
             problems.append(f"{k}: checkpoint has {saved.get(k)!r}, current config has "
                             f"{current.get(k)!r}{why}")
     return problems
+
+
+def _same_base_other_mode(saved: dict[str, Any], current: dict[str, Any]) -> bool:
+    """The two base hashes were taken in different modes (checkpoint.base_hash changed): the
+    current base, hashed in the saved mode, matches."""
+    ours, theirs = str(current.get("base_model_hash")), str(saved.get("base_model_hash"))
+    if ours.startswith(_FULL_PREFIX) == theirs.startswith(_FULL_PREFIX) \
+            or not current.get("base_model_path"):
+        return False
+    return base_hash_matches(current["base_model_path"], current.get("revision"), theirs)
 
 
 class ContractMismatchError(RuntimeError):

@@ -63,7 +63,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from trainer.checkpoint import layout
-from trainer.checkpoint.contract import base_model_hash, lora_scaling
+from trainer.checkpoint.contract import base_hash_matches, lora_scaling
 from trainer.checkpoint.diffusers_lora import verify_diffusers_lora, write_diffusers_lora
 from trainer.checkpoint.model_card import TRAINING_CONFIG, find_run_dir, model_card
 from trainer.utils.dtypes import TORCH_DTYPES
@@ -241,7 +241,8 @@ def plan_export(save_dir: str | Path, output_dir: str | Path, *, form: str | Non
     if base is not None and form == "merged":
         if not _weight_files(base):
             problems.append(f"base model {base} has no *.safetensors weights to merge into")
-        if lora and base_model_hash(base, contract.get("revision")) != contract["base_model_hash"]:
+        if lora and not base_hash_matches(base, contract.get("revision"),
+                                          contract["base_model_hash"]):
             problems.append(f"base model {base} is not the one the adapter was trained on "
                             f"(content hash differs from the checkpoint's; trained on "
                             f"{contract.get('base_model_path')})")

@@ -22,9 +22,16 @@ Design choices:
   leaves it one behind.
 * Directories are deleted by renaming them to ``.trash-*`` first (atomic) and then removing
   the tree, so a crash mid-delete leaves a hidden leftover, never a half-deleted iteration.
+* Every file under an iteration must be listed in COMMITTED and every listed file must be
+  there: a file on disk the marker does not list (a shard whose entry was removed) makes the
+  iteration untrusted, like a missing one.
 * Rotation before saving iteration n removes every uncommitted or damaged ``iter_*`` (crash
   leftovers) and all but the newest ``keep - 1`` committed ones below n, so at most ``keep``
-  exist once n commits. A committed iteration >= n belongs to another timeline (a run
+  exist once n commits. It never deletes what it did not write: rotation tags the directory
+  it is about to write (``.writer``: host, pid), and an uncommitted ``iter_*`` tagged by
+  another process that is alive (or on another host, where that cannot be told) is left in
+  place with a warning. (The run's lock on its checkpoint root, ``trainer.rundir``, keeps a
+  second run out in the first place.) A committed iteration >= n belongs to another timeline (a run
   restarted into the same --save): rotation refuses to delete it unless told to
   (``overwrite``, --overwrite), and then logs each deletion.
 """
@@ -36,6 +43,7 @@ import logging
 import os
 import re
 import shutil
+import socket
 import time
 from pathlib import Path
 
@@ -53,6 +61,8 @@ WEIGHT_SYNC_MANIFEST = "weight_sync_manifest.json"
 ADAPTER_CONTRACT = "adapter_contract.json"
 FORMAT_VERSION = 2  # 2: COMMITTED records {"size", "hash"} per file (1: sizes only)
 _CHUNK = 8 << 20
+
+WRITER_TAG = ".writer"
 
 _ITER_RE = re.compile(r"^iter_(\d+)$")
 _TRASH_PREFIX = ".trash-"
@@ -126,7 +136,7 @@ def _listing(iter_dir: Path) -> dict[str, dict]:
     algo = default_hash_algo()
     out = {}
     for p in sorted(iter_dir.rglob("*")):
-        if p.is_file() and p.name != COMMITTED and ".tmp" not in p.name:
+        if p.is_file() and p.name not in (COMMITTED, WRITER_TAG) and ".tmp" not in p.name:
             out[p.relative_to(iter_dir).as_posix()] = {"size": p.stat().st_size,
                                                        "hash": file_checksum(p, algo)}
     return out
@@ -178,6 +188,11 @@ def commit_problems(iter_dir: Path, *, contents: bool = False) -> list[str]:
             if got != entry["hash"]:
                 problems.append(f"{rel}: content checksum {got} != COMMITTED {entry['hash']} "
                                 f"(the file changed after the commit)")
+    unlisted = _unlisted_files(Path(iter_dir), files)
+    if unlisted:
+        problems.append(f"{len(unlisted)} file(s) on disk that COMMITTED does not list, e.g. "
+                        f"{unlisted[:3]} (the marker was edited, or files were added after the "
+                        f"commit)")
     if not any(rel.startswith(FSDP_DIR + "/") for rel in files):
         problems.append("COMMITTED lists no DCP shards")
     if contents and not problems:
@@ -205,6 +220,18 @@ def _parse_problems(iter_dir: Path, listed: dict) -> list[str]:
         problems.append(f"{FSDP_DIR}/.metadata does not load ({type(exc).__name__}: "
                         f"{str(exc)[:200]})")
     return problems
+
+
+def _unlisted_files(iter_dir: Path, files: dict[str, dict]) -> list[str]:
+    """Files under ``iter_dir`` the marker does not list (the marker, the writer tag and
+    temporary files aside, as ``_listing`` leaves them out)."""
+    out = []
+    for p in sorted(iter_dir.rglob("*")):
+        rel = p.relative_to(iter_dir).as_posix()
+        if p.is_file() and p.name not in (COMMITTED, WRITER_TAG) and ".tmp" not in p.name \
+                and rel not in files:
+            out.append(rel)
+    return out
 
 
 # ---- discovery ----------------------------------------------------------------------------
@@ -311,7 +338,12 @@ def plan_rotation(task_dir: Path, keep: int, new_iteration: int, *,
     kept_committed, other_timeline = [], []
     for n, p in iteration_dirs(task_dir):
         if commit_problems(p):
-            doomed.append(p)
+            writer = live_writer(p)
+            if writer is None:
+                doomed.append(p)
+            else:
+                log.warning("rotation leaves %s in place: it is not committed and %s is "
+                            "writing it (not this run's to delete)", p, writer)
         elif n >= new_iteration:
             other_timeline.append(p)
         else:
@@ -332,6 +364,10 @@ def rotate(task_dir: Path, keep: int, new_iteration: int, *,
            overwrite: bool = False) -> list[Path]:
     """Apply ``plan_rotation``; returns what was deleted. Raises on the first failure."""
     doomed = plan_rotation(task_dir, keep, new_iteration, overwrite=overwrite)
+    target = Path(task_dir) / iter_name(new_iteration)
+    if target not in doomed and live_writer(target) is not None:
+        raise CheckpointError(f"{target} is being written by {live_writer(target)}, not by "
+                              f"this run: two runs are saving into one --save")
     for p in doomed:
         n = parse_iter(p.name)
         if n is not None and n >= new_iteration and not commit_problems(p):
@@ -341,4 +377,33 @@ def rotate(task_dir: Path, keep: int, new_iteration: int, *,
             shutil.rmtree(p)
         else:
             remove_tree(p)
+    tag_writer(target)
     return doomed
+
+
+def tag_writer(iter_dir: Path) -> None:
+    """Mark ``iter_dir`` as being written by this process (see the module docstring)."""
+    iter_dir = Path(iter_dir)
+    iter_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(iter_dir / WRITER_TAG, {"host": socket.gethostname(), "pid": os.getpid(),
+                                              "time": time.time()}, indent=None)
+
+
+def live_writer(iter_dir: Path) -> str | None:
+    """Who else is writing ``iter_dir``: "pid N on host H" when its writer tag names another
+    process that is alive (or one on another host), else None."""
+    try:
+        tag = read_json(Path(iter_dir) / WRITER_TAG)
+        host, pid = str(tag["host"]), int(tag["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if host == socket.gethostname():
+        if pid == os.getpid():
+            return None
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass  # alive, another user's
+    return f"pid {pid} on host {host}"

@@ -385,6 +385,9 @@ class CheckpointConfig:
     overwrite: bool = _f(False, "--overwrite",
                          "Start over in a --run-dir that holds a run: its metrics are cleared "
                          "and its checkpoints may be replaced.")
+    base_hash: str = _f("sampled", "--base-hash",
+                        "How a LoRA checkpoint identifies its base model: sampled (16 x 64 KiB "
+                        "per weight file) | full (every byte, read at every save and resume).")
 
 
 @dataclass

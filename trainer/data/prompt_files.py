@@ -28,10 +28,25 @@ points ``data.prompt_data`` at the train file and ``data.eval_prompt_data`` at t
 This module is THE reader: the trainer (``trainer.prompts``), preflight, ``data inspect`` and
 ``data prepare`` all read prompt files through ``iter_prompt_lines``, so a file one of them
 accepts the others accept too.
+
+Text and JSONL files are read as bytes and decoded line by line, so a line that is not UTF-8
+is named ``file:line`` (with the byte's column) like every other bad line, and the rest of the
+file is still checked.
+
+Memory: every rank holds the training prompts. ``open_prompt_file`` (what the loop uses)
+checks a text or JSONL file in one streaming pass and keeps only each record's line number
+and byte offset (16 bytes a record); a record is parsed again when it is read, which a rollout
+does for a few groups. Holding every record as dicts cost an order of magnitude more than the
+file itself. Parquet files (row groups, not lines) are still read whole. A file edited after
+the pass is read as it is then; a line that no longer parses raises ``PromptFileError``
+naming it.
 """
 from __future__ import annotations
 
+import json
 import os
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -86,6 +101,7 @@ class PromptLine:
     problems: list[tuple[str, str]] = field(default_factory=list)
     row: Any = None
     id_given: bool = False
+    offset: int = -1  # the line's byte offset in a text or JSONL file (-1: parquet)
 
     @property
     def where(self) -> str:
@@ -130,20 +146,53 @@ def _record(row: dict) -> dict:
     return {"prompt": row["prompt"], "metadata": meta}
 
 
+def _parse_raw(raw: bytes, path: str, number: int, offset: int, text: bool
+               ) -> PromptLine | None:
+    """One line of a text or JSONL file as read (None for a blank line), before its checks."""
+    try:
+        decoded = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return PromptLine(path, number, offset=offset, problems=[(
+            "parse", f"not UTF-8 text ({exc.reason}: byte {raw[exc.start]:#04x} at column "
+                     f"{exc.start + 1})")])
+    if not decoded.strip():
+        return None
+    if text:
+        return PromptLine(path, number, offset=offset, row={"prompt": decoded.strip()})
+    try:
+        return PromptLine(path, number, offset=offset, row=json.loads(decoded))
+    except json.JSONDecodeError as exc:
+        return PromptLine(path, number, offset=offset, problems=[(
+            "parse", f"invalid JSON ({exc.msg} at column {exc.colno})")])
+
+
 def _raw_lines(path: str) -> Iterator[PromptLine]:
-    if path.lower().endswith(TEXT_SUFFIXES):
-        with open(path, encoding="utf-8") as f:
-            try:
-                for number, text in enumerate(f, start=1):
-                    if text.strip():
-                        yield PromptLine(path, number, row={"prompt": text.strip()})
-            except UnicodeDecodeError as exc:
-                yield PromptLine(path, 0, problems=[(
-                    "parse", f"not UTF-8 text ({exc.reason} at byte {exc.start})")])
+    if is_parquet(path):
+        for line in read_lines(path):
+            yield PromptLine(path, line.line, row=line.record,
+                             problems=[("parse", line.error)] if line.error else [])
         return
-    for line in read_lines(path):
-        yield PromptLine(path, line.line, row=line.record,
-                         problems=[("parse", line.error)] if line.error else [])
+    text, offset = path.lower().endswith(TEXT_SUFFIXES), 0
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            line = _parse_raw(raw, path, number, offset, text)
+            offset += len(raw)
+            if line is not None:
+                yield line
+
+
+def _checked(line: PromptLine, stem: str, index: int) -> PromptLine:
+    """``line`` with its row's problems, or its record (task and sample_id filled in)."""
+    if line.problems:
+        return line
+    line.problems = _row_problems(line.row)
+    if not line.problems:
+        line.record = _record(line.row)
+        meta = line.record["metadata"]
+        line.id_given = "sample_id" in meta
+        meta.setdefault("task", TASKS[0])
+        meta.setdefault("sample_id", f"{stem}_{index:07d}")
+    return line
 
 
 def iter_prompt_lines(path: str | Path) -> Iterator[PromptLine]:
@@ -153,17 +202,8 @@ def iter_prompt_lines(path: str | Path) -> Iterator[PromptLine]:
     path, index = str(path), 0
     stem = Path(path).stem
     for line in _raw_lines(path):
-        if line.problems:
-            yield line
-            continue
-        line.problems = _row_problems(line.row)
-        if not line.problems:
-            line.record = _record(line.row)
-            meta = line.record["metadata"]
-            line.id_given = "sample_id" in meta
-            meta.setdefault("task", TASKS[0])
-            meta.setdefault("sample_id", f"{stem}_{index:07d}")
-            index += 1
+        line = _checked(line, stem, index)
+        index += line.record is not None
         yield line
 
 
@@ -175,16 +215,23 @@ def read_prompt_file(path: str | Path) -> list[dict]:
 
 def read_numbered(path: str | Path) -> list[tuple[str, dict]]:
     """``read_prompt_file`` with each record's ``file:line``."""
-    path = str(path)
+    return [(line.where, line.record) for line in _good_lines(str(path))]
+
+
+def _good_lines(path: str) -> Iterator[PromptLine]:
+    """The usable lines of a prompt file, streamed; once the file is read, raises one
+    PromptFileError naming every bad line, or the file when it is missing, unreadable or holds
+    no prompt at all."""
     problems: list[str] = []
-    numbered: list[tuple[str, dict]] = []
+    good = 0
     try:
         for line in iter_prompt_lines(path):
             where = path if line.line == 0 else line.where
             problems += [f"{where}: {message}" for _, message in line.problems]
             if line.record is not None:
-                numbered.append((line.where, line.record))
-    except (OSError, UnicodeDecodeError) as exc:
+                good += 1
+                yield line
+    except OSError as exc:
         raise PromptFileError([f"{path}: cannot read it ({type(exc).__name__}: {exc})"]) \
             from None
     except Exception as exc:  # a damaged parquet file: pyarrow's own errors
@@ -192,11 +239,53 @@ def read_numbered(path: str | Path) -> list[tuple[str, dict]]:
             raise
         raise PromptFileError([f"{path}: not a readable parquet file ({cut(str(exc), 200)})"]) \
             from None
-    if not numbered and not problems:
+    if not good and not problems:
         problems.append(f"{path}: holds no prompt (empty file, or only blank lines)")
     if problems:
         raise PromptFileError(problems)
-    return numbered
+
+
+class PromptRecords(Sequence):
+    """The records of a text or JSONL prompt file, parsed from the file when read (see the
+    module docstring); an index gives a fresh record, a slice a list of them."""
+
+    def __init__(self, path: str, lines: array, offsets: array) -> None:
+        self.path, self._lines, self._offsets = path, lines, offsets
+        self._stem = Path(path).stem
+        self._text = path.lower().endswith(TEXT_SUFFIXES)
+
+    def __len__(self) -> int:
+        return len(self._offsets)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        index = range(len(self))[index]  # negative indices; IndexError past the end
+        number, offset = self._lines[index], self._offsets[index]
+        with open(self.path, "rb") as f:
+            f.seek(offset)
+            raw = f.readline()
+        line = _parse_raw(raw, self.path, number, offset, self._text)
+        if line is None:
+            raise PromptFileError([f"{self.path}:{number}: the line is blank now (the file "
+                                   f"changed after it was checked)"])
+        line = _checked(line, self._stem, index)
+        if line.record is None:
+            raise PromptFileError([f"{line.where}: {message}" for _, message in line.problems])
+        return line.record
+
+
+def open_prompt_file(path: str | Path) -> Sequence[dict]:
+    """The records of a prompt file for training: checked in one pass (``PromptFileError``
+    naming every bad line), held as line offsets (``PromptRecords``); parquet as a list."""
+    path = str(path)
+    if is_parquet(path):
+        return read_prompt_file(path)
+    lines, offsets = array("q"), array("q")
+    for line in _good_lines(path):
+        lines.append(line.line)
+        offsets.append(line.offset)
+    return PromptRecords(path, lines, offsets)
 
 
 def dataset_splits(folder: str | Path) -> dict[str, str] | None:

@@ -60,6 +60,13 @@ class QwenImageAdapter(PackedLatentsAdapter):
                     "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
     default_max_sequence_length = 512
     extra_options = {"joint_tokens_multiple": 8}
+    # SGLang's native serving of this family, read by trainer/engine/sglang/: the DiT class
+    # whose name mapping says which parameters the server packs, and where SGLang's denoising
+    # env keeps each condition (SGLang sends no mask when every text token is real)
+    sglang_dit = "sglang.multimodal_gen.runtime.models.dits.qwen_image.QwenImageTransformer2DModel"
+    sglang_conditions = {"prompt_embeds": ("pos_cond_kwargs", "encoder_hidden_states"),
+                         "prompt_embeds_mask": ("pos_cond_kwargs", "encoder_hidden_states_mask")}
+    sglang_implied_masks = {"prompt_embeds_mask": "prompt_embeds"}
 
     def __init__(self, model_path: str, **options: Any) -> None:
         super().__init__(model_path, **options)

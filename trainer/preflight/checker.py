@@ -59,3 +59,20 @@ class Checker:
         if not ok:
             self.error(f"{flagged(dotted)}={value!r} must be >= {low}{what}")
         return ok
+
+
+def check_finite_numbers(c: Checker) -> None:
+    """Every float field holds a finite number: an ``inf`` passes every "> 0" rule (``lr=inf``
+    trained until the log-probs overflowed) and a NaN passes every "< 0" one. Runs after the
+    other rules; a key another rule already refused is not named twice."""
+    for sec in dataclasses.fields(Config):
+        section = getattr(c.cfg, sec.name)
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            if not isinstance(value, float) or math.isfinite(value):
+                continue
+            key = flagged(f"{sec.name}.{f.name}")
+            if any(e.startswith(key) for e in c.errors):
+                continue
+            unset = " (leave it unset for none)" if "None" in str(f.type) else ""
+            c.error(f"{key}={value!r} must be a finite number{unset}")

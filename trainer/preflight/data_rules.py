@@ -3,10 +3,11 @@ and restarts, resume) and logging sections. Torch-free, like every preflight mod
 from __future__ import annotations
 
 import math
+import os
 import re
 from pathlib import Path
 
-from trainer.data.prompt_files import PromptFileError, overlap_problems, read_numbered
+from trainer.data.prompt_files import PromptFileError, cut, overlap_problems, read_numbered
 from trainer.evaluation import eval_sampling
 from trainer.preflight.checker import Checker, flagged
 from trainer.config.sampling import SamplingConfig
@@ -60,6 +61,39 @@ def check_prompt_files(c: Checker) -> None:
     if len(parsed) == 2:
         for problem in overlap_problems(parsed["prompt_data"], parsed["eval_prompt_data"]):
             c.error(f"{flagged('data.eval_prompt_data')}: {problem}")
+    for name, numbered in parsed.items():
+        problems = prompt_length_problems(c.cfg, numbered)
+        c.errors += [f"{flagged('data.' + name)}: {p}" for p in problems[:20]]
+        if len(problems) > 20:
+            c.error(f"{flagged('data.' + name)}: ... and {len(problems) - 20} more")
+
+
+def prompt_length_problems(cfg, numbered: list[tuple[str, dict]]) -> list[str]:
+    """Prompts longer than the text window, as ``file:line``, where preflight can know the
+    window without loading a model: the toy model (its adapter refuses a longer prompt at the
+    first generate, where the diffusers families truncate it, as their pipelines do). The
+    count is its tokenizer's own (``tokenizers``, torch-free), special tokens included."""
+    from trainer.toy import weights_dir  # torch-free: the package imports its parts lazily
+    root = weights_dir() if cfg.model.model_path == "toy" else Path(cfg.model.model_path)
+    tokenizer_file = root / "tokenizer" / "tokenizer.json"
+    if not (root / "toy_config.json").is_file() or not tokenizer_file.is_file():
+        return []
+    import json
+
+    from tokenizers import Tokenizer
+    limit = cfg.model.adapter_options.get("max_sequence_length") or \
+        json.loads((root / "toy_config.json").read_text())["max_prompt_tokens"]
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    out = []
+    for where, record in numbered:
+        n = len(tokenizer.encode(record["prompt"]).ids)
+        if n > int(limit):
+            out.append(f"{where}: the prompt has {n} tokens, more than the toy model's text "
+                       f"window of {limit} (model.adapter_options.max_sequence_length): "
+                       f"{cut(record['prompt'], 60)}")
+    return out
 
 
 def check_reliability(c: Checker) -> None:
@@ -70,6 +104,7 @@ def check_reliability(c: Checker) -> None:
             c.error(f"{flagged('rollout.' + name)}={v!r} must be > 0")
     c.at_least("rollout.engine_max_restarts", r.engine_max_restarts, 0)
     c.at_least("train.max_rollouts_without_step", t.max_rollouts_without_step, 0)
+    c.one_of("checkpoint.base_hash", ck.base_hash, ("sampled", "full"))
     if ck.resume and ck.overwrite:
         c.error(f"{flagged('checkpoint.resume')} and {flagged('checkpoint.overwrite')} contradict "
                 f"each other: pass one")
@@ -79,8 +114,28 @@ def check_logging(c: Checker) -> None:
     lg, ck = c.cfg.logging, c.cfg.checkpoint
     c.at_least("logging.log_interval", lg.log_interval, 1)
     c.at_least("checkpoint.save_interval", ck.save_interval, -1, " (-1: never save)")
+    if c.check_paths:
+        for dotted, value in (("logging.run_dir", lg.run_dir), ("checkpoint.save", ck.save)):
+            if value:
+                problem = _unwritable_dir(Path(value))
+                if problem:
+                    c.error(f"{flagged(dotted)}={value!r} cannot be created: {problem}")
     if lg.profile_steps is not None:
         m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", str(lg.profile_steps))
         if not m or int(m.group(1)) >= int(m.group(2)):
             c.error(f"{flagged('logging.profile_steps')}={lg.profile_steps!r} must be 'A:B' with "
                     f"0 <= A < B")
+
+
+def _unwritable_dir(path: Path) -> str | None:
+    """Why ``path`` cannot be (or be made) a writable directory; None when it can."""
+    probe = path
+    while not probe.exists():
+        if probe == probe.parent:
+            return None
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} is a file, not a directory"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{probe} is not writable by this user"
+    return None

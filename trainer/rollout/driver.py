@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 
 from trainer.models.base import GenerativeModelAdapter, RolloutBatch
 from trainer.profiling import add_times, nvtx_range
+from trainer.metrics import settle_writes
 from trainer.rollout.artifacts import (prune_stale_artifacts, rollout_dir, sampling_fingerprint,
                                        write_group_images, write_group_sidecar)
 from trainer.models.batch import concat_batches
@@ -206,8 +207,7 @@ class RolloutDriver:
                         writes.append(writer.submit(self._write_request, directory, packed[i],
                                                     requests[i], chunks[i], n,
                                                     checksums[i % num_engines]))
-            for w in writes:
-                w.result()  # surface a failed write here, not silently
+            settle_writes(writes, f"rollout artifacts in {directory}")  # full disk: counted
         if bar is not None:
             bar.close()
 

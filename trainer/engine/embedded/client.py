@@ -59,10 +59,19 @@ def process_state(pid: int) -> str:
 
 
 def request_images(method: str, args: tuple) -> int:
-    """Images a call asks for (the size its deadline scales with): prompts of a generate."""
+    """Images a call asks for (the size its deadline scales with, as --help says): one per
+    entry of a batched generate's ``prompt`` list (one entry per candidate), or SGLang's
+    single-prompt form's ``num_outputs_per_prompt`` (else its sample ids, else 1)."""
     if method == "generate" and args and isinstance(args[0], dict):
-        prompts = args[0].get("prompt")
-        return len(prompts) if isinstance(prompts, list) else 1
+        request = args[0]
+        prompts = request.get("prompt")
+        if isinstance(prompts, list):
+            return len(prompts)
+        n = request.get("num_outputs_per_prompt")
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            return n
+        ids = (request.get("extra_sampling_params") or {}).get("sample_ids")
+        return len(ids) if isinstance(ids, list) and ids else 1
     return 0
 
 

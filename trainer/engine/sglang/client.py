@@ -12,7 +12,9 @@ Two servers answer ``POST /rollout/generate``:
 - the embedded engine's HTTP mode (identifies itself on ``/health``): one batched JSON request.
 
 ``release()`` / ``resume()`` call ``/release_memory_occupation`` / ``/resume_memory_occupation``;
-any failure raises (fatal). ``checksum()`` is the server's own digest (per module on SGLang).
+any failure raises (fatal). ``checksum()`` is the server's own digest of the transformer only
+(``/get_weights_checksum`` hashes every module it is asked for; the text encoder and VAE never
+change, and hashing them costs more than the DiT).
 """
 from __future__ import annotations
 
@@ -117,7 +119,7 @@ class SGLangEngineClient:
         return response
 
     def checksum(self) -> str:
-        reply = self._call("POST", "/get_weights_checksum", {})
+        reply = self._call("POST", "/get_weights_checksum", {"module_names": ["transformer"]})
         if isinstance(reply, dict) and isinstance(reply.get("checksum"), str):
             return reply["checksum"]
         return json.dumps(reply, sort_keys=True)  # a server's own digest layout, e.g. per module

@@ -30,6 +30,15 @@ a request without the block, so ordinary serving is unchanged):
   (SDE at the requested steps with the recipe's noise for (seed, sample id, step), Euler
   elsewhere), so the recorded log-prob is our replay's function.
 
+Weights (trainer/engine/sglang/receiver.py): ``pipelines_core.build_pipeline`` installs our
+ipc ``WeightReceiver`` on the native DiT of each worker (``FLOWGRPO_WEIGHT_RECEIVER=0`` leaves
+it out), ``http_server.create_app`` adds ``GET /flowgrpo/weight_receivers`` (each worker's
+socket and packing rules, for trainer/engine/sglang/transport.py), and
+``DenoisingStage.forward`` refuses to denoise while a failed sync left the weights dirty, and
+SGLang's release / resume memory (``MemoryOccupationController._move_modules``) leaves that DiT
+where it is: its weights live in the transport memory the trainer writes into, so they stay
+resident (as the embedded engine's do); moving them would leave the receiver nothing to write.
+
 The block's noise keys and its sigmas are independent: sigmas alone keep SGLang's sampler
 (``sde``/``cps``/``ode`` with its own seeded noise); ``dance`` needs the noise keys (it is our
 sampler's). Not covered: sequence parallelism (the noise is drawn for the full latent; run with
@@ -38,11 +47,13 @@ sampler's). Not covered: sequence parallelism (the noise is drawn for the full l
 from __future__ import annotations
 
 import contextvars
+import os
 from typing import Any
 
 import torch
 
 import flowgrpo_kernels as kernels
+from trainer.engine.sglang import receiver
 from trainer.models import noise
 
 EXTRA_KEY = "flowgrpo"
@@ -50,6 +61,11 @@ ROLLOUT_API = "sglang.multimodal_gen.runtime.entrypoints.post_training.rollout_a
 TIMESTEP_STAGE = ("sglang.multimodal_gen.runtime.pipelines_core.stages.timestep_preparation."
                   "TimestepPreparationStage")
 DENOISING = "sglang.multimodal_gen.runtime.pipelines_core.stages.denoising"
+BUILD_PIPELINE = "sglang.multimodal_gen.runtime.pipelines_core.build_pipeline"
+CREATE_APP = "sglang.multimodal_gen.runtime.entrypoints.http_server.create_app"
+DENOISING_FORWARD = f"{DENOISING}.DenoisingStage.forward"
+MOVE_MODULES = ("sglang.multimodal_gen.runtime.managers.memory_managers."
+                "memory_occupation_controller.MemoryOccupationController._move_modules")
 CONTROLLER = ("sglang.multimodal_gen.runtime.post_training.flow_rollout_controller."
               "FlowRolloutController")
 #: Keys of the block (see trainer/engine/sglang/rollout.py ``extension_block``): always sent,
@@ -74,6 +90,10 @@ def register() -> None:
     HookRegistry.register(f"{DENOISING}.prepare_rollout_if_enabled", driver_initial_latents,
                           HookType.AROUND)
     HookRegistry.register(f"{CONTROLLER}.flow_sde_sampling", sde_step_sampling, HookType.AROUND)
+    HookRegistry.register(BUILD_PIPELINE, install_weight_receiver, HookType.AROUND)
+    HookRegistry.register(CREATE_APP, add_receiver_route, HookType.AROUND)
+    HookRegistry.register(DENOISING_FORWARD, refuse_dirty_weights, HookType.AROUND)
+    HookRegistry.register(MOVE_MODULES, keep_dit_resident, HookType.AROUND)
 
 
 # ---- HTTP process ----------------------------------------------------------------------------
@@ -145,7 +165,72 @@ def attach_block(original, *args, **kwargs):
     return req
 
 
+def add_receiver_route(original, *args, **kwargs):
+    """SGLang's app, plus the route that lists the workers' weight receivers."""
+    app = original(*args, **kwargs)
+    server_args = kwargs.get("server_args", args[0] if args else None)
+    from fastapi import APIRouter
+
+    router = APIRouter()
+    port = server_args.port
+
+    @router.get(receiver.ROUTE)
+    def weight_receivers() -> dict:
+        return {"receivers": receiver.read_descriptors(port)}
+
+    app.include_router(router)
+    return app
+
+
 # ---- GPU workers -----------------------------------------------------------------------------
+_installed: receiver.WorkerReceiver | None = None
+
+
+def install_weight_receiver(original, *args, **kwargs):
+    """SGLang's pipeline, its native DiT then served by our receiver (module docstring)."""
+    global _installed
+    pipeline = original(*args, **kwargs)
+    if os.environ.get(receiver.ENABLE_ENV, "1") == "0":
+        return pipeline
+    server_args = kwargs.get("server_args", args[0] if args else None)
+    try:
+        # SGLang's worker sets RANK before it builds the pipeline
+        _installed = receiver.WorkerReceiver(pipeline.get_module("transformer"),
+                                             rank=int(os.environ.get("RANK", "0")),
+                                             port=server_args.port)
+    except (ValueError, OSError) as exc:
+        raise RuntimeError(f"flowgrpo extension: cannot serve the DiT's weights through our "
+                           f"transport ({exc}); set {receiver.ENABLE_ENV}=0 to serve without "
+                           "it (the trainer then syncs through the stock path)") from exc
+    return pipeline
+
+
+def installed_receiver() -> receiver.WorkerReceiver | None:
+    """This worker's receiver (None in the HTTP process, or with the receiver turned off)."""
+    return _installed
+
+
+def keep_dit_resident(original, controller, names, device, *args, **kwargs):
+    """SGLang's module move, minus the DiT our receiver serves (module docstring)."""
+    if _installed is None:
+        return original(controller, names, device, *args, **kwargs)
+    from sglang.multimodal_gen.runtime.post_training.weights_updater import (
+        get_updatable_modules)
+
+    modules = get_updatable_modules(controller.pipeline)
+    rest = [n for n in names if modules.get(n) is not _installed.module]
+    if not rest:
+        return None
+    return original(controller, rest, device, *args, **kwargs)
+
+
+def refuse_dirty_weights(original, *args, **kwargs):
+    if _installed is not None:
+        _installed.receiver.assert_servable()  # WeightSyncError: a failed sync's weights
+    return original(*args, **kwargs)
+
+
+
 def _block(batch: Any) -> dict | None:
     extra = getattr(batch, "extra", None)
     return extra.get(EXTRA_KEY) if isinstance(extra, dict) else None

@@ -80,32 +80,51 @@ def merged_weight(base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor
     return data.to(target)
 
 
+@torch.no_grad()
+def merged_packed_weight(base: torch.Tensor, lora_a: list[torch.Tensor],
+                         lora_b: list[torch.Tensor], alpha: float | None) -> torch.Tensor:
+    """A packed layer's merge as SGLang computes it: the sections' pairs stacked
+    (``stack_or_compose_fused_lora`` with equal sections), one batched ``B @ A`` in fp32
+    flattened to the packed rows, added with ``alpha / rank``; in ``base``'s dtype."""
+    device = lora_a[0].device
+    data = base.to(device=device, dtype=torch.float32, copy=True)
+    a, b = torch.stack(lora_a).to(data), torch.stack(lora_b).to(data)
+    delta = (b @ a).reshape(-1, a.shape[-1])
+    data.reshape(-1, data.shape[-1]).add_(delta, alpha=merge_scale(alpha, int(a.shape[-2])))
+    return data.to(base.dtype)
+
+
 def served_names(layer: str) -> dict[str, str]:
     """Where SGLang's LoRA layer keeps the merged weight and the adapter tensors."""
     return {"weight": f"{layer}.base_layer.weight", "A": f"{layer}.lora_A",
             "B": f"{layer}.lora_B"}
 
 
-def pair_buckets(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], bucket_bytes: int
-                 ) -> Iterable[list[tuple[str, tuple[torch.Tensor, torch.Tensor]]]]:
-    """Layers in buckets of at most ``bucket_bytes`` (one layer may exceed it alone): a pair is
-    never split, since SGLang would skip a layer whose A and B arrive apart."""
-    bucket: list[tuple[str, tuple[torch.Tensor, torch.Tensor]]] = []
+#: One served LoRA layer of a sync: (served layer, [(section index or None, sent layer, (A, B))]).
+LoraGroup = tuple[str, list[tuple[int | None, str, tuple[torch.Tensor, torch.Tensor]]]]
+
+
+def pair_buckets(groups: list[LoraGroup], bucket_bytes: int) -> Iterable[list[LoraGroup]]:
+    """Served layers in buckets of at most ``bucket_bytes`` (one layer may exceed it alone): a
+    pair, and the sections of a packed layer, are never split, since SGLang skips a layer
+    whose A and B arrive apart and composes a packed layer from the sections of one request."""
+    bucket: list[LoraGroup] = []
     size = 0
-    for layer, (a, b) in pairs.items():
-        nbytes = a.numel() * a.element_size() + b.numel() * b.element_size()
+    for group in groups:
+        nbytes = sum(t.numel() * t.element_size() for _, _, ab in group[1] for t in ab)
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
             bucket, size = [], 0
-        bucket.append((layer, (a, b)))
+        bucket.append(group)
         size += nbytes
     if bucket:
         yield bucket
 
 
 class LoraBases:
-    """The base weights of LoRA layers as the server holds them (the sent bytes), kept on the
-    host: the snapshot SGLang merges every adapter update into."""
+    """The base weights of LoRA layers as the server holds them (the sent bytes, packed as
+    the server packs them), kept on the host by served layer name: the snapshot SGLang
+    merges every adapter update into."""
 
     def __init__(self) -> None:
         self.weights: dict[str, torch.Tensor] = {}
@@ -113,16 +132,24 @@ class LoraBases:
     def keep(self, layer: str, weight: torch.Tensor) -> None:
         self.weights[layer] = weight.detach().to("cpu", copy=True)
 
-    def manifest(self, bucket: list[tuple[str, tuple[torch.Tensor, torch.Tensor]]],
-                 alpha: float | None, digest: Any) -> dict[str, str]:
+    def manifest(self, bucket: list[LoraGroup], alpha: float | None, digest: Any
+                 ) -> dict[str, str]:
         """Served name -> SHA-256 after SGLang merged ``bucket``; raises KeyError naming the
         layers whose base was never sent."""
         unknown = [layer for layer, _ in bucket if layer not in self.weights]
         if unknown:
             raise KeyError(f"no base weight was synced for LoRA layers {unknown[:5]}")
         out = {}
-        for layer, (a, b) in bucket:
+        for layer, sections in bucket:
             names = served_names(layer)
-            out[names["weight"]] = digest(merged_weight(self.weights[layer], a, b, alpha))
+            a_list = [ab[0] for _, _, ab in sections]
+            b_list = [ab[1] for _, _, ab in sections]
+            if sections[0][0] is None:
+                a, b = a_list[0], b_list[0]
+                out[names["weight"]] = digest(merged_weight(self.weights[layer], a, b, alpha))
+            else:
+                a, b = torch.stack(a_list), torch.stack(b_list)
+                out[names["weight"]] = digest(merged_packed_weight(self.weights[layer], a_list,
+                                                                   b_list, alpha))
             out[names["A"]], out[names["B"]] = digest(a), digest(b)
         return out

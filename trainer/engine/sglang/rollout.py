@@ -33,14 +33,28 @@ import torch
 #: rollout_sde_type values stock SGLang implements (its FlowRolloutController).
 STOCK_SDE_TYPES = ("sde", "cps", "ode")
 
-#: Per family: our condition name -> (denoising_env section, SGLang's kwarg name).
-CONDITION_MAP: dict[str, dict[str, tuple[str, str]]] = {
-    "qwen_image": {"prompt_embeds": ("pos_cond_kwargs", "encoder_hidden_states"),
-                   "prompt_embeds_mask": ("pos_cond_kwargs", "encoder_hidden_states_mask")},
-}
-#: Per family: our mask condition -> the embeddings it masks. SGLang's Qwen-Image config sends
-#: no mask (None) when every text token is real, which is always so for a one-prompt request.
-IMPLIED_MASKS: dict[str, dict[str, str]] = {"qwen_image": {"prompt_embeds_mask": "prompt_embeds"}}
+
+def family_tables(family: str) -> tuple[dict[str, tuple[str, str]], dict[str, str]] | None:
+    """(our condition -> (denoising_env section, SGLang's kwarg), our mask -> the embeddings it
+    masks) of ``family``, from its adapter's ``sglang_conditions`` / ``sglang_implied_masks``
+    (trainer/models/<family>.py); None for a family SGLang does not serve for rollouts."""
+    from trainer.models import ADAPTERS, adapter_class
+
+    if family not in ADAPTERS:
+        return None
+    cls = adapter_class(family)
+    conditions = getattr(cls, "sglang_conditions", None)
+    if not conditions:
+        return None
+    return dict(conditions), dict(getattr(cls, "sglang_implied_masks", None) or {})
+
+
+def sglang_families() -> list[str]:
+    """The shipped families whose adapters say where SGLang keeps their conditions."""
+    from trainer.models import ADAPTERS
+
+    return sorted(f for f in ADAPTERS if f != "toy" and family_tables(f) is not None)
+
 
 TENSOR_TAG = "__tensor__"
 
@@ -171,21 +185,36 @@ def _images_uint8(images: torch.Tensor, height: int, width: int) -> torch.Tensor
     return (x.float().clamp(0, 1) * 255).round().to(torch.uint8)
 
 
+def _one_tensor(value: Any, where: str, problems: list[str]) -> torch.Tensor | None:
+    """A condition as SGLang's denoising stage keeps it: a tensor, or a list with one tensor
+    per text encoder (``batch.prompt_embeds``); our families have one."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != 1 or not isinstance(value[0], torch.Tensor):
+            kinds = [type(v).__name__ for v in value]
+            problems.append(f"{where} holds {kinds}, expected one tensor (one text encoder)")
+            return None
+        value = value[0]
+    if not isinstance(value, torch.Tensor):
+        problems.append(f"{where} is missing")
+        return None
+    return value
+
+
 def _conditions(env: Any, family: str, where: str, problems: list[str]) -> dict[str, torch.Tensor]:
-    mapping = CONDITION_MAP.get(family)
-    if mapping is None:
+    tables = family_tables(family)
+    if tables is None:
         problems.append(f"no SGLang denoising_env mapping for family {family!r} "
-                        f"(known: {sorted(CONDITION_MAP)})")
+                        f"(known: {sglang_families()})")
         return {}
-    out, implied = {}, IMPLIED_MASKS.get(family, {})
+    mapping, implied = tables
+    out = {}
     for ours, (section, name) in mapping.items():
         value = (env.get(section) or {}).get(name) if isinstance(env, dict) else None
         if value is None and ours in implied:
             continue
-        if not isinstance(value, torch.Tensor):
-            problems.append(f"{where}: denoising_env.{section}.{name} is missing")
-            continue
-        out[ours] = value.long() if value.dtype == torch.bool else value
+        value = _one_tensor(value, f"{where}: denoising_env.{section}.{name}", problems)
+        if value is not None:
+            out[ours] = value.long() if value.dtype == torch.bool else value
     for mask, embeds in implied.items():
         if mask not in out and isinstance(out.get(embeds), torch.Tensor):
             out[mask] = torch.ones(out[embeds].shape[0], dtype=torch.long)

@@ -20,10 +20,12 @@ Facts of the released API (sglang 0.5.23) this module is written against:
 - There is no weight version on the server: the trainer keeps it (``client.committed_version``
   is set only after a verified sync).
 
-The checker needs the server's parameter names to equal the names we send (true for SGLang's
-diffusers backend; a native DiT that fuses parameters maps names on load and then cannot be
-checked by name). ``lora_merge`` updates (adapter sync mode) are checked too: the merged
-weights' SHA-256 are computed as SGLang merges (trainer/engine/sglang/lora.py).
+We send our (diffusers) names; SGLang's updater maps them into the native DiT's packed
+parameters. The checker looks names up on the live module, so the manifest names what the
+server holds: a packed parameter's digest is that of its sections concatenated, from SGLang's
+own packing table (trainer/engine/sglang/packing.py). ``lora_merge`` updates (adapter sync
+mode) are checked too: the merged weights' SHA-256 are computed as SGLang merges
+(trainer/engine/sglang/lora.py), packed layers' sections stacked as SGLang stacks them.
 """
 from __future__ import annotations
 
@@ -46,7 +48,8 @@ from torch.multiprocessing import reductions
 from trainer.engine.embedded.client import EngineError
 from trainer.engine.sglang.client import SGLangEngineClient
 from trainer.engine.sglang.lora import LoraBases, lora_layer, lora_pairs, pair_buckets
-from trainer.engine.sglang.rollout import CONDITION_MAP, stock_problems
+from trainer.engine.sglang.packing import ServedLayout, packed_lora_groups
+from trainer.engine.sglang.rollout import family_tables, sglang_families, stock_problems
 
 TARGET_MODULE = "transformer"
 _PEFT_PREFIX = "base_model.model."
@@ -168,8 +171,10 @@ class SGLangWeightSync:
     ``/update_weights_from_disk``). ``dtype``: floating tensors are sent in the server's
     dtype (the checker hashes dtype and bytes as the server holds them). ``lora``:
     ``(alpha, rank)`` for payloads with LoRA tensors (the adapter sync mode, and the first,
-    full sync of a peft model): those go as ``lora_merge`` updates, a layer's A and B always in
-    one request. Every update is checked with ``/update_weights_from_tensor_checker`` (plain
+    full sync of a peft model): those go as ``lora_merge`` updates, a layer's A and B (and a
+    packed layer's sections) always in one request. ``served_dit``: the native DiT class the
+    server runs (the adapter's ``sglang_dit``), whose packing table names the served
+    parameters; None keeps the sent names. Every update is checked with ``/update_weights_from_tensor_checker`` (plain
     tensors by their bytes, a ``lora_merge`` by the merged weights it must leave, computed from
     the base weights this sender sent); only then does ``client.committed_version`` advance,
     so a rollout from unverified weights fails the driver's check.
@@ -179,7 +184,8 @@ class SGLangWeightSync:
 
     def __init__(self, client: Any, *, transport: str = "tensor", bucket_bytes: int = 512 << 20,
                  disk_dir: str | Path | None = None, lora: tuple[float, int] | None = None,
-                 target_module: str = TARGET_MODULE, dtype: torch.dtype | None = None) -> None:
+                 target_module: str = TARGET_MODULE, dtype: torch.dtype | None = None,
+                 served_dit: str | None = None) -> None:
         problems = []
         if transport not in ("tensor", "disk"):
             problems.append(f"transport must be 'tensor' or 'disk', got {transport!r}")
@@ -195,6 +201,7 @@ class SGLangWeightSync:
         self.disk_dir = None if disk_dir is None else Path(disk_dir)
         self.lora, self.target_module, self.dtype = lora, target_module, dtype
         self.lora_bases = LoraBases()
+        self.layout = ServedLayout(served_dit)
 
     def close(self) -> None:
         """Drop the kept LoRA base weights (the sender holds no other resource)."""
@@ -227,8 +234,9 @@ class SGLangWeightSync:
 
     def _sync_plain(self, version: int, named: list[tuple[str, Any]], lora_layers: set[str],
                     stats: SGLangSyncStats) -> None:
-        """A plain update, checked; the base weights of ``lora_layers`` are kept (the server
-        merges every later adapter into exactly these bytes)."""
+        """A plain update, checked under the served names; the base weights of
+        ``lora_layers`` are kept as the server holds them (it merges every later adapter
+        into exactly these bytes)."""
         if self.transport == "disk":
             tensors = {n: t.contiguous() for bucket in _buckets(named, 1 << 62, self.dtype)
                        for n, t in bucket}
@@ -236,16 +244,22 @@ class SGLangWeightSync:
             buckets: Iterable[list[tuple[str, torch.Tensor]]] = [list(tensors.items())]
         else:
             buckets = _buckets(named, self.bucket_bytes, self.dtype)
-        digests = {}
+        served_lora = {layer for layer, _ in
+                       packed_lora_groups(self.layout, lora_layers).items()}
+        digests, packer = {}, self.layout.packer()
         for bucket in buckets:
             if self.transport == "tensor":
                 self._post_bucket(bucket, False)
             for n, t in bucket:
-                digests[n] = tensor_sha256(t)
-                if n.endswith(".weight") and n[:-len(".weight")] in lora_layers:
-                    self.lora_bases.keep(n[:-len(".weight")], t)
+                for served, tensor in packer.add(n, t):
+                    digests[served] = tensor_sha256(tensor)
+                    if served.endswith(".weight") and served[:-len(".weight")] in served_lora:
+                        self.lora_bases.keep(served[:-len(".weight")], tensor)
             stats.tensors += len(bucket)
             stats.bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+        if packer.missing():
+            raise SGLangSyncError(f"weight version {version}: the server packs sections the "
+                                  f"payload lacks: {packer.missing()[:5]}")
         try:
             self._check(digests, version)
         except SGLangSyncError as exc:
@@ -256,23 +270,42 @@ class SGLangWeightSync:
                                   "it first saw: restart the SGLang server before the full sync "
                                   "of a new or resumed adapter run)") from None
 
-    def _sync_lora(self, version: int, named: list[tuple[str, Any]],
-                   stats: SGLangSyncStats) -> None:
-        """``lora_merge`` updates, a layer's pair never split, then the merged weights checked."""
+    def _lora_groups(self, version: int, named: list[tuple[str, Any]]):
+        """The LoRA pairs grouped by served layer (a packed layer: every section, in order)."""
         try:
             pairs = lora_pairs((n, _cast(_materialize(t), self.dtype)) for n, t in named)
         except ValueError as exc:
             raise SGLangSyncError(f"weight version {version}: {exc}") from None
+        groups, problems = [], []
+        for served, members in packed_lora_groups(self.layout, pairs).items():
+            sections = [(index, layer, pairs[layer]) for index, layer in members]
+            if members[0][0] is not None:
+                _, _, count = self.layout.place(f"{members[0][1]}.weight")
+                shapes = {(tuple(a.shape), tuple(b.shape)) for _, _, (a, b) in sections}
+                if [m[0] for m in members] != list(range(count)):
+                    problems.append(f"{served}: LoRA on sections {[m[0] for m in members]} of "
+                                    f"{count} (the server merges a packed layer's sections "
+                                    "together: train all of them or none)")
+                elif len(shapes) != 1:
+                    problems.append(f"{served}: LoRA sections of unequal shapes {sorted(shapes)}")
+            groups.append((served, sections))
+        if problems:
+            raise SGLangSyncError(f"weight version {version}: " + "; ".join(problems))
+        return groups
+
+    def _sync_lora(self, version: int, named: list[tuple[str, Any]],
+                   stats: SGLangSyncStats) -> None:
+        """``lora_merge`` updates, a layer's pair never split, then the merged weights checked."""
         alpha = self.lora[0]
         digests: dict[str, str] = {}
-        for bucket in pair_buckets(pairs, self.bucket_bytes):
+        for bucket in pair_buckets(self._lora_groups(version, named), self.bucket_bytes):
             try:
                 expected = self.lora_bases.manifest(bucket, alpha, tensor_sha256)
             except KeyError as exc:
                 raise SGLangSyncError(f"weight version {version}: {exc.args[0]} (the first sync "
                                       "of an adapter run sends the full model)") from None
-            named_bucket = [(f"{layer}.lora_{k}.weight", t) for layer, ab in bucket
-                            for k, t in zip("AB", ab)]
+            named_bucket = [(f"{layer}.lora_{k}.weight", t) for _, sections in bucket
+                            for _, layer, ab in sections for k, t in zip("AB", ab)]
             self._post_bucket(named_bucket, True)
             digests.update(expected)
             stats.tensors += len(named_bucket)
@@ -330,11 +363,30 @@ class SGLangWeightSync:
 
 
 # ---- the trainer's hooks ---------------------------------------------------------------------
+def _family_problems(adapter_path: str) -> list[str]:
+    """The model family must be one whose adapter says where SGLang keeps its conditions
+    (``sglang_conditions``) and which native DiT serves it (``sglang_dit``)."""
+    from trainer.models import adapter_class
+
+    try:
+        cls = adapter_class(adapter_path)
+    except ValueError:
+        return []  # the adapter path's own problem is reported by preflight's model checks
+    family = getattr(cls, "family", None)
+    if family_tables(family) is not None and getattr(cls, "sglang_dit", None):
+        return []
+    return [f"model family {family!r}: the SGLang client maps the denoising env of "
+            f"{sglang_families()} only: its adapter names no SGLang rollout mapping "
+            "(sglang_conditions, sglang_dit); trainer/engine/README.md says per family what "
+            "SGLang serves"]
+
+
 def sglang_config_problems(cfg: Any) -> list[str]:
     """Preflight: why ``cfg`` cannot train on its SGLang servers ([] when it can)."""
     r = cfg.rollout
     problems = [f"rollout.sampling: {p}" for p in
                 stock_problems(r.sampling.to_dict(), extension=bool(r.sglang_extension))]
+    problems += _family_problems(cfg.model.adapter_path)
     if r.sglang_weight_sync not in ("tensor", "disk"):
         problems.append(f"rollout.sglang_weight_sync must be 'tensor' or 'disk', "
                         f"got {r.sglang_weight_sync!r}")
@@ -358,10 +410,6 @@ def connect_sglang(cfg: Any, rank: int, run_dir: str | Path, adapter: Any
     first sync (at construction) fails, and with it the run, if the server cannot take one."""
     r = cfg.rollout
     problems = sglang_config_problems(cfg)
-    family = getattr(adapter, "family", None)
-    if family not in CONDITION_MAP:
-        problems.append(f"model family {family!r}: the SGLang client maps the denoising env of "
-                        f"{sorted(CONDITION_MAP)} only (trainer/engine/README.md)")
     if problems:
         raise ValueError("engine 'sglang':\n  - " + "\n  - ".join(problems))
     client = SGLangEngineClient(r.sglang_urls[rank], embedded=False,
@@ -373,5 +421,6 @@ def connect_sglang(cfg: Any, rank: int, run_dir: str | Path, adapter: Any
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(r.engine_dtype)
     sender = SGLangWeightSync(client, transport=r.sglang_weight_sync, dtype=dtype,
                               bucket_bytes=cfg.weight_sync.bucket_size_mb << 20,
-                              disk_dir=Path(run_dir) / "sglang_weights" / f"rank{rank}", lora=lora)
+                              disk_dir=Path(run_dir) / "sglang_weights" / f"rank{rank}", lora=lora,
+                              served_dit=getattr(adapter, "sglang_dit", None))
     return client, sender

@@ -1,0 +1,157 @@
+"""Our ipc/ weight receiver inside an SGLang worker: the native DiT's parameters, served over
+the same bucketed transport as the embedded engine (manifest, checksum, commit / rollback).
+
+Runs in SGLang's processes, installed by the extension (trainer/engine/sglang/extension.py):
+
+    worker (build_pipeline hook)                     HTTP process (create_app hook)
+      WeightReceiver(conn=None, native DiT params)     GET /flowgrpo/weight_receivers
+      Listener(AF_UNIX socket, random authkey)  ──▶    reads every worker's descriptor file
+      descriptor file: socket, authkey, pid, device,   and returns them (the trainer's client
+      backend, tensors, packing rules                   connects to the one on its GPU)
+      accept loop: receiver.serve(conn) per trainer
+
+Design choices:
+- The receiver holds the native module's parameters under the native names, packed ones
+  included (Qwen-Image's ``attn.to_added_qkv``). The trainer sends a packed parameter as the
+  concatenation of its sections, so the manifest, the checksum and the bit-exact check are
+  about the bytes the server computes with. The packing is read from the live module's own
+  ``param_names_mapping`` (the rules whose replacement is ``(target, section, sections)``) and
+  published with the descriptor; the trainer applies it (trainer/engine/sglang/transport.py).
+- Every parameter is in every mode's manifest ("full" covers all of them): a sync that misses
+  one is refused before a byte moves. Buffers (RoPE tables) are the server's own, not synced.
+- The trainer reaches the worker through a Unix socket (multiprocessing's Listener, with an
+  authkey only the descriptor file, mode 0600, and the HTTP route carry). The data itself
+  moves through the transport memory (CUDA IPC or /dev/shm), never through the socket.
+- Rendezvous: descriptors are files in ``$FLOWGRPO_RECEIVER_DIR`` (default
+  ``<tmp>/flowgrpo-sglang-<server port>``), one per worker rank; SGLang's HTTP process and its
+  workers share no channel a plugin can add to, and the trainer must be on the same host anyway.
+- SGLang's memory release skips this DiT (extension.py: its weights stay resident in
+  transport memory). What the receiver cannot follow: SGLang's layerwise offload moves the
+  DiT's storage (``.data`` rebound); the receiver then refuses the next sync before writing
+  (its manifest check sees the tensors left transport memory). Tensor parallelism > 1 gives
+  each worker a shard whose shapes the trainer's full tensors do not match: refused the same way.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import tempfile
+import threading
+from multiprocessing.connection import Listener
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from ipc import WeightReceiver
+
+log = logging.getLogger(__name__)
+DIR_ENV = "FLOWGRPO_RECEIVER_DIR"
+ENABLE_ENV = "FLOWGRPO_WEIGHT_RECEIVER"  # "0" leaves the DiT as SGLang loaded it
+DESCRIPTOR_SUFFIX = ".receiver.json"
+ROUTE = "/flowgrpo/weight_receivers"
+
+
+def receiver_dir(port: int | str) -> Path:
+    """Where the workers of the server on ``port`` publish their descriptors."""
+    given = os.environ.get(DIR_ENV)
+    return Path(given) if given else Path(tempfile.gettempdir()) / f"flowgrpo-sglang-{port}"
+
+
+def packing_rules(module: nn.Module) -> list[list[Any]]:
+    """[pattern, replacement, section, sections] of the module's packing rules: the rules of
+    its ``param_names_mapping`` whose replacement is a (target, section, sections) tuple. As
+    SGLang's loader does, the trainer applies one only where the target is a held parameter."""
+    rules = []
+    for pattern, rule in dict(getattr(module, "param_names_mapping", None) or {}).items():
+        if isinstance(rule, tuple) and len(rule) == 3:
+            rules.append([pattern, rule[0], int(rule[1]), int(rule[2])])
+    return rules
+
+
+class WorkerReceiver:
+    """One worker's receiver, its listener and its descriptor file."""
+
+    def __init__(self, module: nn.Module, *, rank: int, port: int | str,
+                 backend: str = "auto", timeout_s: float = 60.0, verify: str = "full") -> None:
+        params = dict(module.named_parameters())
+        self.module = module
+        self.packing = packing_rules(module)
+        self.receiver = WeightReceiver(None, params, backend=backend, timeout_s=timeout_s,
+                                       verify=verify)
+        self.rank = int(rank)
+        self.dir = receiver_dir(port)
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.address = str(self.dir / f"rank{self.rank}-{os.getpid()}.sock")
+        self._authkey = secrets.token_bytes(32)
+        Path(self.address).unlink(missing_ok=True)  # a killed worker's, same pid reused
+        self._listener = Listener(self.address, family="AF_UNIX", authkey=self._authkey)
+        self.descriptor_path = self.dir / f"rank{self.rank}{DESCRIPTOR_SUFFIX}"
+        self._write_descriptor(module)
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept, name="flowgrpo-receiver-accept",
+                                        daemon=True)
+        self._thread.start()
+
+    def descriptor(self, module: nn.Module) -> dict[str, Any]:
+        device = next(module.parameters()).device
+        uuid = None
+        if device.type == "cuda":
+            from ipc.transport import device_uuid
+
+            uuid = device_uuid(device.index if device.index is not None else 0)
+        return {"rank": self.rank, "pid": os.getpid(), "address": self.address,
+                "authkey": self._authkey.hex(), "backend": self.receiver.backend,
+                "device": str(device), "device_uuid": uuid, "packing": self.packing,
+                "names": [n for n, _ in module.named_parameters()]}
+
+    def _write_descriptor(self, module: nn.Module) -> None:
+        tmp = self.descriptor_path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(self.descriptor(module), f)
+        os.replace(tmp, self.descriptor_path)
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn = self._listener.accept()
+            except OSError:  # listener closed, or a client that failed the authkey
+                if self._closed:
+                    return
+                log.warning("flowgrpo weight receiver: a connection failed its handshake")
+                continue
+            try:
+                self.receiver.serve(conn)
+            except Exception:
+                log.exception("flowgrpo weight receiver: cannot serve the new connection")
+                conn.close()
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+        self.receiver.close()
+        for path in (self.descriptor_path, Path(self.address)):
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+
+
+def read_descriptors(port: int | str) -> list[dict[str, Any]]:
+    """Every live worker's descriptor for the server on ``port`` (what the HTTP route returns);
+    a descriptor whose process has exited is left out."""
+    from ipc.protocol import pid_alive
+
+    out = []
+    base = receiver_dir(port)
+    for path in sorted(base.glob(f"*{DESCRIPTOR_SUFFIX}")) if base.is_dir() else []:
+        try:
+            desc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if pid_alive(desc.get("pid")):
+            out.append(desc)
+    return out
