@@ -90,3 +90,25 @@ def solve_tail(x: torch.Tensor, velocity, sigmas: list[float]) -> tuple[torch.Te
         x, d = dpm_pp_2m_step(x, velocity(x, sigma), sigma, sigma_next, prev_d, prev_sigma)
         prev_d, prev_sigma = d, sigma
     return x, len(sigmas) - 1
+
+
+def compress_tail(tail: list[float], *, steps_after: int, ratio: float) -> list[float]:
+    """The engine's Flash schedule: ``n = max(int(steps_after * ratio), 2)`` points spread
+    evenly over the index range of ``tail`` (the model's own sigmas from the first step after
+    the window to the final 0), each sigma interpolated linearly between its neighbours.
+    ``steps_after`` is MixGRPO's ``N - k``. On a schedule linear in the step index this is
+    ``flash_tail_sigmas``; on a shifted one it interpolates between the schedule's own points
+    instead of re-applying the shift (the model's shift is not known here)."""
+    if len(tail) < 2 or tail[-1] != 0.0 or not 0 < ratio <= 1:
+        raise ValueError(f"compress_tail: need a tail ending at 0 and 0 < ratio <= 1, got "
+                         f"{tail}, {ratio}")
+    points = max(int(steps_after * ratio), 2)
+    last = len(tail) - 1
+    out = []
+    for j in range(points):
+        pos = j * last / (points - 1)
+        lo = min(int(pos), last - 1)
+        frac = pos - lo
+        out.append(tail[lo] * (1.0 - frac) + tail[lo + 1] * frac)
+    out[-1] = 0.0
+    return out

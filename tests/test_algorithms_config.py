@@ -77,6 +77,10 @@ REFUSALS = [
     (NFT + ["train.nft_old_decay_cap=1.0"], ["train.nft_old_decay_cap", "[0, 1)"]),
     (NFT + ["train.nft_beta=0"], ["train.nft_beta (--nft-beta)", "> 0"]),
     (["lora.init_a=xavier"], ["lora.init_a (--lora-init-a)", "kaiming, gaussian"]),
+    (FAST + ["train.mix_flash_ratio=0.4"], ["train.mix_flash_ratio", "no window to follow"]),
+    (["train.algorithm=mixgrpo", "train.mix_window_size=2", "train.mix_flash_ratio=1.5",
+      'rollout.sampling=' + json.dumps({"sigma_one": "clamp_to_next"})],
+     ["train.mix_flash_ratio", "(0, 1]"]),
 ]
 
 

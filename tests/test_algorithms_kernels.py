@@ -246,3 +246,14 @@ def test_mix_window_slides_and_caps_as_the_reference():
     starts = [mix_window_start(i, shift_interval=1, stride=4, max_start=23, roll_back=True)
               for i in range(8)]
     assert starts == [0, 4, 8, 12, 16, 20, 0, 4]
+
+
+def test_compressed_tail_is_the_flash_schedule_on_a_linear_schedule():
+    from flowgrpo_kernels.ode_solvers import compress_tail
+
+    n, k = 25, 8
+    linear = [1.0 - i / n for i in range(n + 1)]
+    ours = compress_tail(linear[k + 1:], steps_after=n - k, ratio=0.4)
+    ref = flash_tail_sigmas(num_steps=n, last_sde_step=k, ratio=0.4, shift=1.0)
+    assert ours == pytest.approx(ref, abs=1e-12)
+    assert compress_tail([0.5, 0.25, 0.0], steps_after=3, ratio=0.1) == [0.5, 0.0]

@@ -23,6 +23,8 @@ ALGORITHMS = {
                       "train.fast_branch_steps=2", SHARED],
     "mixgrpo": ["train.algorithm=mixgrpo", "train.mix_window_size=2",
                 "train.mix_shift_interval=1", SHARED],
+    "mixgrpo_flash": ["train.algorithm=mixgrpo", "train.mix_window_size=2",
+                      "train.mix_shift_interval=1", "train.mix_flash_ratio=0.4", SHARED],
     # two noise levels per sample (0.2 of the 10 steps) keep it short
     "diffusionnft": ["train.algorithm=diffusionnft", 'rollout.sampling=' + json.dumps(
         {"sde_resample_per_rollout": False, "timestep_fraction": 0.2})],
@@ -63,7 +65,7 @@ def test_algorithm_trains_the_toy_model(name, tmp_path):
     assert moved, "no trainable weight changed"
     if name == "flowgrpo_fast":
         assert all(len(s) == 2 and s[1] == s[0] + 1 and 0 <= s[0] <= 2 for s in steps_seen)
-    if name == "mixgrpo":
+    if name in ("mixgrpo", "mixgrpo_flash"):
         assert steps_seen == [[0, 1], [1, 2]]
     if name == "diffusionnft":
         assert steps_seen == [[], []]  # ODE rollouts

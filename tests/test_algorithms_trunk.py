@@ -136,3 +136,46 @@ def test_trunk_with_cfg_matches_the_unshared_engine(engine, model_dir):
                                unshared["dit_trajectory"]["latents"], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(shared["rollout_log_probs"], unshared["rollout_log_probs"],
                                rtol=1e-5, atol=1e-5)
+
+
+def test_flash_takes_the_steps_after_the_window_with_the_solver_on_a_compressed_tail(model_dir):
+    from flowgrpo_kernels.ode_solvers import compress_tail, solve_tail
+
+    adapter = FixtureAdapter(str(model_dir))
+    sde = [1, 2]
+    sampling = {**SAMPLING, "sde_indices": sde}
+    request = adapter.build_rollout_request(PROMPTS, IDS, sampling, rollout_id=3, seed=1234,
+                                            sde_indices=sde, group_index=GROUPS)
+    extra = request["extra_sampling_params"]
+    seed, sigmas = extra["initial_noise_seed"], extra["sigmas"]
+    shape = adapter.latent_shape(32, 32)
+    client = launch_embedded_engine(adapter_path=ADAPTER_PATH, model_path=str(model_dir),
+                                    adapter_options=None, device="cpu", dtype="fp32", lora=None,
+                                    in_process=True, flash_ratio=0.5)
+    core = client._transport.core
+    rows_seen = []
+    velocity = core.adapter.velocity
+    core.adapter.velocity = lambda model, x, *a, **k: rows_seen.append(x.shape[0]) or velocity(
+        model, x, *a, **k)
+    try:
+        response = client.generate(request)
+        cond = adapter.encode_prompts(core.frozen, PROMPTS)
+
+        def v(x, s):
+            return adapter.velocity(core.transformer, x, torch.as_tensor(s).float().expand(6),
+                                    cond, 32, 32)
+        with torch.no_grad():
+            head = denoise(v, adapter.initial_latents(IDS, 32, 32, seed=seed), sigmas[:4], sde,
+                           eta=0.7, sde_type="sde",
+                           noise_fn=lambda i: adapter.step_noise(IDS, i, shape, seed=seed))
+            final, calls = solve_tail(head.final, v, compress_tail(sigmas[3:], steps_after=3,
+                                                                   ratio=0.5))
+    finally:
+        core.adapter.__dict__.pop("velocity", None)
+        client.close()
+    # steps 0..2 (through the window's last SDE step), then 6 - 3 = 3 steps compressed to
+    # max(int(3 * 0.5), 2) = 2 points: one solver step instead of three Euler steps
+    assert rows_seen == [6] * 4 and calls == 1
+    torch.testing.assert_close(response["dit_trajectory"]["latents"], head.trajectory,
+                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(response["dit_trajectory"]["final"], final, rtol=1e-5, atol=1e-5)

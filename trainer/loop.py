@@ -156,7 +156,8 @@ class Trainer(TrainerState):
                 warmup=self._engine_warmup(),
                 call_timeout_floor_s=cfg.rollout.engine_timeout_floor_s,
                 call_timeout_per_image_s=cfg.rollout.engine_timeout_per_sample_s,
-                share_trunk=cfg.train.algorithm in ("flowgrpo_fast", "mixgrpo"))
+                share_trunk=cfg.train.algorithm in ("flowgrpo_fast", "mixgrpo"),
+                flash_ratio=cfg.train.mix_flash_ratio if cfg.train.algorithm == "mixgrpo" else None)
             self.sender = ipc.WeightSender(send_end, backend=cfg.weight_sync.backend,
                                            bucket_bytes=cfg.weight_sync.bucket_size_mb << 20,
                                            timeout_s=cfg.weight_sync.timeout_s)

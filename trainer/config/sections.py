@@ -228,6 +228,11 @@ class TrainConfig:
                                  "mixgrpo: rollouts before the window moves (iters_per_group).")
     mix_window_stride: int = _f(1, "--mix-window-stride",
                                 "mixgrpo: steps the window moves each time (prog_overlap_step).")
+    mix_flash_ratio: float | None = _f(None, "--mix-flash-ratio",
+                                       "mixgrpo: MixGRPO-Flash; the steps after the window "
+                                       "taken by DPM-Solver++(2M) on max(int(steps_after * "
+                                       "ratio), 2) points (dpm_post_compress_ratio, 0.4 in "
+                                       "the reference); unset: Euler on every step.")
     mix_roll_back: bool = _f(False, "--mix-roll-back",
                              "mixgrpo: restart the window at step 0 after the last start "
                              "(roll_back); else it stays at the last start.")

@@ -23,6 +23,8 @@ def check_algorithm(c: Checker) -> None:
         _check_windows(c, sampling)
     if t.algorithm == "diffusionnft":
         _check_nft(c, sampling)
+    if t.mix_flash_ratio is not None:
+        _check_flash(c)
 
 
 def _check_guard(c: Checker, sampling: SamplingConfig) -> None:
@@ -119,6 +121,18 @@ def _check_mix(c: Checker, steps: int) -> bool:
                 f"then trains nothing); set {flagged('train.mix_roll_back')}, a larger "
                 f"{flagged('train.mix_shift_interval')} or fewer rollouts")
     return True
+
+
+def _check_flash(c: Checker) -> None:
+    t = c.cfg.train
+    if t.algorithm != "mixgrpo":
+        c.error(f"{flagged('train.mix_flash_ratio')} is MixGRPO-Flash's; "
+                f"{flagged('train.algorithm')}={t.algorithm!r} has no window to follow")
+    if not is_number(t.mix_flash_ratio) or not 0 < t.mix_flash_ratio <= 1:
+        c.error(f"{flagged('train.mix_flash_ratio')} must be in (0, 1], got {t.mix_flash_ratio!r}")
+    if c.cfg.rollout.engine != "embedded":
+        c.error(f"{flagged('train.mix_flash_ratio')}: the Flash tail is run by the embedded "
+                f"engine only ({flagged('rollout.engine')}={c.cfg.rollout.engine!r})")
 
 
 def _check_nft(c: Checker, sampling: SamplingConfig) -> None:
