@@ -309,6 +309,24 @@ def add_pcie_floor(results: list[dict]) -> dict:
     return {"pcie_gb_per_s": rates}
 
 
+def mfu_line(r: dict, st: dict) -> list[str]:
+    """The row's perf/mfu/* (trainer.compute.mfu) and, with --floors, the floor's own MFU: its
+    forward + backward is 3 forwards per row, the train stage 3 + the anchor share
+    (trainer.compute.mfu.anchor_forwards) per transition, so the floor's MFU is the train
+    stage's times floor_ratio times 3 / (3 + anchor share)."""
+    from trainer.compute.mfu import anchor_forwards
+
+    mfu = {k.removeprefix("perf/mfu/"): round(v, 3) for k, v in st.items()
+           if k.startswith("perf/mfu/")}
+    if not mfu:
+        return ["n/a (no peak known for this device; --set logging.peak_tflops=...)"]
+    out = [str(mfu)]
+    if "floor_ratio" in r and "train" in mfu:
+        extra = anchor_forwards(r["anchor"], int(r["updates"] or 1))
+        out.append(f"floor {mfu['train'] * r['floor_ratio'] * 3 / (3 + extra):.3f}")
+    return out
+
+
 def print_table(results: list[dict], extra: dict, args) -> None:
     dev = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"\n| row | step s | rollout s | train s | train ms/transition | floor ms/transition"
@@ -327,6 +345,7 @@ def print_table(results: list[dict], extra: dict, args) -> None:
               f"{r['first_update_ratio']} | {r['logp_parity']} |")
         print("  stages:", {k: round(v, 4) for k, v in st.items()})
         print("  compute:", {k: round(v, 4) for k, v in r["compute"].items()})
+        print("  MFU:", *mfu_line(r, st))
         if "pcie_floor_s" in r:
             print(f"  offload: {st['perf/offload_gb']:.1f} GB each way; out and back at the pinned "
                   f"copy rates {r['pcie_floor_s']:.3f} s; the offload stage "
@@ -336,9 +355,13 @@ def print_table(results: list[dict], extra: dict, args) -> None:
                   f"= {r['work_floor_ms_per_transition']:.2f} ms/transition")
     if "diffusers_images_per_s" in extra:
         print(f"diffusers eager QwenImagePipeline: {extra['diffusers_images_per_s']:.1f} img/s")
-    peer = extra.get("peer")
+    for key, kind in (("peer", "plain eager loop"), ("strong_peer", "strong peer")):
+        print_peer(extra.get(key), kind)
+
+
+def print_peer(peer: dict | None, kind: str) -> None:
     if peer:
-        print(f"peer (plain eager loop, micro-batch {peer['micro_batch']}, {peer['updates']} "
+        print(f"peer ({kind}, micro-batch {peer['micro_batch']}, {peer['updates']} "
               f"updates): step {peer['step']:.3f} s, rollout {peer['rollout']:.3f} s, train "
               f"{peer['train']:.3f} s = {peer['train_ms_per_transition']:.2f} ms/transition, "
               f"peak {peer['peak_gb']:.1f} GB")
@@ -364,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="time diffusers' eager pipeline on the same model (GPU)")
     p.add_argument("--peer", action="store_true",
                    help="run the plain eager loop (bench/peer_step.py) at --micro-batch (GPU)")
+    p.add_argument("--strong-peer", action="store_true",
+                   help="run the strong peer (peer_step.py --strong: compiled blocks, batched "
+                        "trained steps, the best attention kernel) at --micro-batch (GPU)")
     # NOTE: the PickScore-shaped scorer has random weights and gives every candidate the same
     # score (to 1e-6), so every group is degenerate and training is skipped: the default
     # reward is JPEG compressibility on the CPU; the scorer is opt-in, to time it.
@@ -393,6 +419,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.peer:
         extra["peer"] = run_peer(str(model_dir), micro_batch=int(args.micro_batch),
                                  updates=2, rollouts=args.rollouts)
+    if args.strong_peer:
+        extra["strong_peer"] = run_peer(str(model_dir), micro_batch=int(args.micro_batch),
+                                        updates=2, rollouts=args.rollouts, strong=True)
     Path(args.out).write_text(json.dumps({"rows": results, **extra,
                                           "args": vars(args) | {"model_dir": str(model_dir)}},
                                          indent=2, default=str))

@@ -8,7 +8,12 @@ for each optimizer update, each micro-batch and each trained step, one eager for
 under bf16 autocast with the fp32 LoRA weights, and fused AdamW. pi_old is the sampler's
 log-prob. Same model, sizes, LoRA and schedule as bench_step.py's trainer rows.
 
-    python bench/peer_step.py --model-dir DIR [--micro-batch 4] [--updates 2] [--rollouts 3]
+``--strong``: the same algorithm written the fast way a careful user would (issue 50 item 3):
+every transformer block under torch.compile, the trained steps of a micro-batch batched into
+one forward + backward (rows = samples x steps: the same loss, summed the same way), and the
+best attention kernel diffusers offers here (``best_attention_backend``).
+
+    python bench/peer_step.py --model-dir DIR [--micro-batch 4] [--updates 2] [--rollouts 3] [--strong]
 """
 from __future__ import annotations
 
@@ -35,44 +40,72 @@ QWEN_LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "at
 
 
 def _sync() -> float:
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     return time.perf_counter()
+
+
+#: diffusers attention backends, fastest first where each exists (FlashAttention 3 on Hopper,
+#: FlashAttention 2, cuDNN's fused attention through torch).
+_ATTENTION_PREFERENCE = ("_flash_3", "flash", "_native_cudnn")
+
+
+def best_attention_backend(device: str) -> str | None:
+    """The first of ``_ATTENTION_PREFERENCE`` that diffusers can run here; None on the CPU or
+    when none can (diffusers' default then)."""
+    from trainer.models.diffusers_base import check_attention_backend
+
+    if not str(device).startswith("cuda"):
+        return None
+    for name in _ATTENTION_PREFERENCE:
+        try:
+            check_attention_backend(name, "peer")
+        except ValueError:
+            continue
+        return name
+    return None
 
 
 class PeerLoop:
     def __init__(self, model_dir: str, *, height: int = 384, width: int = 384, steps: int = 12,
                  sde_indices=(3, 4, 5), eta: float = 0.7, rank: int = 64, lr: float = 3e-4,
-                 eps_clip: float = 1e-4) -> None:
-        self.adapter = QwenImageAdapter(model_dir)
-        self.frozen = self.adapter.load_frozen(device="cuda", dtype=torch.bfloat16)
-        model = self.adapter.load_train_model(dtype=torch.bfloat16, device="cuda")
+                 eps_clip: float = 1e-4, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
+                 strong: bool = False, compile_backend: str = "inductor") -> None:
+        self.device, self.dtype, self.strong = device, dtype, strong
+        self.attention_backend = best_attention_backend(device) if strong else None
+        self.adapter = QwenImageAdapter(model_dir, attention_backend=self.attention_backend)
+        self.frozen = self.adapter.load_frozen(device=device, dtype=dtype)
+        model = self.adapter.load_train_model(dtype=dtype, device=device)
         model.requires_grad_(False)
         self.model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank,
                                                       target_modules=QWEN_LORA_TARGETS))
         params = [p for p in self.model.parameters() if p.requires_grad]
         for p in params:
             p.data = p.data.float()  # fp32 trainable weights, bf16 autocast compute
-        self.optimizer = torch.optim.AdamW(params, lr=lr, fused=True)
+        self.optimizer = torch.optim.AdamW(params, lr=lr, fused=str(device).startswith("cuda"))
+        if strong:
+            for block in self.adapter.transformer_blocks(self.model):
+                block.compile(backend=compile_backend)
         self.params = params
         self.h, self.w, self.steps = height, width, steps
         self.sde, self.eta, self.eps = list(sde_indices), eta, eps_clip
-        self.sigmas = self.adapter.scheduler_sigmas(steps, height, width).cuda()
+        self.sigmas = self.adapter.scheduler_sigmas(steps, height, width).to(device)
 
     @torch.no_grad()
     def sample(self, prompts: list[str], seed: int):
         cond = self.adapter.encode_prompts(self.frozen, prompts)
-        gen = torch.Generator("cuda").manual_seed(seed)
+        gen = torch.Generator(self.device).manual_seed(seed)
         shape = (len(prompts), *self.adapter.init_noise_shape(self.h, self.w))
-        x = self.adapter.noise_to_latents(torch.randn(shape, generator=gen, device="cuda"),
+        x = self.adapter.noise_to_latents(torch.randn(shape, generator=gen, device=self.device),
                                           self.h, self.w)
         xs, nexts, logps = [], [], []
         n = len(prompts)
-        with torch.autocast("cuda", torch.bfloat16):
+        with self._autocast():
             for i in range(self.steps):
                 s, s_next = self.sigmas[i].expand(n), self.sigmas[i + 1].expand(n)
                 v = self.adapter.velocity(self.model, x, s, cond, self.h, self.w).float()
                 if i in self.sde:
-                    noise = torch.randn(x.shape, generator=gen, device="cuda")
+                    noise = torch.randn(x.shape, generator=gen, device=self.device)
                     x_next, logp, _, _ = sde_step_ref(x, v, s, s_next, eta=self.eta,
                                                       sde_type="sde", noise=noise)
                     xs.append(x)
@@ -84,35 +117,58 @@ class PeerLoop:
         images = self.adapter.decode(self.frozen, x, self.h, self.w)
         return cond, torch.stack(xs, 1), torch.stack(nexts, 1), torch.stack(logps, 1), images
 
+    def _autocast(self):
+        return torch.autocast(torch.device(self.device).type, self.dtype,
+                              enabled=self.dtype != torch.float32)
+
     def train(self, cond, xs, nexts, old, adv, micro_batch: int, updates: int) -> None:
         n = xs.shape[0]
         order = torch.randperm(n)
         per_update = n // updates
         for u in range(updates):
-            rows_u = order[u * per_update:(u + 1) * per_update]
-            for rows in rows_u.split(micro_batch):
-                c = {k: v[rows] for k, v in cond.items()}
-                for j, i in enumerate(self.sde):  # one forward + backward per trained step
-                    s = self.sigmas[i].expand(len(rows))
-                    s_next = self.sigmas[i + 1].expand(len(rows))
-                    with torch.autocast("cuda", torch.bfloat16):
-                        v = self.adapter.velocity(self.model, xs[rows, j], s, c, self.h, self.w)
-                    logp = sde_log_prob_ref(xs[rows, j], v.float(), nexts[rows, j], s, s_next,
-                                            eta=self.eta, sde_type="sde")
-                    ratio = torch.exp(logp - old[rows, j])
-                    a = adv[rows]
-                    loss = torch.maximum(-a * ratio,
-                                         -a * ratio.clamp(1 - self.eps, 1 + self.eps)).mean()
-                    (loss * len(rows) / per_update / len(self.sde)).backward()
+            self.accumulate(cond, xs, nexts, old, adv, order[u * per_update:(u + 1) * per_update],
+                            micro_batch)
             torch.nn.utils.clip_grad_norm_(self.params, 1.0)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+
+    def accumulate(self, cond, xs, nexts, old, adv, rows_u, micro_batch: int) -> float:
+        """Gradients of one update's rows into .grad; its loss (host float: one sync, at the end)."""
+        total = torch.zeros((), device=self.device)
+        scale = 1.0 / (len(rows_u) * len(self.sde))  # the mean over the update's transitions
+        for rows in rows_u.split(micro_batch):
+            c = {k: v[rows] for k, v in cond.items()}
+            if self.strong:  # every trained step of the micro-batch as rows of one forward
+                loss = self._loss(c, xs[rows], nexts[rows], old[rows], adv[rows], self.sde)
+                (loss * scale).backward()
+                total += loss.detach() * scale
+                continue
+            for j, i in enumerate(self.sde):  # one forward + backward per trained step
+                loss = self._loss(c, xs[rows, j:j + 1], nexts[rows, j:j + 1], old[rows, j:j + 1],
+                                  adv[rows], [i])
+                (loss * scale).backward()
+                total += loss.detach() * scale
+        return float(total)
+
+    def _loss(self, cond, xs, nexts, old, adv, steps: list[int]):
+        """Sum of the clipped objective over rows x ``steps`` ([rows, len(steps), ...] inputs)."""
+        m, k = xs.shape[:2]
+        s = torch.stack([self.sigmas[i] for i in steps]).repeat(m)
+        s_next = torch.stack([self.sigmas[i + 1] for i in steps]).repeat(m)
+        c = {key: v.repeat_interleave(k, 0) for key, v in cond.items()}
+        x, x_next = xs.reshape(m * k, *xs.shape[2:]), nexts.reshape(m * k, *xs.shape[2:])
+        with self._autocast():
+            v = self.adapter.velocity(self.model, x, s, c, self.h, self.w)
+        logp = sde_log_prob_ref(x, v.float(), x_next, s, s_next, eta=self.eta, sde_type="sde")
+        ratio = torch.exp(logp - old.reshape(-1))
+        a = adv.repeat_interleave(k)
+        return torch.maximum(-a * ratio, -a * ratio.clamp(1 - self.eps, 1 + self.eps)).sum()
 
     def step(self, prompts: list[str], seed: int, micro_batch: int, updates: int) -> dict:
         t0 = _sync()
         cond, xs, nexts, old, images = self.sample(prompts, seed)
         t1 = _sync()
-        reward = jpeg_kilobytes(images).cuda()
+        reward = jpeg_kilobytes(images).to(self.device)
         adv = (reward - reward.mean()) / (reward.std() + 1e-4)
         t2 = _sync()
         self.train(cond, xs, nexts, old, adv, micro_batch, updates)
@@ -121,8 +177,8 @@ class PeerLoop:
 
 
 def run_peer(model_dir: str, *, micro_batch: int, updates: int, rollouts: int,
-             samples: int = 8) -> dict:
-    loop = PeerLoop(model_dir)
+             samples: int = 8, strong: bool = False) -> dict:
+    loop = PeerLoop(model_dir, strong=strong)
     # stock diffusers, as the reference runs it: the adapter that loaded the model installs
     # the trainer's faster paths (trainer/patches/diffusers_qwen_fast_paths.py), process-wide
     install_fast_paths(False)
@@ -133,7 +189,8 @@ def run_peer(model_dir: str, *, micro_batch: int, updates: int, rollouts: int,
     out = {k: statistics.median(t[k] for t in keep) for k in keep[0]}
     out["train_ms_per_transition"] = 1000 * out["train"] / (samples * len(loop.sde))
     out["peak_gb"] = torch.cuda.max_memory_allocated() / 2 ** 30
-    out.update(micro_batch=micro_batch, updates=updates)
+    out.update(micro_batch=micro_batch, updates=updates, strong=strong,
+               attention_backend=loop.attention_backend)
     del loop
     torch.cuda.empty_cache()
     install_fast_paths(True)
@@ -146,9 +203,11 @@ def main() -> int:
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--updates", type=int, default=2)
     p.add_argument("--rollouts", type=int, default=3)
+    p.add_argument("--strong", action="store_true",
+                   help="compiled blocks, batched trained steps, the best attention kernel")
     a = p.parse_args()
     peer = run_peer(a.model_dir, micro_batch=a.micro_batch, updates=a.updates,
-                    rollouts=a.rollouts)
+                    rollouts=a.rollouts, strong=a.strong)
     print(peer)
     record_peer(peer)
     return 0

@@ -59,6 +59,11 @@ def record_step(results: list[dict], extra: dict, args) -> None:
         _peer_rows(rec, f"{setup}-peer-mb{peer['micro_batch']}", peer)
         for r in results:  # the peer's step over each row's, both timed in this run
             rec.add(case_of(r), "speedup_over_peer", peer["step"] / r["step_time"], "x")
+    if extra.get("strong_peer"):  # bench_step.py --strong-peer: peer_step.py --strong
+        peer = extra["strong_peer"]
+        _peer_rows(rec, f"{setup}-peer-strong-mb{peer['micro_batch']}", peer)
+        for r in results:
+            rec.add(case_of(r), "speedup_over_strong_peer", peer["step"] / r["step_time"], "x")
     rec.write()
 
 
@@ -72,7 +77,8 @@ def _peer_rows(rec: Recorder, case: str, peer: dict) -> None:
 def record_peer(peer: dict) -> None:
     """peer_step.py run on its own: the plain eager loop's figures."""
     rec = Recorder("peer_step", device=device_name("cuda"))
-    _peer_rows(rec, f"peer-mb{peer['micro_batch']}-u{peer['updates']}", peer)
+    kind = "peer-strong" if peer.get("strong") else "peer"  # peer_step.py --strong
+    _peer_rows(rec, f"{kind}-mb{peer['micro_batch']}-u{peer['updates']}", peer)
     rec.write()
 
 

@@ -6,6 +6,7 @@ import json
 import os
 
 import pytest
+from PIL import Image
 
 from trainer.data.cli import main
 from trainer.data.inspect_data import inspect_files
@@ -94,7 +95,7 @@ def test_fraction_split_without_prefix(tmp_path):
 def test_dedup_by_content_and_media_check(tmp_path):
     media = tmp_path / "media"
     media.mkdir()
-    (media / "a.png").write_bytes(b"png")
+    Image.new("RGB", (8, 8), (200, 10, 10)).save(media / "a.png")  # curate decodes images
     records = [
         rec("a  red panda in a teacup", "s1"),
         rec("a red panda in a teacup ", "s2"),            # same prompt up to whitespace

@@ -26,6 +26,7 @@ import os
 import socket
 import sys
 
+from trainer.compute.memory import print_memory_plan
 from trainer.config import (Config, ConfigError, dump_toml, field_help, flag_table,
                             load_config)
 from trainer.preflight import preflight
@@ -110,6 +111,8 @@ def main(argv: list[str]) -> int:
             import torch
             nproc = max(1, torch.cuda.device_count()) if _device_kind(cfg) == "cuda" else 1
         nnodes = int(str(cfg.launch.nnodes).split(":")[-1])
+        if args.dry_run:  # from the config alone: printed even where the paths are placeholders
+            print_memory_plan(cfg, world=nproc * nnodes)  # trainer.compute.memory
         try:  # preflight logs its own warnings
             preflight(cfg, world_size=nproc * nnodes, gpus_per_node=nproc,
                       device=_device_kind(cfg))

@@ -36,6 +36,7 @@ from trainer.engine.sglang.sync import connect_sglang
 from trainer.evaluation import eval_sampling, eval_weights
 from trainer.utils.host_gc import HostGarbageCollection, resolve_gc_mode
 from trainer.metrics import MetricsLogger, step_metrics
+from trainer.compute.mfu import trainer_mfu
 from trainer.models.compile import compile_events, compile_wanted
 from trainer.profiling import ComputeMeter, ProfileWindow, StageTimer, add_times, nvtx_range
 from trainer.progress import RunProgress
@@ -348,6 +349,7 @@ class Trainer(TrainerState):
             step_time=step_time, stage_times=times, recompiles=recompiles, compute=compute,
             outside=self.outside.pop(), samples=len(batch), sde_steps=len(batch.sde_indices),
             world=self.world, counters=self.counters(), device=self.device))
+        metrics.update(trainer_mfu(self, batch, times, step_time))  # perf/mfu/*: compute.mfu
         self._watch_recompiles(rollout_id, recompiles)
         self.host_gc.step_done()
         return self._reduce_metrics(metrics)

@@ -8,3 +8,8 @@ this tuple before anything heavy is imported; ``trainer.models.base`` re-exports
 from __future__ import annotations
 
 GENERATION_TASKS: tuple[str, ...] = ("t2i",)
+# The tasks whose families take conditioning media (reference images: ``trainer.media``); a
+# subset of GENERATION_TASKS. Preflight refuses prompt records that carry images for any
+# other task: a text-to-image family would silently drop them. Empty until the first editing
+# family registers its task here.
+CONDITIONED_TASKS: tuple[str, ...] = ()

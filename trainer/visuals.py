@@ -8,6 +8,11 @@
   than ``MAX_CAPTION_LINES`` at the normal size is set in a smaller font; only one longer than
   that at the small size is cut, with an ellipsis. Every tile of a grid gets the strip height
   of its longest caption, so rows stay aligned.
+* Editing samples (``sources``: per sample, its reference images): each tile is the source(s)
+  and the result side by side, left to right, the sources resized to the result's size (so
+  every tile of a grid has one width; a sample with fewer sources than the most is padded
+  with white), and the caption (reward, then the instruction) under the pair. Without
+  sources (text-to-image) nothing changes.
 * ``pick_samples``: which of a rollout's candidates the training grid shows: spread over the
   groups (each group is one prompt's candidates), so the grid reads several prompts rather
   than one prompt's candidates only.
@@ -99,11 +104,44 @@ def _caption_tile(tile: Image.Image, layout: tuple[int, list[str]], strip_h: int
     return np.array(out)  # a writable copy: torch.from_numpy refuses read-only views
 
 
+SOURCE_GAP = 4  # white pixels between a source and its result
+
+
+def has_sources(sources: Sequence[Sequence] | None) -> bool:
+    return sources is not None and any(len(s) for s in sources)
+
+
+def side_by_side(images: torch.Tensor | np.ndarray, sources: Sequence[Sequence]
+                 ) -> np.ndarray:
+    """uint8 [N, H, W, 3] results + per-sample sources (ImageRefs or uint8 [h, w, 3] arrays)
+    -> uint8 [N, H, k * (W + gap) + W, 3]: every source resized to H x W, then the result."""
+    from trainer.media import as_arrays  # local: torch-free module, used here only for edits
+
+    arrays = images.cpu().numpy() if isinstance(images, torch.Tensor) else np.asarray(images)
+    if len(sources) != len(arrays):
+        raise ValueError(f"{len(arrays)} images but {len(sources)} source lists")
+    n, h, w, _ = arrays.shape
+    k = max(len(s) for s in sources)
+    out = np.full((n, h, k * (w + SOURCE_GAP) + w, 3), 255, dtype=np.uint8)
+    for i, (result, sample) in enumerate(zip(arrays, sources)):
+        for j, source in enumerate(as_arrays(sample)):
+            resized = Image.fromarray(np.ascontiguousarray(source)).resize((w, h),
+                                                                          Image.BILINEAR)
+            out[i, :, j * (w + SOURCE_GAP):j * (w + SOURCE_GAP) + w] = np.asarray(resized)
+        out[i, :, k * (w + SOURCE_GAP):] = result
+    return out
+
+
 def captioned_grid(images: torch.Tensor | np.ndarray, texts: Sequence[str], *, ncol: int = 8,
-                   min_tile: int = 192, lines: int | None = None) -> np.ndarray:
+                   min_tile: int = 192, lines: int | None = None,
+                   sources: Sequence[Sequence] | None = None) -> np.ndarray:
     """uint8 [N, H, W, 3] + N captions -> one uint8 [H', W', 3] grid (white padding). With
     ``lines``, every caption strip is that many lines high (captions cut to fit); without, as
-    high as the longest caption needs (up to ``MAX_CAPTION_LINES``)."""
+    high as the longest caption needs (up to ``MAX_CAPTION_LINES``). With ``sources`` (per
+    sample, its reference images), each tile is source(s) and result side by side."""
+    if has_sources(sources):
+        images = side_by_side(images, sources)
+        ncol = max(1, ncol // 2)  # a pair is two images wide: keep the grid's width
     arrays = images.cpu().numpy() if isinstance(images, torch.Tensor) else np.asarray(images)
     if len(arrays) != len(texts):
         raise ValueError(f"{len(arrays)} images but {len(texts)} captions")
@@ -134,11 +172,15 @@ def pick_samples(prompts: Sequence[str], k: int) -> list[int]:
 
 
 def log_samples(metrics, tag: str, step: int, images, prompts: Sequence[str], rewards,
-                path: Path | None = None) -> np.ndarray:
+                path: Path | None = None, sources: Sequence[Sequence] | None = None
+                ) -> np.ndarray:
     """Samples to the PNG and TensorBoard as one captioned grid, to W&B one captioned image
-    each (``metrics.samples``)."""
+    each (``metrics.samples``); with ``sources`` (editing), source and result side by side in
+    both."""
     texts = captions(prompts, rewards)
-    grid = captioned_grid(images, texts)
+    if has_sources(sources):
+        images = side_by_side(images, sources)
+    grid = captioned_grid(images, texts, ncol=4 if has_sources(sources) else 8)
     metrics.samples(tag, step, grid, images, texts, path=path)
     return grid
 
@@ -244,15 +286,17 @@ def write_reward_curve(run_dir: str | Path) -> Path:
 
 def log_pictures(trainer, step: int, *, evaluated: bool) -> None:
     """The loop's logged-step pictures (rank 0): the last rollout's chosen samples
-    (``pick_samples``) as a captioned grid (and captioned images on W&B), and after an eval the reward curve, to the run directory, TensorBoard and
-    W&B alike."""
+    (``pick_samples``) as a captioned grid (and captioned images on W&B), and after an eval the
+    reward curve, to the run directory, TensorBoard and W&B alike. ``trainer.last_samples`` is
+    ``(images, prompts, rewards)``, or with a fourth item, the samples' sources (editing)."""
     if trainer.rank != 0 or not trainer.metrics.enabled:
         return
     samples = getattr(trainer, "last_samples", None)
     if samples is not None and step > 0:
-        images, prompts, rewards = samples
+        images, prompts, rewards, *sources = samples
         log_samples(trainer.metrics, "train/samples", step, images, prompts, rewards,
-                    path=trainer.run_dir / "train_samples" / f"step{step:05d}.png")
+                    path=trainer.run_dir / "train_samples" / f"step{step:05d}.png",
+                    sources=sources[0] if sources else None)
     if evaluated:
         # drawn in memory, written by the logger: a full disk is counted, not fatal
         curve = draw_reward_curve(*reward_series(read_metrics(trainer.run_dir / "metrics.jsonl")))

@@ -409,6 +409,9 @@ class LoggingConfig:
     progress: bool = _f(True, "--progress", "tqdm bars on rollout, train and eval.")
     profile_steps: str | None = _f(None, "--profile-steps",
                                    "A:B wraps rollouts A..B-1 in cudaProfilerStart/Stop.")
+    peak_tflops: float | None = _f(None, "--peak-tflops",
+                                   "Peak dense bf16 TFLOP/s of one device for perf/mfu/*; None: "
+                                   "from the device name (trainer.compute.mfu), no MFU if unknown.")
 
 
 @dataclass

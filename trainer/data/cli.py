@@ -73,7 +73,8 @@ def _parser() -> argparse.ArgumentParser:
     cur.add_argument("--eval-subset-sizes", type=int, nargs="*", default=[],
                      help="also write nested eval subsets <prefix>eval<K>.jsonl")
     cur.add_argument("--no-check-media", action="store_true",
-                     help="keep records whose media files are missing")
+                     help="keep records whose media files are missing, or whose reference images "
+                          "do not decode")
     cur.add_argument("--split-salt", default="", help="change it to draw a different split")
 
     ins = sub.add_parser(

@@ -4,7 +4,9 @@ Every step is a pure function of the input records, so a rerun writes identical 
 
 1. Validate every record (schema.record_problems); any bad record fails the run with its
    file and line, and nothing is written.
-2. Drop records with a media file that does not exist (unless ``check_media=False``).
+2. Drop records with a media file that does not exist, or a reference image (a file or inline
+   bytes) that does not decode or has a size the trainer refuses (``trainer.media``), unless
+   ``check_media=False``.
 3. Drop prompts with fewer than ``min_prompt_words`` whitespace-separated words.
 4. De-duplicate by content hash (normalised prompt + sorted resolved media paths); the first
    occurrence in input order is kept. Two different kept records with one sample_id are an
@@ -23,6 +25,7 @@ import os
 from typing import Any, Sequence
 
 from trainer.data.records import read_lines, write_jsonl
+from trainer.media import ImageRef, image_problem, is_inline
 from trainer.data.schema import (MEDIA_PLACEHOLDERS, content_hash, is_url, media_entries,
                                  record_problems, resolve_media, split_key)
 
@@ -100,7 +103,7 @@ def _filter_records(inputs: Sequence[str], out_abs: str, min_prompt_words: int,
                 continue
             record = line.record
             resolved = [resolve_media(p, base) for _, p in media_entries(record)]
-            if check_media and any(not is_url(p) and not os.path.isfile(p) for p in resolved):
+            if check_media and _media_unusable(record, resolved):
                 stats["dropped_missing_media"] += 1
                 continue
             if len(record["prompt"].split()) < min_prompt_words:
@@ -140,11 +143,20 @@ def _split(kept: list[dict[str, Any]], eval_size: int | None, eval_fraction: flo
     return names
 
 
+def _media_unusable(record: dict[str, Any], resolved: list[str]) -> bool:
+    """A local media file missing, or a reference image (file or inline) that does not decode
+    or whose size the trainer refuses (``trainer.media.image_problem``)."""
+    if any(not is_url(p) and not is_inline(p) and not os.path.isfile(p) for p in resolved):
+        return True
+    images = resolved[:len(record.get("images", []))]  # media_entries lists images first
+    return any(not is_url(p) and image_problem(ImageRef(p)) is not None for p in images)
+
+
 def _relocate_media(record: dict[str, Any], base: str, out_abs: str) -> dict[str, Any]:
     out = dict(record)
     for key in MEDIA_PLACEHOLDERS:
         if key in record:
-            out[key] = [p if is_url(p) or os.path.isabs(p)
+            out[key] = [p if is_url(p) or is_inline(p) or os.path.isabs(p)
                         else os.path.relpath(resolve_media(p, base), out_abs)
                         for p in record[key]]
     return out

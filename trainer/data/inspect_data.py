@@ -14,7 +14,9 @@ Error classes, each reported as ``file:line: [class] message``:
 * ``task``: metadata.task is not a known generation task.
 * ``placeholder``: the count of <image> / <video> placeholders differs from the media list.
 * ``media``: a referenced local media file does not exist.
-* ``decode``: (with ``decode_media``) a media file exists but does not decode.
+* ``decode``: (with ``decode_media``) a media file exists but does not decode, or an image
+  decodes to a size the trainer refuses (a side under ``trainer.media.MIN_SIDE``, more than
+  ``trainer.media.MAX_PIXELS`` pixels); an inline (``data:`` URI) image is checked always.
 * ``duplicate_id``: a sample_id repeated inside one file.
 * ``leak``: an eval record whose sample_id or content (prompt + media) is also in train.
 
@@ -32,6 +34,7 @@ from PIL import Image
 
 from trainer.data.prompt_files import (PromptLine, dataset_splits, folder_problem,
                                        iter_prompt_lines)
+from trainer.media import ImageRef, image_problem, is_inline
 from trainer.data.schema import (IMAGE_SUFFIXES, TASKS, content_hash, is_url, media_entries,
                                  resolve_media)
 
@@ -114,14 +117,24 @@ def _check_media(line: PromptLine, base: str, decode_media: bool, findings: list
     for key, entry in media_entries(listed):
         if is_url(entry):
             continue
-        path = resolve_media(entry, base)
         stats["media"] += 1
+        if is_inline(entry):  # bytes in the line: always decoded, there is no file to look for
+            problem = image_problem(ImageRef(entry))
+            if problem:
+                findings.append(Finding(line.where, "decode", f"{key} entry (inline): {problem}"))
+            continue
+        path = resolve_media(entry, base)
         if not os.path.isfile(path):
             findings.append(Finding(line.where, "media", f"{key} entry {entry!r}: no file {path}"))
         elif decode_media:
             problem = _decode_problem(path)
             if problem:
                 findings.append(Finding(line.where, "decode", problem))
+            elif key == "images":  # it decodes: the trainer's size bounds (trainer.media)
+                problem = image_problem(ImageRef(path))
+                if problem:
+                    findings.append(Finding(line.where, "decode", f"{key} entry {entry!r}: "
+                                                                  f"{problem}"))
 
 
 def expand_folders(train: str | None, evals: Sequence[str]) -> tuple[str | None, list[str]]:

@@ -10,7 +10,9 @@ Converters (``--source``):
   ``metadata.jsonl`` keeps its ``tag`` / ``include`` / ``exclude``; a missing task /
   sample_id is filled in), or plain text, one prompt per line (Flow-GRPO's ``.txt`` lists).
   JSONL and text files are read by the trainer's own reader (``trainer.data.prompt_files``),
-  so a line it refuses here ``launch`` would refuse too, with the same message.
+  so a line it refuses here ``launch`` would refuse too, with the same message. Relative media
+  paths (an editing record's source images) are rewritten relative to the output's folder, so
+  they name the same files from there; inline ``data:`` images are copied as they are.
 
 A Flow-GRPO dataset folder (``train.txt`` + ``test.txt``, or ``train_metadata.jsonl`` +
 ``test_metadata.jsonl``: ``prompt_files.SPLIT_LAYOUTS``) as ``--input`` keeps its split:
@@ -30,7 +32,7 @@ from typing import Any, Callable, Iterator
 
 from trainer.data.prompt_files import dataset_splits, iter_prompt_lines
 from trainer.data.records import PARQUET_SUFFIXES, is_parquet, write_jsonl
-from trainer.data.schema import MEDIA_PLACEHOLDERS
+from trainer.data.schema import MEDIA_PLACEHOLDERS, resolve_media
 
 PROMPT_COLUMNS = ("prompt", "caption")
 TEXT_SUFFIXES = (".txt", ".text", ".lst")
@@ -71,9 +73,27 @@ def _line_count(path: str) -> int:
         return sum(1 for _ in f)
 
 
-def _text_rows(path: str, problems: list[str]) -> Iterator[tuple[str | None, dict[str, Any]]]:
+def _relocated(row: dict[str, Any], path: str, out_dir: str | None) -> dict[str, Any]:
+    """The row with its relative media paths rewritten relative to ``out_dir`` (the folder the
+    output is written to), so they still name the same files; absolute paths, URLs and inline
+    ``data:`` images stay as written."""
+    if out_dir is None:
+        return row
+    base = os.path.dirname(os.path.abspath(path))
+    out = dict(row)
+    for key in MEDIA_PLACEHOLDERS:
+        if isinstance(row.get(key), list):
+            out[key] = [entry if resolve_media(entry, base) == entry
+                        else os.path.relpath(resolve_media(entry, base), out_dir)
+                        for entry in row[key]]
+    return out
+
+
+def _text_rows(path: str, problems: list[str], out_dir: str | None = None
+               ) -> Iterator[tuple[str | None, dict[str, Any]]]:
     """(prompt, row) per source row; (None, {}) for a row that is skipped (blank, empty prompt,
-    or bad: then its problem is recorded), so the row count, and so the ids, stay aligned."""
+    or bad: then its problem is recorded), so the row count, and so the ids, stay aligned.
+    Relative media paths are rewritten relative to ``out_dir`` (``_relocated``)."""
     if is_parquet(path):
         for value in _parquet_column(path, None):
             yield value, {}
@@ -91,7 +111,7 @@ def _text_rows(path: str, problems: list[str]) -> Iterator[tuple[str | None, dic
             problems.extend(f"{where}: {message}" for _, message in line.problems)
             yield None, {}
         else:
-            yield row["prompt"], row
+            yield row["prompt"], _relocated(row, path, out_dir)
     yield from [(None, {})] * max(0, _line_count(path) - last)
 
 
@@ -117,7 +137,8 @@ def _emit(rows: Iterator[tuple[Any, dict[str, Any]]], *, task: str, id_prefix: s
 
 def convert_pickapic(input_path: str, *, task: str, id_prefix: str | None,
                      prompt_column: str | None, stats: dict[str, int],
-                     problems: list[str]) -> Iterator[dict[str, Any]]:
+                     problems: list[str], out_dir: str | None = None
+                     ) -> Iterator[dict[str, Any]]:
     files = _input_files(input_path, PARQUET_SUFFIXES)
     column = prompt_column or "caption"
     rows = ((value, {}) for path in files for value in _parquet_column(path, column))
@@ -127,7 +148,8 @@ def convert_pickapic(input_path: str, *, task: str, id_prefix: str | None,
 
 def convert_prompts(input_path: str, *, task: str, id_prefix: str | None,
                     prompt_column: str | None, stats: dict[str, int],
-                    problems: list[str]) -> Iterator[dict[str, Any]]:
+                    problems: list[str], out_dir: str | None = None
+                    ) -> Iterator[dict[str, Any]]:
     files = _input_files(input_path, PARQUET_SUFFIXES + JSONL_SUFFIXES + TEXT_SUFFIXES)
     if id_prefix is None:
         stem = os.path.basename(os.path.normpath(input_path))
@@ -138,7 +160,7 @@ def convert_prompts(input_path: str, *, task: str, id_prefix: str | None,
             if prompt_column and is_parquet(path):
                 yield from ((v, {}) for v in _parquet_column(path, prompt_column))
             else:
-                yield from _text_rows(path, problems)
+                yield from _text_rows(path, problems, out_dir)
 
     return _emit(rows(), task=task, id_prefix=id_prefix, stats=stats)
 
@@ -177,7 +199,8 @@ def _prepare_split_folder(splits: dict[str, str], input_path: str, output: str, 
         part = {"written": 0, "skipped_empty": 0}
         converted[split] = list(convert_prompts(path, task=task, id_prefix=f"{stem}{split}_",
                                                 prompt_column=None, stats=part,
-                                                problems=problems))
+                                                problems=problems,
+                                                out_dir=os.path.abspath(output)))
         stats = {k: stats[k] + part[k] for k in stats}
     if problems:
         raise PrepareError(f"{len(problems)} problem(s) in {input_path}:\n  "
@@ -193,7 +216,8 @@ def _prepare_one(*, source: str, input_path: str, output: str, task: str,
     problems: list[str] = []
     records = list(CONVERTERS[source](input_path, task=task, id_prefix=id_prefix,
                                       prompt_column=prompt_column, stats=stats,
-                                      problems=problems))
+                                      problems=problems,
+                                      out_dir=os.path.dirname(os.path.abspath(output))))
     ids: dict[str, int] = {}
     for index, record in enumerate(records):
         sample_id = record["metadata"]["sample_id"]

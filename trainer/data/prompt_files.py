@@ -12,11 +12,15 @@ Formats, by suffix:
   (``tag``, ``include``, ``exclude``) reaches the reward functions unchanged.
 * parquet (``.parquet``, ``.pq``): the same fields as columns.
 
-A record is ``{"prompt": str, "metadata": {...}}``; ``task`` and ``sample_id`` are filled in
-(``<file stem>_<i:07d>``, i the record's 0-based position, as before) when absent. A line is
-refused when its prompt is not a non-empty string, its metadata not an object, its task not
-a known one, its sample_id not a non-empty string, or its ``<image>`` / ``<video>``
-placeholders do not match its media lists: each problem carries the class ``data inspect``
+A record is ``{"prompt": str, "metadata": {...}}``, plus ``"images": [entry, ...]`` when the
+line names reference images (an editing record: entries are absolute paths or inline
+``data:`` URIs, ``trainer.media.conditioning_images`` turns them into ``ImageRef``s; their
+decoding is checked by preflight and ``data inspect``, not here); ``task`` and
+``sample_id`` are filled in (``<file stem>_<i:07d>``, i the record's 0-based position, as
+before) when absent. A line is refused when its prompt is not a non-empty string, its
+metadata not an object, its task not a known one, its sample_id not a non-empty string, or
+its ``<image>`` / ``<video>`` placeholders (optional; when written, one per entry) do not
+match its media lists: each problem carries the class ``data inspect``
 reports it under.
 
 A Flow-GRPO dataset folder (``dataset/ocr`` with ``train.txt`` and ``test.txt``,
@@ -52,7 +56,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from trainer.data.records import is_parquet, read_lines
-from trainer.data.schema import MEDIA_PLACEHOLDERS, TASKS, normalize_prompt
+from trainer.data.schema import (MEDIA_PLACEHOLDERS, TASKS, normalize_prompt,
+                                 placeholder_mismatch, resolve_media)
 
 TEXT_SUFFIXES = (".txt", ".text", ".lst")
 # Dataset folders, in the order they are looked for: (train file, test file).
@@ -131,19 +136,22 @@ def _row_problems(row: Any) -> list[tuple[str, str]]:
         paths = row.get(key, [])
         if not isinstance(paths, list) or not all(isinstance(q, str) and q for q in paths):
             problems.append(("schema", f"'{key}' must be a list of paths"))
-        elif isinstance(prompt, str) and prompt.count(placeholder) != len(paths):
+        elif isinstance(prompt, str) and placeholder_mismatch(prompt, placeholder, paths):
             problems.append(("placeholder", f"{prompt.count(placeholder)} {placeholder} "
                              f"placeholder(s) in the prompt but {len(paths)} "
                              f"entr{'y' if len(paths) == 1 else 'ies'} in '{key}'"))
     return problems
 
 
-def _record(row: dict) -> dict:
+def _record(row: dict, base_dir: str) -> dict:
     meta = dict(row.get("metadata") or {})
     for key, value in row.items():  # GenEval's tag / include / exclude, and the like
         if key not in ("prompt", "metadata", *MEDIA_PLACEHOLDERS):
             meta.setdefault(key, value)
-    return {"prompt": row["prompt"], "metadata": meta}
+    record = {"prompt": row["prompt"], "metadata": meta}
+    if row.get("images"):  # an editing record: its references, absolute (trainer.media)
+        record["images"] = [resolve_media(entry, base_dir) for entry in row["images"]]
+    return record
 
 
 def _parse_raw(raw: bytes, path: str, number: int, offset: int, text: bool
@@ -187,7 +195,7 @@ def _checked(line: PromptLine, stem: str, index: int) -> PromptLine:
         return line
     line.problems = _row_problems(line.row)
     if not line.problems:
-        line.record = _record(line.row)
+        line.record = _record(line.row, os.path.dirname(os.path.abspath(line.path)))
         meta = line.record["metadata"]
         line.id_given = "sample_id" in meta
         meta.setdefault("task", TASKS[0])
@@ -200,7 +208,7 @@ def iter_prompt_lines(path: str | Path) -> Iterator[PromptLine]:
     bad lines come back with their problems instead of stopping the read. Raises OSError (and
     pyarrow's errors for a damaged parquet file) for a file that cannot be read at all."""
     path, index = str(path), 0
-    stem = Path(path).stem
+    stem, base_dir = Path(path).stem, os.path.dirname(os.path.abspath(path))
     for line in _raw_lines(path):
         line = _checked(line, stem, index)
         index += line.record is not None

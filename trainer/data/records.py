@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
+from trainer.media import inline_entry
+
 PARQUET_SUFFIXES = (".parquet", ".pq")
 
 
@@ -62,6 +64,10 @@ def _read_parquet(path: str) -> Iterator[Line]:
                 except json.JSONDecodeError as exc:
                     yield Line(path, number, error=f"'metadata' is not valid JSON ({exc.msg})")
                     continue
+            images = row.get("images")
+            if isinstance(images, list) and any(isinstance(v, bytes) for v in images):
+                # a binary image column: the bytes inline, as a JSONL line writes them
+                row["images"] = [inline_entry(v) if isinstance(v, bytes) else v for v in images]
             yield Line(path, number, {k: v for k, v in row.items() if v is not None})
 
 

@@ -10,9 +10,11 @@ One JSON object per line (or per parquet row)::
   in a dataset: it seeds each candidate's noise and decides the train/eval split). Other
   metadata keys are kept and passed through to reward functions.
 * Media, for tasks that condition on them: optional ``images`` / ``videos`` lists of paths
-  (relative paths are relative to the file holding the record) or URLs. Each ``<image>`` /
-  ``<video>`` placeholder in the prompt stands for one entry, in order, so their counts must
-  match.
+  (relative paths are relative to the file holding the record), URLs, or (images) the bytes
+  inline as ``data:image/<type>;base64,`` URIs (``trainer.media``). A prompt with no
+  ``<image>`` / ``<video>`` placeholder takes every entry as a reference (an editing
+  instruction such as "make the car blue"); a prompt with placeholders has one per entry, in
+  order, so their counts must match.
 
 This module is import-light (no torch): ``python -m trainer data`` never loads a model stack.
 """
@@ -21,6 +23,8 @@ from __future__ import annotations
 import hashlib
 import os
 from typing import Any, Iterable
+
+from trainer.media import is_inline
 
 # Mirrors trainer.models.base.GENERATION_TASKS (a test keeps them equal); not imported from
 # there because that module imports torch.
@@ -58,11 +62,18 @@ def record_problems(record: Any) -> list[str]:
         if not isinstance(paths, list) or not all(isinstance(p, str) and p for p in paths):
             problems.append(f"'{key}' must be a list of paths")
             continue
-        if isinstance(prompt, str) and prompt.count(placeholder) != len(paths):
+        if isinstance(prompt, str) and placeholder_mismatch(prompt, placeholder, paths):
             problems.append(f"{prompt.count(placeholder)} {placeholder} placeholder(s) in the "
                             f"prompt but {len(paths)} entr{'y' if len(paths) == 1 else 'ies'} "
                             f"in '{key}'")
     return problems
+
+
+def placeholder_mismatch(prompt: str, placeholder: str, entries: list) -> bool:
+    """Whether a prompt's placeholders disagree with its media list: none at all is fine (every
+    entry is a reference, as editing instructions are written); otherwise one per entry."""
+    count = prompt.count(placeholder)
+    return count != 0 and count != len(entries)
 
 
 def is_url(path: str) -> bool:
@@ -76,8 +87,8 @@ def media_entries(record: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def resolve_media(path: str, base_dir: str) -> str:
-    """Absolute path of a media entry (URLs unchanged)."""
-    if is_url(path) or os.path.isabs(path):
+    """Absolute path of a media entry (URLs and inline ``data:`` images unchanged)."""
+    if is_url(path) or is_inline(path) or os.path.isabs(path):
         return path
     return os.path.normpath(os.path.join(base_dir, path))
 

@@ -108,6 +108,12 @@ class GenerativeModelAdapter(abc.ABC):
         """
         return sigmas[:-1].to(torch.float32) * 1000.0
 
+    def forward_flops(self, height: int, width: int, *, batch: int, text_tokens: int):
+        """FLOPs of one transformer forward of ``batch`` samples at this geometry and text
+        length, from the config alone (a ``trainer.compute.flops.FlopCount``), or None where
+        the family does not state them: its MFU is then not logged."""
+        return None
+
     # ---- checks (tasks: trainer.tasks; guidance: docs/design.md#sampling-and-the-sde-step) --
     @classmethod
     def check_task(cls, task: str) -> None:

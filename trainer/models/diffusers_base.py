@@ -222,6 +222,23 @@ class DiffusersAdapter(GenerativeModelAdapter):
             raise ValueError("parameter names collide after mapping to engine names: " + "; ".join(clashes))
         return mapping
 
+    # ---- compute accounting (trainer.compute; docs/compute-accounting.md) -------------------
+    def image_tokens(self, height: int, width: int) -> int:
+        """Image tokens of the transformer's sequence: the packed sequence of a 2-D latent
+        ([tokens, channels]) or the patches of a [C, h, w] latent."""
+        shape = self.latent_shape(height, width)
+        if len(shape) == 2:
+            return int(shape[0])
+        patch = int(self.transformer_config["patch_size"])
+        return (int(shape[-2]) // patch) * (int(shape[-1]) // patch)
+
+    def forward_flops(self, height: int, width: int, *, batch: int, text_tokens: int):
+        from trainer.compute.flops import transformer_forward
+
+        return transformer_forward(self.transformer_class, self.transformer_config,
+                                   image_tokens=self.image_tokens(height, width),
+                                   text_tokens=text_tokens, batch=batch)
+
     # ---- engine side helpers ----------------------------------------------------------------
     def _from_pretrained(self, cls: type, subfolder: str, dtype: torch.dtype | None,
                          device: str | torch.device) -> Any:

@@ -150,6 +150,11 @@ class QwenImageAdapter(PackedLatentsAdapter):
             return_dict=False,
         )[0]
 
+    def forward_flops(self, height: int, width: int, *, batch: int, text_tokens: int):
+        """As the base, at the padded text length ``velocity`` runs."""
+        padded = self.padded_text_length(text_tokens, self.image_tokens(height, width))
+        return super().forward_flops(height, width, batch=batch, text_tokens=padded)
+
     def padded_text_length(self, text_tokens: int, image_tokens: int) -> int:
         """The text length the transformer sees: image + text tokens rounded up to a multiple
         of ``joint_tokens_multiple``."""

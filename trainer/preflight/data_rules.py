@@ -9,6 +9,8 @@ from pathlib import Path
 
 from trainer.data.prompt_files import PromptFileError, cut, overlap_problems, read_numbered
 from trainer.evaluation import eval_sampling
+from trainer.media import record_media_problems
+from trainer.tasks import CONDITIONED_TASKS
 from trainer.preflight.checker import Checker, flagged
 from trainer.config.sampling import SamplingConfig
 
@@ -58,6 +60,8 @@ def check_prompt_files(c: Checker) -> None:
             c.errors += [f"{flagged('data.' + name)}: {p}" for p in exc.problems[:20]]
             if len(exc.problems) > 20:
                 c.error(f"{flagged('data.' + name)}: ... and {len(exc.problems) - 20} more")
+            continue
+        check_prompt_media(c, name, parsed[name])
     if len(parsed) == 2:
         for problem in overlap_problems(parsed["prompt_data"], parsed["eval_prompt_data"]):
             c.error(f"{flagged('data.eval_prompt_data')}: {problem}")
@@ -94,6 +98,25 @@ def prompt_length_problems(cfg, numbered: list[tuple[str, dict]]) -> list[str]:
                        f"window of {limit} (model.adapter_options.max_sequence_length): "
                        f"{cut(record['prompt'], 60)}")
     return out
+
+
+def check_prompt_media(c: Checker, name: str, numbered: list[tuple[str, dict]]) -> None:
+    """Decode every reference image of an editing prompt file now (``file:line: images[i]:
+    why``), so a missing or broken source is a preflight error, not a crash in a rollout.
+    Text-to-image files have none and cost nothing here."""
+    with_images = [where for where, record in numbered if record.get("images")]
+    if with_images and c.cfg.model.task not in CONDITIONED_TASKS:
+        c.error(f"{flagged('data.' + name)}: {len(with_images)} record(s) carry source images "
+                f"(first at {with_images[0]}) but model.task={c.cfg.model.task!r} takes no "
+                f"conditioning media (tasks that do: {list(CONDITIONED_TASKS) or 'none yet'}); "
+                f"they would be ignored")
+        return
+    seen: dict = {}
+    problems = [f"{where}: {problem}" for where, record in numbered
+                for problem in record_media_problems(record, seen)]
+    c.errors += [f"{flagged('data.' + name)}: {p}" for p in problems[:20]]
+    if len(problems) > 20:
+        c.error(f"{flagged('data.' + name)}: ... and {len(problems) - 20} more")
 
 
 def check_reliability(c: Checker) -> None:

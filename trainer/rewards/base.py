@@ -38,15 +38,24 @@ class RewardScorer(abc.ABC):
     ``score`` may return a subset of ``components`` (a component it could not compute is simply
     absent) and may use NaN for single samples it could not score; the advantage step turns
     either into a failed group when the component is required.
+
+    Editing: a scorer that judges an edit against its source sets ``wants_sources = True`` and
+    takes a keyword argument ``sources`` in ``score``: one tuple per sample of that sample's
+    reference images, each uint8 numpy [H, W, 3] (RGB; sizes may differ from the result's and
+    from each other; the first is the image being edited), or ``None`` when the batch has no
+    conditioning media (text-to-image). Scorers that leave ``wants_sources`` False are called
+    exactly as before, with no ``sources`` argument, so every existing scorer is unchanged.
     """
 
     components: ClassVar[tuple[str, ...]] = ()
     required_tracks: ClassVar[tuple[str, ...]] = ("image",)
+    wants_sources: ClassVar[bool] = False
 
     @abc.abstractmethod
     def score(self, images: torch.Tensor, prompts: list[str],
               metadata: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        """images uint8 [B, H, W, 3] (any device) -> {component: fp32 [B]}."""
+        """images uint8 [B, H, W, 3] (any device) -> {component: fp32 [B]}; with
+        ``wants_sources``, also ``sources=`` (see the class docstring)."""
 
     def to(self, device: str | torch.device) -> "RewardScorer":
         """Move every ``nn.Module`` attribute (the loaded weights) to ``device``.

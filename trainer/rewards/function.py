@@ -39,6 +39,7 @@ builds its reward manager (the rollout device).
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 from typing import Any, Callable, Mapping
@@ -126,6 +127,13 @@ def adapt(obj: Any, *, name: str, device: torch.device, timeout_s: float
     return fn, layout, source
 
 
+def _takes_sources(fn: Callable[..., Any]) -> bool:
+    try:
+        return "sources" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: it takes none
+        return False
+
+
 def to_layout(images: torch.Tensor, layout: str) -> torch.Tensor:
     """Our uint8 [B, H, W, 3] -> what the function asked for."""
     if layout == "float_bchw":
@@ -154,6 +162,7 @@ class FunctionScorer(RewardScorer):
         self.timeout_s = float(timeout_s)
         self.fn, self.image_layout, source = adapt(
             fn, name=self.name, device=torch.device(device or "cpu"), timeout_s=self.timeout_s)
+        self.wants_sources = _takes_sources(self.fn)  # per function: shadows the class default
         declared = _attr("components", self.fn, source)
         self.declared = declared is not None
         if declared is not None:
@@ -171,8 +180,9 @@ class FunctionScorer(RewardScorer):
         return cls(load_object(dotpath, "custom reward path"), name=dotpath, **kwargs)
 
     def score(self, images: torch.Tensor, prompts: list[str],
-              metadata: list[dict[str, Any]]) -> dict[str, Any]:
-        out = call_with_deadline(self.fn, (to_layout(images, self.image_layout), prompts,
+              metadata: list[dict[str, Any]], sources: Any = None) -> dict[str, Any]:
+        fn = functools.partial(self.fn, sources=sources) if self.wants_sources else self.fn
+        out = call_with_deadline(fn, (to_layout(images, self.image_layout), prompts,
                                            metadata), self.timeout_s,
                                  f"custom reward {self.name}")
         if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Mapping):
@@ -201,18 +211,34 @@ class FunctionScorer(RewardScorer):
 DUMMY_PROMPTS = ("a photo of a cat", "a red cube to the left of a blue ball")
 
 
+def _dummy_sources(records: list[dict], images: torch.Tensor) -> list[tuple]:
+    """The records' own source images when they all have decodable ones, else one grey
+    source per sample (a broken image is the data rules' finding, not this check's)."""
+    from trainer.media import MediaError, as_arrays, conditioning_images
+
+    try:
+        real = [as_arrays(conditioning_images(r)) for r in records]
+    except MediaError:
+        real = []
+    if len(real) == len(images) and all(real):
+        return real
+    return [(images[0].numpy(),)] * len(images)
+
+
 def dummy_batch_problems(scorer: FunctionScorer, *, height: int = 64, width: int = 64,
                          records: list[dict] | None = None) -> list[str]:
-    """Call ``scorer`` on two grey uint8 images (prompts and metadata from ``records``, the
-    run's first prompt records when given) and check what comes back, as the manager will."""
+    """Call ``scorer`` on two grey uint8 images (prompts, metadata and, for a function that
+    takes them, source images from ``records``, the run's first prompt records when given)
+    and check what comes back, as the manager will."""
     records = list(records or [])[:2]
     prompts = [r["prompt"] for r in records] or list(DUMMY_PROMPTS)
     metadata = [dict(r.get("metadata") or {}) for r in records] or [{} for _ in prompts]
     images = torch.full((len(prompts), height, width, 3), 128, dtype=torch.uint8)
     where = (f"reward.custom_reward_path: {scorer.name} called on a dummy batch of "
              f"{len(prompts)} (images {LAYOUTS[scorer.image_layout]})")
+    sources = {"sources": _dummy_sources(records, images)} if scorer.wants_sources else {}
     try:
-        out = scorer.score(images, prompts, metadata)
+        out = scorer.score(images, prompts, metadata, **sources)
     except RewardError as exc:
         return [f"{where}: {exc} (wanted {WANTED})"]
     except Exception as exc:  # the user's code: any failure is reported, not raised

@@ -28,8 +28,10 @@ import threading
 import time
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
+from trainer.media import ImageRef, as_arrays
 from trainer.rewards.base import (SUPPORTED_TRACKS, RewardError, RewardScorer, check_score_inputs,
                                   load_object, to_component_tensor)
 from trainer.rewards.function import FunctionScorer
@@ -83,10 +85,15 @@ class RewardManager:
                 scorer.to(device)
         return self
 
-    def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]
+    def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]],
+              sources: Sequence[Sequence[Any]] | None = None
               ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """``sources``: per sample, its reference images (``trainer.media.ImageRef`` or uint8
+        [H, W, 3] arrays), or None for text-to-image; decoded once here and passed to the
+        scorers that set ``wants_sources`` (``RewardScorer``), never to the others."""
         batch = check_score_inputs(images, prompts, metadata)
         prompts, metadata = list(prompts), [dict(m) for m in metadata]
+        decoded = decode_sources(sources, batch)
         cuda = images.is_cuda or (self.device is not None and self.device.type == "cuda")
         if cuda:  # host sync: time the scoring, not the rollout kernels still queued
             torch.cuda.synchronize(images.device if images.is_cuda else self.device)
@@ -95,7 +102,10 @@ class RewardManager:
         problems: list[str] = []
         for scorer in self.scorers:
             name = getattr(scorer, "name", type(scorer).__name__)
-            out = scorer.score(images, prompts, metadata)
+            if getattr(scorer, "wants_sources", False):
+                out = scorer.score(images, prompts, metadata, sources=decoded)
+            else:
+                out = scorer.score(images, prompts, metadata)
             if not isinstance(out, dict):
                 raise RewardError(f"{name}.score returned {type(out).__name__}, not a dict")
             for component, values in out.items():
@@ -112,6 +122,25 @@ class RewardManager:
         metrics = {"reward/score_time": elapsed,
                    "reward/score_samples_per_s": batch / elapsed if elapsed > 0 else float("inf")}
         return components, metrics
+
+
+def decode_sources(sources: Sequence[Sequence[Any]] | None, batch: int
+                   ) -> list[tuple[np.ndarray, ...]] | None:
+    """Per-sample sources as uint8 arrays, each distinct ImageRef decoded once (a group's
+    candidates share their prompt's sources); None stays None."""
+    if sources is None:
+        return None
+    if len(sources) != batch:
+        raise ValueError(f"reward scoring input: {len(sources)} source lists for {batch} images")
+    cache: dict[ImageRef, np.ndarray] = {}
+
+    def one(source: Any) -> np.ndarray:
+        if isinstance(source, ImageRef):
+            if source not in cache:
+                cache[source] = as_arrays([source])[0]
+            return cache[source]
+        return as_arrays([source])[0]
+    return [tuple(one(s) for s in sample) for sample in sources]
 
 
 def _instantiate(cls: type, *, model_path: str | None, device: torch.device | None,

@@ -55,6 +55,9 @@ BUILTIN_SCORERS: dict[str, str] = {
     "deqa": "trainer.rewards.flowgrpo_server.DeQAServerScorer",
     "unifiedreward_server": "trainer.rewards.flowgrpo_server.UnifiedRewardServerScorer",
     "toy": "trainer.toy.reward.ToyCompositionScorer",
+    "image_similarity": "trainer.rewards.edit.ImageSimilarityScorer",
+    "clip_image_similarity": "trainer.rewards.edit.CLIPImageSimilarityScorer",
+    "red_to_blue": "trainer.rewards.edit.RedToBlueScorer",
 }
 RESERVED_KEYS = ("path", "weight", "model_path", "required", "options")
 # reserved keys a constructor may also take: set at the top level they mean the reserved thing,
