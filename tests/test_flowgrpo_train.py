@@ -65,14 +65,15 @@ def test_sd3_flowgrpo_recipe_two_steps_with_cfg_and_ema(tiny_model_dir, tmp_path
     assert last["train/first_update_ratio_mean"] == pytest.approx(1.0, abs=1e-4)
     assert "train/kl" in last and last["train/kl"] >= 0.0
     assert "eval/reward_mean" in history["eval_start"] and "eval/reward_mean" in last
-    assert trainer.actor.ema.updates == 4  # 2 rollouts x 2 optimizer steps, interval 1
+    # ema.per_micro_batch (the reference): 2 rollouts x 4 micro-batches of 2, interval 1
+    assert trainer.actor.ema.updates == 8
     live = {n: p.detach() for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert any(not torch.equal(trainer.actor.ema.shadow[n], live[n].float()) for n in live)
     iters = sorted((tmp_path / "ckpt").rglob("ema"))
     assert iters, "the checkpoint has no EMA state"
     reloaded = ParameterEMA(trainer.model, decay=0.9, update_interval=1)
     reloaded.load(iters[-1])
-    assert reloaded.updates == 4
+    assert reloaded.updates == 8
     assert all(torch.equal(reloaded.shadow[n], t) for n, t in trainer.actor.ema.shadow.items())
     # export --ema: a PEFT adapter holding the EMA weights, readable by --lora-init-path
     from trainer.checkpoint.export import export_checkpoint

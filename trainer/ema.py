@@ -41,6 +41,8 @@ def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 class ParameterEMA:
     """EMA of ``model``'s trainable parameters (see the module docstring)."""
 
+    per_micro_batch = False  # step after every micro-batch, not after every optimizer step
+
     def __init__(self, model: nn.Module, *, decay: float, update_interval: int = 1) -> None:
         problems = []
         if not (isinstance(decay, (int, float)) and 0.0 <= decay < 1.0):
@@ -134,7 +136,9 @@ def build_ema(model: nn.Module, ema: EMAConfig) -> ParameterEMA | None:
     """The run's EMA (the ``[ema]`` section), None when it is off."""
     if not ema.enabled:
         return None
-    return ParameterEMA(model, decay=ema.decay, update_interval=ema.update_interval)
+    out = ParameterEMA(model, decay=ema.decay, update_interval=ema.update_interval)
+    out.per_micro_batch = bool(ema.per_micro_batch)  # the reference's placement (actor.update)
+    return out
 
 
 @contextlib.contextmanager

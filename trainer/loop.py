@@ -28,6 +28,8 @@ from trainer.checkpoint.contract import (adapter_contract, sampling_fingerprint,
                                          weight_sync_manifest)
 from trainer.checkpoint.layout import ADAPTER_CONTRACT, WEIGHT_SYNC_MANIFEST
 from trainer.checkpoint.save import checkpoint_root
+from trainer.algorithms import algorithm_noise_steps, training_sampling
+from trainer.algorithms.nft_step import nft_train_on
 from trainer.checkpoint.trained import worth_saving
 from trainer.config import Config, write_resolved
 from trainer.ema import build_ema
@@ -197,18 +199,24 @@ class Trainer(TrainerState):
             start = embedded_starter(
                 cfg.model, r, cfg.weight_sync, model_path=self.model_path, device=self.device,
                 lora=lora_spec(cfg.lora, self.adapter) if cfg.sync_mode == "adapter" else None,
-                warmup=engine_warmup(r, cfg.model.compile, self.device))
+                warmup=engine_warmup(r, cfg.model.compile, self.device),
+                share_trunk=cfg.train.algorithm in ("flowgrpo_fast", "mixgrpo"),
+                flash_ratio=cfg.train.mix_flash_ratio if cfg.train.algorithm == "mixgrpo"
+                else None)
         self.rollouts = RolloutService(start, rank=self.rank, world=self.world,
                                        device=self.device, restartable=r.engine == "embedded",
                                        max_restarts=r.engine_max_restarts)
         artifact_root = r.artifact_root or str(self.run_dir / "artifacts")
         id_mode = r.sampling.sample_id_mode
         self.driver = self.rollouts.attach(RolloutDriver(
-            self.adapter, [self.rollouts.engine], sampling=r.sampling,
+            self.adapter, [self.rollouts.engine],
+            sampling=training_sampling(cfg.train.algorithm, cfg.data, r.sampling),
             seed=r.generation_seed, task=cfg.model.task,
             artifact_root=artifact_root if r.write_artifacts and self.rank == 0
             else None, retention=r.artifact_retention_rollouts,
-            wave_size=r.wave_size, sample_id_mode=id_mode))
+            wave_size=r.wave_size, sample_id_mode=id_mode,
+            noise_steps=algorithm_noise_steps(cfg.train, seed=r.generation_seed,
+                                              num_inference_steps=r.sampling.num_inference_steps)))
         self.eval_driver = self.rollouts.attach(RolloutDriver(
             self.adapter, [self.rollouts.engine],
             sampling=eval_sampling(cfg.data, r.sampling), seed=r.generation_seed,
@@ -325,7 +333,11 @@ class Trainer(TrainerState):
         if first_measure:
             torch.cuda.reset_peak_memory_stats(self.device)
         with self.timer.stage("train"):
-            metrics.update(actor.train_on(batch, advantages, rollout_id))
+            if self.cfg.train.algorithm == "diffusionnft":  # its own update (algorithms.nft_step)
+                metrics.update(nft_train_on(actor, batch, advantages, rollout_id,
+                                            self.cfg.rollout.sampling.timestep_fraction))
+            else:
+                metrics.update(actor.train_on(batch, advantages, rollout_id))
             state_onload.wait()  # a stage without an optimizer step must not leave it pending
         metrics.update(self._recovered("weight sync", self.sync_weights, collective=True))
         self._offload_after_train(actor_footprint(self.device) if first_measure else None)

@@ -46,6 +46,7 @@ class Actor:
         self.lr_steps = 0              # optimizer steps taken: the LR schedule's position
         self.auto_micro_batch: int | None = None  # train.micro_batch_size=auto, once resolved
         self.offloaded = None          # the host copy while offloaded (OffloadState)
+        self.nft_old = None            # diffusionnft: the old-policy copy (algorithms.nft_step)
 
     def coll_device(self) -> torch.device:
         """Where this rank's small all-reduces run (NCCL needs the GPU, gloo the host)."""

@@ -9,6 +9,7 @@ import torch
 
 import flowgrpo_kernels as kernels
 from trainer.actor.replay import replay_kl, replay_rows, rows_velocity
+from trainer.algorithms.guard_step import guard_loss
 from trainer.profiling import nvtx_range
 from trainer.rewards.advantages import kl_term
 
@@ -30,9 +31,12 @@ def forward_backward(actor: Actor, mb, adv: torch.Tensor, scale: float,
         logp = kernels.sde_log_prob(rows.x, v, rows.x_next, rows.sigma, rows.sigma_next,
                                     **mb.kernel_options(),
                                     validate=False).reshape(rows.samples, rows.steps)
-    old = logp.detach() if anchor is None else anchor.to(logp.device)
-    loss, stats = kernels.grpo_clip_loss(logp, old, adv.to(logp.device), eps=t.eps_clip,
-                                         eps_high=t.eps_clip_high)
+    if t.grpo_guard:  # anchor: a GuardAnchor (trainer.algorithms.guard_step)
+        loss, stats = guard_loss(mb, rows, v, logp, adv, anchor, t)
+    else:
+        old = logp.detach() if anchor is None else anchor.to(logp.device)
+        loss, stats = kernels.grpo_clip_loss(logp, old, adv.to(logp.device), eps=t.eps_clip,
+                                             eps_high=t.eps_clip_high)
     if t.kl_coef > 0:
         kl = replay_kl(adapter, model, mb, rows, v=v, meter=actor.meter, kl_form=t.kl_form)
         loss = loss + t.kl_coef * kl_term(kl, adv, drop_zero_advantage=t.drop_zero_advantage)

@@ -42,7 +42,7 @@ def lora_options(lora: LoRAConfig, adapter: GenerativeModelAdapter) -> dict:
     """``trainer.models.lora.apply_lora`` keywords for this run's LoRA layers."""
     return {"rank": lora.rank, "alpha": lora.alpha or lora.rank,
             "target_modules": list(lora.target_modules or adapter.lora_target_modules()),
-            "dropout": lora.dropout}
+            "dropout": lora.dropout, "init_a": lora.init_a}
 
 
 def lora_spec(lora: LoRAConfig, adapter: GenerativeModelAdapter) -> dict | None:

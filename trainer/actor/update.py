@@ -23,6 +23,7 @@ from trainer.actor.micro_step import forward_backward
 from trainer.actor.model import (accumulate_unsharded, ensure_train_mode, lr_at_step,
                                  reduce_each_backward)
 from trainer.actor.replay import plan_updates, replay_log_probs
+from trainer.algorithms.guard_step import guard_anchor
 from trainer.utils.collectives import any_rank, require_same_on_all_ranks
 from trainer.profiling import nvtx_range
 from trainer.rewards.advantages import micro_batch_scale
@@ -56,7 +57,8 @@ def anchors(actor: Actor, micro: list[list[tuple]]) -> list[list[torch.Tensor | 
     out: list[list[torch.Tensor | None]] = [[None] * len(micro[0])]
     with torch.no_grad(), nvtx_range("train/anchor"):
         for micro_batches in micro[1:]:
-            out.append([replay_log_probs(actor.adapter, actor.model, mb,
+            out.append([guard_anchor(actor, mb) if actor.train_cfg.grpo_guard else
+                        replay_log_probs(actor.adapter, actor.model, mb,
                                          meter=actor.meter).float()
                         for mb, _ in micro_batches])
     # The gathered parameters stay for the first update's training forward (same parameters,
@@ -101,7 +103,7 @@ def optimizer_step(actor: Actor, params: list[torch.Tensor]) -> tuple[torch.Tens
                 group["lr"] = lr
             step_optimizer(actor, params, coef)
             actor.lr_steps += 1
-            if actor.ema is not None:
+            if actor.ema is not None and not actor.ema.per_micro_batch:
                 actor.ema.step(actor.lr_steps - 1)
         actor.optimizer.zero_grad(set_to_none=True)
     return gn, lr
@@ -196,6 +198,14 @@ class DeviceSkips:
         return lr_at_step(self.first + taken - 1 if taken else self.first, t)
 
 
+def ema_after_micro_batch(actor: Actor) -> None:
+    """``ema.per_micro_batch`` (the reference's placement): the EMA steps after every micro-batch
+    with the count of optimizer steps taken so far (after the optimizer step, for an update's
+    last micro-batch), so it moves once per micro-batch on every ``update_interval``-th step."""
+    if actor.ema is not None and actor.ema.per_micro_batch:
+        actor.ema.step(actor.lr_steps)
+
+
 def run_updates(actor: Actor, selected, scales, pi_old, steps, params):
     """Each update's micro-batches (forward, loss, backward), then its optimizer step; returns
     the micro-batches' stats by name, and each step's grad norm and skip flag (device tensors:
@@ -213,11 +223,14 @@ def run_updates(actor: Actor, selected, scales, pi_old, steps, params):
                     reducing = m == last
                     reduce_each_backward(actor.model, reducing)
                 stats = forward_backward(actor, mb, adv, scales[u][m], pi_old[u][m])
+                if m < last:
+                    ema_after_micro_batch(actor)
                 if u == 0:
                     sums.setdefault("first_update_ratio_mean", []).append(stats["ratio_mean"])
                 for k, v in stats.items():
                     sums.setdefault(k, []).append(v.detach().float())
             gn, skipped = steps.step(params)
+            ema_after_micro_batch(actor)
             grad_norms.append(gn)
             skip_flags.append(skipped.to(gn.device))
     finally:  # FSDP2's defaults again, for whatever runs the model next

@@ -207,6 +207,48 @@ class TrainConfig:
     anchor: str = _f("replay", "--train-anchor",
                      "pi_old source: 'replay' (actor's own no-grad replay before any optimizer "
                      "step: first ratio exactly 1) or 'engine' (the engine's recorded log-probs).")
+    # ---- the algorithm (docs/algorithms.md: each formula, its source, every departure) ----
+    algorithm: str = _f("flowgrpo", "--algorithm",
+                        "flowgrpo (the sampling config's SDE steps, unchanged) | flowgrpo_fast "
+                        "(shared ODE trunk, a branch window of SDE steps drawn per rollout, only "
+                        "those trained) | mixgrpo (an SDE window sliding over the schedule as "
+                        "training goes) | diffusionnft (ODE sampling, the NFT loss on the re-noised "
+                        "final samples; embedded engine).")
+    grpo_guard: bool = _f(False, "--grpo-guard",
+                          "GRPO-Guard on the GRPO family: ratio re-centred by the mean shift and "
+                          "scaled by the step's std, each step's term divided by |dt|.")
+    fast_branch_range: list = _f([0, 5], "--fast-branch-range",
+                                 "flowgrpo_fast: [lo, hi]; the branch window starts uniformly in "
+                                 "lo..hi - size (the reference's sde_window_range).")
+    fast_branch_steps: int = _f(2, "--fast-branch-steps",
+                                "flowgrpo_fast: SDE (trained) steps from the branch on "
+                                "(the reference's sde_window_size).")
+    mix_window_size: int = _f(4, "--mix-window-size",
+                              "mixgrpo: SDE (trained) steps in the window (MixGRPO group_size).")
+    mix_shift_interval: int = _f(25, "--mix-shift-interval",
+                                 "mixgrpo: rollouts before the window moves (iters_per_group).")
+    mix_window_stride: int = _f(1, "--mix-window-stride",
+                                "mixgrpo: steps the window moves each time (prog_overlap_step).")
+    mix_flash_ratio: float | None = _f(None, "--mix-flash-ratio",
+                                       "mixgrpo: MixGRPO-Flash; the steps after the window "
+                                       "taken by DPM-Solver++(2M) on max(int(steps_after * "
+                                       "ratio), 2) points (dpm_post_compress_ratio, 0.4 in "
+                                       "the reference); unset: Euler on every step.")
+    mix_roll_back: bool = _f(False, "--mix-roll-back",
+                             "mixgrpo: restart the window at step 0 after the last start "
+                             "(roll_back); else it stays at the last start.")
+    nft_beta: float = _f(1.0, "--nft-beta",
+                         "diffusionnft: mix of the current and old velocity in the implicit "
+                         "policies (the reference's config.beta).")
+    nft_adv_clip_max: float = _f(5.0, "--nft-adv-clip-max",
+                                 "diffusionnft: advantage clip C; r = clip(A / C / 2 + 1/2, 0, 1).")
+    nft_old_decay_delay: int = _f(0, "--nft-old-decay-delay",
+                                  "diffusionnft: optimizer steps before the old policy lags "
+                                  "(old <- d old + (1 - d) current, d = 0 before; decay_type 1: 0).")
+    nft_old_decay_ramp: float = _f(0.001, "--nft-old-decay-ramp",
+                                   "diffusionnft: d grows by this per optimizer step (decay_type 1).")
+    nft_old_decay_cap: float = _f(0.5, "--nft-old-decay-cap",
+                                  "diffusionnft: the largest d (decay_type 1: 0.5; 2: 0.999).")
 
 
 @dataclass
@@ -277,6 +319,9 @@ class LoRAConfig:
                             "Adapter mode: the engine folds each synced adapter into its base "
                             "weights (keeping an exact copy of the targeted base weights), so a "
                             "LoRA rollout costs what a full-model rollout costs.")
+    init_a: str = _f("kaiming", "--lora-init-a",
+                     "LoRA A initialisation: 'kaiming' (peft's default) or 'gaussian' (peft's "
+                     "init_lora_weights='gaussian', the Flow-GRPO reference); B is 0 in both.")
     init_path: str | None = _f(None, "--lora-init-path",
                                "Start from this LoRA (PEFT directory or diffusers "
                                "safetensors; trainer/lora_init.py) instead of zeros.")
@@ -327,6 +372,10 @@ class EMAConfig:
     decay: float = _f(0.9, "--ema-decay", "EMA decay (the reference's train_sd3.py: 0.9).")
     update_interval: int = _f(8, "--ema-update-interval",
                               "Optimizer steps between EMA updates (reference: 8).")
+    per_micro_batch: bool = _f(False, "--ema-per-micro-batch",
+                               "Step the EMA after every micro-batch's backward, counting "
+                               "optimizer steps (the reference's train_sd3.py), instead of "
+                               "after the optimizer step.")
 
 
 @dataclass

@@ -45,6 +45,8 @@ class RolloutBatch:
     rollout_id: int | None = None
     guidance_scale: float = 1.0           # > 1: CFG; conditions then hold the "neg:" halves
     sde_options: dict[str, str] = field(default_factory=dict)  # sigma_one, log_prob_form
+    final_latents: torch.Tensor | None = None  # [B, *latent] x_0, when the engine returned it
+    schedule: torch.Tensor | None = None       # [N + 1] fp32 sigmas of the whole schedule
 
     def kernel_options(self) -> dict[str, Any]:
         """Keyword arguments of kernels.sde_log_prob / sde_kl for these transitions."""
@@ -87,6 +89,8 @@ class RolloutBatch:
             rollout_id=self.rollout_id,
             guidance_scale=self.guidance_scale,
             sde_options=dict(self.sde_options),
+            final_latents=None if self.final_latents is None else take(self.final_latents),
+            schedule=self.schedule,
         )
 
 
@@ -150,4 +154,7 @@ def concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:
         rollout_id=first.rollout_id,
         guidance_scale=first.guidance_scale,
         sde_options=dict(first.sde_options),
+        final_latents=torch.cat([b.final_latents for b in batches])
+        if all(b.final_latents is not None for b in batches) else None,
+        schedule=first.schedule,
     )

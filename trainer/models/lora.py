@@ -8,12 +8,17 @@ from torch import nn
 
 
 def apply_lora(model: nn.Module, *, rank: int, alpha: float, target_modules: Sequence[str],
-               dropout: float = 0.0) -> nn.Module:
+               dropout: float = 0.0, init_a: str = "kaiming") -> nn.Module:
     """peft LoRA on ``target_modules``: B initialised to 0 (the wrapped model starts equal to
-    the base), base weights frozen by peft."""
+    the base), base weights frozen by peft. ``init_a``: A as peft's default Kaiming-uniform, or
+    ``"gaussian"`` (peft's ``init_lora_weights="gaussian"``: normal with std 1 / rank), the
+    Flow-GRPO reference's choice (``lora.init_a``)."""
     # peft (and the transformers it imports) loads only for LoRA runs.
     from peft import LoraConfig, get_peft_model
 
+    if init_a not in ("kaiming", "gaussian"):
+        raise ValueError(f"init_a must be 'kaiming' or 'gaussian', got {init_a!r}")
     config = LoraConfig(r=int(rank), lora_alpha=alpha, lora_dropout=dropout,
-                        target_modules=list(target_modules), init_lora_weights=True)
+                        target_modules=list(target_modules),
+                        init_lora_weights=True if init_a == "kaiming" else "gaussian")
     return get_peft_model(model, config)

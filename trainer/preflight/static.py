@@ -53,6 +53,7 @@ from typing import Any, Callable
 from trainer.config import Config, ConfigError
 from trainer.config.hub import download_hint
 from trainer.config.sampling import KL_FORMS, SamplingConfig, fraction_window  # noqa: F401 (re-exported)
+from trainer.preflight.algorithm_rules import check_algorithm, check_reference_options
 from trainer.preflight.checker import Checker, check_finite_numbers, flagged
 from trainer.preflight.data_rules import (EVAL_MODES, check_data, check_logging,  # noqa: F401 (re-export)
                                     check_reliability)
@@ -369,7 +370,7 @@ def _check_reward(c: Checker) -> None:
 RULES: tuple[Callable[[Checker], None], ...] = (
     _check_model, _check_trainable, _check_sampling, _check_geometry, _check_optim,
     _check_dtypes, _check_launch, _check_reward, check_data, check_logging,
-    check_reliability, check_finite_numbers)
+    check_reliability, check_algorithm, check_reference_options, check_finite_numbers)
 
 
 def preflight(cfg: Config, *, world_size: int | None = None, gpus_per_node: int | None = None,

@@ -59,13 +59,16 @@ class RolloutDriver:
         retention: rollouts kept under artifact_root (<= 0: all).
         wave_size: prompt groups per engine request (None: 1).
         sample_id_mode: "metadata" | "positional" | "group_index".
+        noise_steps: ``rollout_id -> SDE steps`` of a training rollout when ``train.algorithm``
+            chooses them (trainer.algorithms.schedule); None: the sampling config's rule.
     """
 
     def __init__(self, adapter: GenerativeModelAdapter, engines: list[Any], *,
                  sampling: "dict[str, Any] | SamplingConfig", seed: int, task: str,
                  artifact_root: str | None = None,
                  retention: int = 2, wave_size: int | None = None,
-                 sample_id_mode: str = "metadata") -> None:
+                 sample_id_mode: str = "metadata",
+                 noise_steps: Callable[[int], list[int]] | None = None) -> None:
         problems = []
         if not engines:
             problems.append("no engines")
@@ -108,6 +111,8 @@ class RolloutDriver:
         self.sample_id_mode = sample_id_mode
         self.fingerprint = sampling_fingerprint(self.sampling)
         self.driver_xt = bool(self.sampling.get("driver_xt", True))
+        # train.algorithm's own SDE steps per training rollout (trainer.algorithms.schedule)
+        self.algorithm_noise_steps = noise_steps
 
     # ---- candidates ---------------------------------------------------------------------------
     def sample_ids(self, records: list[dict[str, Any]], n: int) -> list[list[str]]:
@@ -146,7 +151,9 @@ class RolloutDriver:
         before their answers are awaited (host work done while the engines work)."""
         self._check_records(records, n_samples_per_prompt)
         n = n_samples_per_prompt
-        sde = self.sampling_config.noise_steps(rollout_id)
+        sde = (self.algorithm_noise_steps(rollout_id)
+               if self.algorithm_noise_steps is not None and rollout_id is not None
+               else self.sampling_config.noise_steps(rollout_id))
         ids = self.sample_ids(records, n)
         dupes = sorted(s for s, c in Counter(s for group in ids for s in group).items() if c > 1)
         if dupes:

@@ -58,10 +58,13 @@ def engine_warmup(rollout: RolloutConfig, compile: str, device: torch.device) ->
 
 def embedded_starter(model: ModelConfig, rollout: RolloutConfig, weight_sync: WeightSyncConfig,
                      *, model_path: str, device: torch.device, lora: dict | None,
-                     warmup: dict | None) -> EngineStarter:
+                     warmup: dict | None, share_trunk: bool = False,
+                     flash_ratio: float | None = None) -> EngineStarter:
     """The start function of one embedded engine process and its weight sender.
     ``lora``: the engine's LoRA layers (adapter-mode sync), else None; ``warmup``: the
-    geometry compiled before the first rollout, or None."""
+    geometry compiled before the first rollout, or None; ``share_trunk`` / ``flash_ratio``:
+    the shared ODE trunk (Flow-GRPO-Fast, MixGRPO) and MixGRPO-Flash's tail
+    (``trainer.engine.embedded.trunk``)."""
     def start() -> tuple[Any, Any]:
         send_end, recv_end = ipc.channel_pair()
         engine = launch_embedded_engine(
@@ -70,7 +73,8 @@ def embedded_starter(model: ModelConfig, rollout: RolloutConfig, weight_sync: We
             dtype=rollout.engine_dtype, lora=lora, weight_sync_conn=recv_end,
             compile=model.compile, warmup=warmup,
             call_timeout_floor_s=rollout.engine_timeout_floor_s,
-            call_timeout_per_image_s=rollout.engine_timeout_per_sample_s)
+            call_timeout_per_image_s=rollout.engine_timeout_per_sample_s,
+            share_trunk=share_trunk, flash_ratio=flash_ratio)
         sender = ipc.WeightSender(send_end, backend=weight_sync.backend,
                                   bucket_bytes=weight_sync.bucket_size_mb << 20,
                                   timeout_s=weight_sync.timeout_s)

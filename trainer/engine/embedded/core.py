@@ -37,6 +37,8 @@ from trainer.utils.dtypes import RUN_DTYPES, TORCH_DTYPES
 from trainer.engine.embedded.lora_merge import LoraMerger
 from trainer.engine.embedded.request import GenerateSpec, parse_generate_request
 from trainer.engine.embedded.sampler import denoise
+from flowgrpo_kernels.ode_solvers import compress_tail, solve_tail
+from trainer.engine.embedded.trunk import plan_trunk, run_trunk, select_rows
 from trainer.models.base import GenerativeModelAdapter
 from trainer.models.compile import compile_blocks, compile_events, compile_wanted
 from trainer.models.guidance import guided_velocity, with_negative
@@ -103,8 +105,11 @@ class EngineCore:
     def __init__(self, adapter: GenerativeModelAdapter, transformer: nn.Module,
                  frozen: dict[str, Any], *, device: str | torch.device,
                  receiver_factory: Callable[..., Any] | None = None, lora: bool = False,
-                 merge_lora: bool = False) -> None:
+                 merge_lora: bool = False, share_trunk: bool = False,
+                 flash_ratio: float | None = None) -> None:
         self.adapter = adapter
+        self.share_trunk = share_trunk  # trainer.engine.embedded.trunk
+        self.flash_ratio = flash_ratio  # MixGRPO-Flash's tail compression; None: Euler
         self.transformer = transformer.eval().requires_grad_(False)
         self.frozen = frozen
         self.device = torch.device(device)
@@ -136,7 +141,8 @@ class EngineCore:
     def load(cls, *, adapter_path: str, model_path: str, adapter_options: dict | None,
              device: str, dtype: str, lora: dict | None, weight_sync_conn: Any = None,
              receiver_backend: str = "auto", compile: str = "none",
-             warmup: dict | None = None) -> "EngineCore":
+             warmup: dict | None = None, share_trunk: bool = False,
+             flash_ratio: float | None = None) -> "EngineCore":
         check_launch_args(adapter_path=adapter_path, model_path=model_path, device=device,
                           dtype=dtype, lora=lora)
         dev = torch.device(device)
@@ -164,7 +170,8 @@ class EngineCore:
             compile_blocks(adapter.transformer_blocks(transformer), adapter.block_dynamic_dims)
             adapter.compile_frozen(frozen)
         core = cls(adapter, transformer, frozen, device=dev, receiver_factory=factory,
-                   lora=bool(lora), merge_lora=bool(lora) and bool(lora.get("merge", True)))
+                   lora=bool(lora), merge_lora=bool(lora) and bool(lora.get("merge", True)),
+                   share_trunk=share_trunk, flash_ratio=flash_ratio)
         if warmup:
             core.warm_up(**warmup)
         return core
@@ -269,6 +276,22 @@ class EngineCore:
                                dtype=torch.float32)
         return x_t, own_noise
 
+    def _flash_tail(self, x: torch.Tensor, velocity, sigmas: list[float],
+                    first: int) -> torch.Tensor:
+        """MixGRPO-Flash's ODE tail from ``sigmas[first]`` (flowgrpo_kernels.ode_solvers)."""
+        tail = compress_tail([float(v) for v in sigmas[first:]],
+                             steps_after=len(sigmas) - first, ratio=self.flash_ratio)
+        rows = x.shape[0]
+        x, _ = solve_tail(x, lambda z, sigma: velocity(
+            z, torch.full((rows,), sigma, dtype=torch.float32, device=z.device)), tail)
+        return x
+
+    def _velocity_rows(self, x: torch.Tensor, sigma: torch.Tensor,
+                       conditions: dict[str, torch.Tensor], spec: GenerateSpec) -> torch.Tensor:
+        with self.meter.region("transformer", self.device):
+            return guided_velocity(self.adapter, self.transformer, x, sigma, conditions,
+                                   spec.height, spec.width, spec.guidance_scale)
+
     def generate(self, request: dict[str, Any]) -> dict[str, Any]:
         """Serve one rollout request (``trainer.models.wire``); tensors stay on the device."""
         with self._lock:
@@ -294,9 +317,25 @@ class EngineCore:
                         return guided_velocity(self.adapter, self.transformer, x, sigma, conditions,
                                                h, w, spec.guidance_scale)
 
-                out = denoise(velocity, x_t, spec.sigmas, spec.sde_indices, eta=spec.eta,
-                              sde_type=spec.sde_type, noise_fn=noise_fn,
+                # a group sharing x_T and its ODE trunk computes the trunk once (trunk.py)
+                plan = plan_trunk(spec.initial_noise_ids, spec.prompts, spec.sde_indices) \
+                    if self.share_trunk else None
+                k, x_start, step_noise = 0, x_t, noise_fn
+                if plan is not None:
+                    trunk_conditions = select_rows(conditions, plan.unique)
+                    x_start = run_trunk(plan, lambda x, s: self._velocity_rows(
+                        x, s, trunk_conditions, spec), x_t, spec.sigmas)
+                    k = plan.branch_step
+                    step_noise = lambda i: noise_fn(i + k)  # noqa: E731 (the schedule's own index)
+                # MixGRPO-Flash: after the last SDE step, DPM-Solver++(2M) on a compressed tail
+                stop = len(spec.sigmas) if self.flash_ratio is None or not spec.sde_indices \
+                    else max(spec.sde_indices) + 2
+                out = denoise(velocity, x_start, spec.sigmas[k:stop],
+                              [i - k for i in spec.sde_indices],
+                              eta=spec.eta, sde_type=spec.sde_type, noise_fn=step_noise,
                               record=spec.return_trajectory, sde_options=spec.sde_options())
+                if stop < len(spec.sigmas):
+                    out.final = self._flash_tail(out.final, velocity, spec.sigmas, stop - 1)
                 with nvtx_range("rollout/vae_decode"), self.meter.region("vae", self.device):
                     images = self.adapter.decode(self.frozen, out.final, h, w)
             if self.device.type == "cuda":
@@ -329,6 +368,7 @@ class EngineCore:
                     "latents": out.trajectory,
                     "timesteps": self.adapter.timesteps_from_sigmas(sig),
                     "sigmas": sig,
+                    "final": out.final,  # x_0 (DiffusionNFT trains on it)
                 }
             if spec.return_env:
                 response["denoising_env"] = conditions

@@ -62,7 +62,9 @@ def launch_embedded_engine(*, adapter_path: str, model_path: str, adapter_option
                            startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
                            compile: str = "none", warmup: dict | None = None,
                            call_timeout_floor_s: float | None = None,
-                           call_timeout_per_image_s: float = 0.0) -> EngineClient:
+                           call_timeout_per_image_s: float = 0.0,
+                           share_trunk: bool = False,
+                           flash_ratio: float | None = None) -> EngineClient:
     """Start one embedded engine and return its client.
 
     ``device``: "cpu" or "cuda:<j>" (the rank's own GPU; the spawned process sees the same
@@ -74,7 +76,11 @@ def launch_embedded_engine(*, adapter_path: str, model_path: str, adapter_option
     CPU runs) instead of spawning one. ``call_timeout_floor_s`` / ``call_timeout_per_image_s``:
     the deadline of every call of a spawned engine, floor + per image requested (None: none).
     ``compile``: the transformer's ``model.compile`` setting; ``warmup``: {"height", "width",
-    "batch"} to run (and compile) before the first request. Bad arguments raise one ValueError
+    "batch"} to run (and compile) before the first request. ``share_trunk``: a group sharing x_T
+    runs its ODE steps before the first SDE step once (trainer.engine.embedded.trunk; the
+    Fast / MixGRPO algorithms turn it on). ``flash_ratio``: MixGRPO-Flash, the steps after a
+    request's last SDE step taken by DPM-Solver++(2M) on a schedule compressed by this ratio
+    (flowgrpo_kernels.ode_solvers). Bad arguments raise one ValueError
     before anything loads; a failed load raises with the engine's traceback.
     """
     check_launch_args(adapter_path=adapter_path, model_path=model_path, device=device,
@@ -85,7 +91,8 @@ def launch_embedded_engine(*, adapter_path: str, model_path: str, adapter_option
     spec = {"adapter_path": adapter_path, "model_path": str(model_path),
             "adapter_options": dict(adapter_options or {}), "device": str(device),
             "dtype": dtype, "lora": dict(lora) if lora else None, "compile": compile,
-            "warmup": dict(warmup) if warmup else None}
+            "warmup": dict(warmup) if warmup else None, "share_trunk": bool(share_trunk),
+            "flash_ratio": None if flash_ratio is None else float(flash_ratio)}
     if in_process:
         core = EngineCore.load(**spec, weight_sync_conn=weight_sync_conn)
         servers: tuple[Any, ...] = ()

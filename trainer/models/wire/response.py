@@ -43,7 +43,7 @@ def coerce_response(response: Mapping[str, Any]) -> tuple[dict[str, Any], list[s
     traj = out.get("dit_trajectory")
     if isinstance(traj, Mapping):
         traj = dict(traj)
-        for key in ("latents", "timesteps", "sigmas"):
+        for key in ("latents", "timesteps", "sigmas", "final"):  # final: x_0, optional
             if key in traj:
                 traj[key] = _as_tensor(traj[key], f"dit_trajectory.{key}", problems)
         out["dit_trajectory"] = traj
@@ -263,4 +263,6 @@ def pack(adapter: WireModel, response: Any, request: Mapping[str, Any]) -> "Roll
         guidance_scale=float(request.get("guidance_scale", 1.0)),
         sde_options={"sigma_one": extra.get("sigma_one", "refuse"),
                      "log_prob_form": extra.get("log_prob_form", "gaussian")},
+        final_latents=traj.get("final"),
+        schedule=sigmas,
     )
