@@ -481,6 +481,22 @@ def as_served(named) -> dict[str, torch.Tensor]:
     return {served: t for n, p in named for served, t in packer.add(n, p.detach())}
 
 
+def assert_served_and_sampled_from(trainer, adapter, server, old, new, step: int) -> None:
+    """The server holds ``new``'s weights, and the next rollout (version ``step + 1``) was
+    sampled by them: its recorded log-probs equal ``new``'s replay, not ``old``'s."""
+    from trainer.actor.replay import replay_log_probs
+
+    served = server.served_tensors()
+    assert all(torch.equal(served[n], p) for n, p in as_served(new.named_parameters()).items())
+    batch = trainer.rollout(step + 1)
+    assert batch.policy_version == step + 1
+    with torch.no_grad():
+        new_replay = replay_log_probs(adapter, new, batch, backend="torch")
+        old_replay = replay_log_probs(adapter, old, batch, backend="torch")
+    assert float((new_replay - batch.log_probs).abs().max()) < 2e-4
+    assert float((old_replay - batch.log_probs).abs().max()) > 2e-3
+
+
 def policy_copy(trainer, adapter):
     """Our diffusers transformer holding the trainer's current weights (a replay model)."""
     names = trainer._engine_names()

@@ -16,8 +16,8 @@ import urllib.request
 import pytest
 import torch
 
-from sglang_fixtures import (as_served as _as_served, policy_copy as _policy_copy,
-                             require_sglang, restore_torch_reductions, serve_sglang,
+from sglang_fixtures import (as_served as _as_served, assert_served_and_sampled_from,
+                             policy_copy as _policy_copy, require_sglang, restore_torch_reductions, serve_sglang,
                              trainer_overrides)
 
 from trainer.models.qwen_image import QwenImageAdapter
@@ -330,7 +330,6 @@ def test_training_run_samples_every_rollout_from_the_weights_it_synced(server, t
     updater into the native DiT and its checker verifies them (the version advances only
     then), and the next rollout is sampled by them: its recorded log-probs are the new
     policy's replay, not the old one's."""
-    from trainer.actor.replay import replay_log_probs
     from trainer.config import load_config
     from trainer.loop import Trainer
     from trainer.preflight import preflight
@@ -350,16 +349,7 @@ def test_training_run_samples_every_rollout_from_the_weights_it_synced(server, t
             kinds = [type(r).__name__ for r in server.weight_requests[seen:]]
             assert kinds[-1] == "UpdateWeightFromTensorCheckerReqInput"
             assert trainer.policy_version == trainer.engine.committed_version == step + 1
-            served = server.served_tensors()
-            assert all(torch.equal(served[n], p)
-                       for n, p in _as_served(new.named_parameters()).items())
-            batch = trainer.rollout(step + 1)
-            assert batch.policy_version == step + 1
-            with torch.no_grad():
-                new_replay = replay_log_probs(adapter, new, batch, backend="torch")
-                old_replay = replay_log_probs(adapter, old, batch, backend="torch")
-            assert float((new_replay - batch.log_probs).abs().max()) < 2e-4
-            assert float((old_replay - batch.log_probs).abs().max()) > 2e-3
+            assert_served_and_sampled_from(trainer, adapter, server, old, new, step)
     finally:
         trainer.close()
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang_fixtures import (as_served, policy_copy, require_sglang, serve_sglang,
-                             trainer_overrides)
+from sglang_fixtures import (assert_served_and_sampled_from, policy_copy, require_sglang,
+                             serve_sglang, trainer_overrides)
 
 from trainer.engine.sglang.client import SGLangEngineClient
 
@@ -214,7 +214,6 @@ def test_training_run_through_the_extension_transport_samples_from_the_synced_we
     through our transport into the native DiT (manifest, checksum, commit; no SGLang weight
     route is called), and the next rollout is sampled by them: its recorded log-probs are the
     new policy's replay, not the old one's."""
-    from trainer.actor.replay import replay_log_probs
     from trainer.config import load_config
     from trainer.engine.sglang.transport import SGLangTransport
     from trainer.loop import Trainer
@@ -236,16 +235,7 @@ def test_training_run_through_the_extension_transport_samples_from_the_synced_we
             new = policy_copy(trainer, adapter)
             assert trainer.policy_version == trainer.engine.committed_version == step + 1
             assert metrics["train/weight_sync_tensors"] > 0
-            served = server.served_tensors()
-            assert all(torch.equal(served[n], p)
-                       for n, p in as_served(new.named_parameters()).items())
-            batch = trainer.rollout(step + 1)
-            assert batch.policy_version == step + 1
-            with torch.no_grad():
-                new_replay = replay_log_probs(adapter, new, batch, backend="torch")
-                old_replay = replay_log_probs(adapter, old, batch, backend="torch")
-            assert float((new_replay - batch.log_probs).abs().max()) < 2e-4
-            assert float((old_replay - batch.log_probs).abs().max()) > 2e-3
+            assert_served_and_sampled_from(trainer, adapter, server, old, new, step)
         assert server.weight_requests[weight_routes:] == []  # the stock routes were never used
     finally:
         trainer.close()
