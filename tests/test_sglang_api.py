@@ -459,7 +459,8 @@ def test_extension_config_against_a_stock_server_is_an_error(server, tiny_model_
     overrides = trainer_overrides(tiny_model_dir("qwen_image"), server.url, tmp_path)
     cfg = load_config("tiny", overrides + ["rollout.sglang_extension=true"])
     with pytest.raises(TransportError, match="SGLANG_PLUGINS=flowgrpo"):
-        connect_sglang(cfg, 0, tmp_path, server.adapter)
+        connect_sglang(cfg.model, cfg.rollout, cfg.lora, cfg.weight_sync, 0, tmp_path,
+                       server.adapter)
 
 
 def test_a_saved_checkpoint_makes_the_next_sync_verify_every_tensor(server, tiny_model_dir,

@@ -247,7 +247,8 @@ def _connect(server, tiny_model_dir, tmp_path):
 
     overrides = trainer_overrides(tiny_model_dir("qwen_image"), server.url, tmp_path)
     cfg = load_config("tiny", overrides + ["rollout.sglang_extension=true"])
-    return connect_sglang(cfg, 0, tmp_path, server.adapter)
+    return connect_sglang(cfg.model, cfg.rollout, cfg.lora, cfg.weight_sync, 0, tmp_path,
+                          server.adapter)
 
 
 def test_receivers_turned_off_fall_back_to_the_stock_sync_with_a_warning(

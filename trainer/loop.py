@@ -29,6 +29,7 @@ from trainer.checkpoint.contract import (adapter_contract, sampling_fingerprint,
 from trainer.checkpoint.layout import ADAPTER_CONTRACT, WEIGHT_SYNC_MANIFEST
 from trainer.checkpoint.save import checkpoint_root
 from trainer.algorithms import algorithm_noise_steps, training_sampling
+from trainer.actor.update import train_on
 from trainer.algorithms.nft_step import nft_train_on
 from trainer.checkpoint.trained import worth_saving
 from trainer.config import Config, write_resolved
@@ -75,8 +76,10 @@ def build_checkpointer(cfg: Config, *, actor: Actor, state, adapter, model_path:
     manifest and the adapter contract beside them."""
     ck = cfg.checkpoint
     fingerprint = sampling_fingerprint(driver, cfg.rollout.sampling)
+
     def contract() -> dict:
-        return adapter_contract(cfg, adapter, model_path)
+        return adapter_contract(cfg.model, cfg.lora, cfg.sync_mode, adapter, model_path,
+                                base_hash=ck.base_hash)
 
     def record() -> dict:
         return {"task": cfg.model.task, "adapter": cfg.model.adapter_path,
@@ -88,8 +91,9 @@ def build_checkpointer(cfg: Config, *, actor: Actor, state, adapter, model_path:
                 "torch_version": torch.__version__, "time": time.time()}
 
     def sidecars() -> dict[str, tuple[dict, int | None]]:
-        return {WEIGHT_SYNC_MANIFEST: (weight_sync_manifest(actor.model, cfg, adapter), None),
-                ADAPTER_CONTRACT: (contract(), 2)}
+        manifest = weight_sync_manifest(actor.model, cfg.sync_mode, cfg.rollout.engine_dtype,
+                                        adapter)
+        return {WEIGHT_SYNC_MANIFEST: (manifest, None), ADAPTER_CONTRACT: (contract(), 2)}
     parts = {"fsdp": actor} if actor.ema is None else {"fsdp": actor, "ema": actor.ema}
     return Checkpointer(root=checkpoint_root(ck.save, cfg.logging.run_dir),
                         task=cfg.model.task, parts=parts, state=state, record=record,
@@ -194,7 +198,8 @@ class Trainer(TrainerState):
         """The rollout service (engine + weight sender) and its two drivers."""
         cfg, r = self.cfg, self.cfg.rollout
         if r.engine == "sglang":
-            start = functools.partial(connect_sglang, cfg, self.rank, self.run_dir, self.adapter)
+            start = functools.partial(connect_sglang, cfg.model, r, cfg.lora, cfg.weight_sync,
+                                      self.rank, self.run_dir, self.adapter)
         else:
             start = embedded_starter(
                 cfg.model, r, cfg.weight_sync, model_path=self.model_path, device=self.device,
@@ -337,7 +342,7 @@ class Trainer(TrainerState):
                 metrics.update(nft_train_on(actor, batch, advantages, rollout_id,
                                             self.cfg.rollout.sampling.timestep_fraction))
             else:
-                metrics.update(actor.train_on(batch, advantages, rollout_id))
+                metrics.update(train_on(actor, batch, advantages, rollout_id))
             state_onload.wait()  # a stage without an optimizer step must not leave it pending
         metrics.update(self._recovered("weight sync", self.sync_weights, collective=True))
         self._offload_after_train(actor_footprint(self.device) if first_measure else None)

@@ -20,7 +20,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-from trainer.actor import update
 from trainer.actor.model import offload_actor, onload_actor, strip_wrapper_names
 from trainer.checkpoint.layout import CheckpointError
 from trainer.checkpoint.shards import state_dicts
@@ -51,10 +50,6 @@ class Actor:
     def coll_device(self) -> torch.device:
         """Where this rank's small all-reduces run (NCCL needs the GPU, gloo the host)."""
         return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
-
-    def train_on(self, batch, advantages: torch.Tensor, rollout_id: int) -> dict[str, float]:
-        """Replay and update (``trainer.actor.update.train_on``)."""
-        return update.train_on(self, batch, advantages, rollout_id)
 
     # ---- Stateful (checkpoints) ---------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

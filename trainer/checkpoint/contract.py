@@ -100,27 +100,29 @@ def lora_scaling(contract: dict[str, Any]) -> float:
     return float(contract["alpha"]) / float(contract["rank"])
 
 
-def adapter_contract(cfg, adapter, model_path: str | Path) -> dict[str, Any]:
-    """The contract of the run described by ``cfg`` (the current one, or a saved one)."""
-    lora = cfg.lora.rank > 0
+def adapter_contract(model: Any, lora_cfg: Any, sync_mode: str, adapter, model_path: str | Path,
+                     *, base_hash: str = "sampled") -> dict[str, Any]:
+    """The contract of a run with these ``[model]`` and ``[lora]`` sections, weight-sync mode
+    and ``checkpoint.base_hash`` (the current run, or a saved one)."""
+    lora = lora_cfg.rank > 0
     targets = None
     if lora:
-        targets = cfg.lora.target_modules or adapter.lora_target_modules()
+        targets = lora_cfg.target_modules or adapter.lora_target_modules()
         targets = sorted(str(t) for t in targets)
     return {
         "mode": "lora" if lora else "full",
         "base_model_hash": base_model_hash(
-            model_path, cfg.model.revision,
-            full=getattr(cfg.checkpoint, "base_hash", "sampled") == "full"),
+            model_path, model.revision,
+            full=base_hash == "full"),
         "base_model_path": str(model_path),
-        "revision": cfg.model.revision,
-        "rank": int(cfg.lora.rank) if lora else 0,
-        "alpha": float(cfg.lora.alpha or cfg.lora.rank) if lora else 0.0,
-        "dropout": float(cfg.lora.dropout) if lora else 0.0,
+        "revision": model.revision,
+        "rank": int(lora_cfg.rank) if lora else 0,
+        "alpha": float(lora_cfg.alpha or lora_cfg.rank) if lora else 0.0,
+        "dropout": float(lora_cfg.dropout) if lora else 0.0,
         "target_modules": targets,
         "task_type": None,  # peft task type: diffusers transformers use the generic LoRA model
-        "task": cfg.model.task,
-        "weight_sync_mode": cfg.sync_mode,
+        "task": model.task,
+        "weight_sync_mode": sync_mode,
     }
 
 
@@ -181,13 +183,14 @@ class _MetaView:
         return iter(self._params)
 
 
-def weight_sync_manifest(model: torch.nn.Module, cfg, adapter=None) -> dict[str, Any]:
+def weight_sync_manifest(model: torch.nn.Module, sync_mode: str, engine_dtype: str,
+                         adapter=None) -> dict[str, Any]:
     """The per-step sync payload of this run as the embedded engine receives it: ordered
     (name, shape, source dtype, wire dtype) entries under the engine's names (the adapter's
     ``weight_name_map``, as the loop builds it), their count, bytes and hash (the same hash
     ``ipc`` checks on every sync)."""
-    mode = cfg.sync_mode
-    wire = TORCH_DTYPES.get(cfg.rollout.engine_dtype)
+    mode = sync_mode
+    wire = TORCH_DTYPES.get(engine_dtype)
     name_map = None
     if hasattr(adapter, "weight_name_map"):
         name_map = adapter.weight_name_map([strip_wrapper_names(n)

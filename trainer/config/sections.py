@@ -453,9 +453,14 @@ class Config:
     @property
     def sync_mode(self) -> str:
         """The weight-sync payload, derived from the LoRA flags (derived, never set against them: docs/design.md#weight-sync)."""
-        if self.lora.rank <= 0:
-            return "full"
-        return "adapter" if self.lora.adapter_mode else "merge"
+        return lora_sync_mode(self.lora)
+
+
+def lora_sync_mode(lora: LoRAConfig) -> str:
+    """The weight-sync payload of a run with this ``[lora]`` section: full, adapter or merge."""
+    if lora.rank <= 0:
+        return "full"
+    return "adapter" if lora.adapter_mode else "merge"
 
 
 class ConfigError(ValueError):

@@ -313,7 +313,7 @@ def _check_launch(c: Checker) -> None:
             # Local: trainer.engine imports torch, and preflight stays torch-free unless the
             # run talks to SGLang.
             from trainer.engine.sglang.sync import sglang_config_problems
-            for problem in sglang_config_problems(c.cfg):
+            for problem in sglang_config_problems(c.cfg.model, c.cfg.rollout, c.cfg.lora):
                 c.error(problem)
         elif r.sglang_urls:
             c.warn(f"{flagged('rollout.sglang_urls')} is ignored with rollout.engine='embedded'")

@@ -45,6 +45,7 @@ import torch.multiprocessing  # noqa: F401  (registers torch's reductions)
 from safetensors.torch import save_file
 from torch.multiprocessing import reductions
 
+from trainer.config.sections import lora_sync_mode
 from trainer.engine.embedded.client import EngineError
 from trainer.engine.sglang.client import SGLangEngineClient
 from trainer.engine.sglang.lora import LoraBases, lora_layer, lora_pairs, pair_buckets
@@ -398,21 +399,22 @@ def _family_problems(adapter_path: str) -> list[str]:
             "SGLang serves"]
 
 
-def sglang_config_problems(cfg: Any) -> list[str]:
-    """Preflight: why ``cfg`` cannot train on its SGLang servers ([] when it can)."""
-    r = cfg.rollout
+def sglang_config_problems(model: Any, rollout: Any, lora: Any) -> list[str]:
+    """Preflight: why a run with these ``[model]``, ``[rollout]`` and ``[lora]`` sections
+    cannot train on its SGLang servers ([] when it can)."""
+    r, sync_mode = rollout, lora_sync_mode(lora)
     problems = [f"rollout.sampling: {p}" for p in
                 stock_problems(r.sampling.to_dict(), extension=bool(r.sglang_extension))]
-    problems += _family_problems(cfg.model.adapter_path)
+    problems += _family_problems(model.adapter_path)
     if r.sglang_weight_sync not in ("tensor", "disk"):
         problems.append(f"rollout.sglang_weight_sync must be 'tensor' or 'disk', "
                         f"got {r.sglang_weight_sync!r}")
-    elif r.sglang_weight_sync == "disk" and cfg.sync_mode == "adapter":
+    elif r.sglang_weight_sync == "disk" and sync_mode == "adapter":
         problems.append("rollout.sglang_weight_sync='disk' reloads full weights: LoRA adapter "
                         "sync mode needs 'tensor' (SGLang's lora_merge), or drop adapter_mode")
-    alpha = cfg.lora.alpha or cfg.lora.rank
-    if cfg.sync_mode == "adapter" and float(alpha) != int(alpha):
-        problems.append(f"lora.alpha={cfg.lora.alpha!r}: SGLang's lora_merge takes an integer "
+    alpha = lora.alpha or lora.rank
+    if sync_mode == "adapter" and float(alpha) != int(alpha):
+        problems.append(f"lora.alpha={lora.alpha!r}: SGLang's lora_merge takes an integer "
                         "lora_alpha")
     conc = r.sglang_concurrency
     if isinstance(conc, bool) or not isinstance(conc, int) or conc < 1:
@@ -420,8 +422,8 @@ def sglang_config_problems(cfg: Any) -> list[str]:
     return problems
 
 
-def connect_sglang(cfg: Any, rank: int, run_dir: str | Path, adapter: Any
-                   ) -> tuple[Any, Any]:
+def connect_sglang(model: Any, rollout: Any, lora: Any, weight_sync: Any, rank: int,
+                   run_dir: str | Path, adapter: Any) -> tuple[Any, Any]:
     """(client, sender) for this rank's SGLang server: an SGLang run always has a sender, so
     the server can never keep serving the base weights while the actor trains. The loop's
     first sync (at construction) fails, and with it the run, if the server cannot take one.
@@ -433,23 +435,23 @@ def connect_sglang(cfg: Any, rank: int, run_dir: str | Path, adapter: Any
     server setup behind a slower, sampled verification. A server started with
     ``FLOWGRPO_WEIGHT_RECEIVER=0`` (receivers deliberately off) gets the stock path, with a
     warning."""
-    r = cfg.rollout
-    problems = sglang_config_problems(cfg)
+    r, sync_mode = rollout, lora_sync_mode(lora)
+    problems = sglang_config_problems(model, rollout, lora)
     if problems:
         raise ValueError("engine 'sglang':\n  - " + "\n  - ".join(problems))
     url = r.sglang_urls[rank]
     client = SGLangEngineClient(url, embedded=False, concurrency=r.sglang_concurrency,
                                 extension=bool(r.sglang_extension))
     if r.sglang_extension:
-        transport = _extension_transport(cfg, client, url)
+        transport = _extension_transport(sync_mode, weight_sync, client, url)
         if transport is not None:
             return client, transport
     lora = None
-    if cfg.sync_mode == "adapter":
-        lora = (cfg.lora.alpha or cfg.lora.rank, cfg.lora.rank)
+    if sync_mode == "adapter":
+        lora = (lora.alpha or lora.rank, lora.rank)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(r.engine_dtype)
     sender = SGLangWeightSync(client, transport=r.sglang_weight_sync, dtype=dtype,
-                              bucket_bytes=cfg.weight_sync.bucket_size_mb << 20,
+                              bucket_bytes=weight_sync.bucket_size_mb << 20,
                               disk_dir=Path(run_dir) / "sglang_weights" / f"rank{rank}", lora=lora,
                               served_dit=getattr(adapter, "sglang_dit", None))
     return client, sender
@@ -463,7 +465,8 @@ def _trainer_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _extension_transport(cfg: Any, client: SGLangEngineClient, url: str) -> Any:
+def _extension_transport(sync_mode: str, weight_sync: Any, client: SGLangEngineClient,
+                         url: str) -> Any:
     """``SGLangTransport`` to this rank's receiver; None when the server's receivers are
     turned off (connect_sglang's docstring says why that, and only that, falls back)."""
     import logging
@@ -478,10 +481,10 @@ def _extension_transport(cfg: Any, client: SGLangEngineClient, url: str) -> Any:
             "%s: syncing through the stock path (update_weights_from_tensor + sampled "
             "checker) instead of the extension's transport", exc)
         return None
-    if cfg.sync_mode == "adapter":
+    if sync_mode == "adapter":
         raise ValueError(f"{url}: the extension's weight receivers take full weights, not LoRA "
                          "adapters: train with lora.adapter_mode off (merged syncs), or start "
                          "the server with FLOWGRPO_WEIGHT_RECEIVER=0 (stock lora_merge path)")
     return SGLangTransport(pick_receiver(receivers, _trainer_device()), client=client,
-                           bucket_bytes=cfg.weight_sync.bucket_size_mb << 20,
-                           timeout_s=cfg.weight_sync.timeout_s)
+                           bucket_bytes=weight_sync.bucket_size_mb << 20,
+                           timeout_s=weight_sync.timeout_s)
