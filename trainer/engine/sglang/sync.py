@@ -446,13 +446,14 @@ def connect_sglang(model: Any, rollout: Any, lora: Any, weight_sync: Any, rank: 
         transport = _extension_transport(sync_mode, weight_sync, client, url)
         if transport is not None:
             return client, transport
-    lora = None
+    lora_scale = None  # (alpha, rank) for SGLang's lora_merge
     if sync_mode == "adapter":
-        lora = (lora.alpha or lora.rank, lora.rank)
+        lora_scale = (lora.alpha or lora.rank, lora.rank)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(r.engine_dtype)
     sender = SGLangWeightSync(client, transport=r.sglang_weight_sync, dtype=dtype,
                               bucket_bytes=weight_sync.bucket_size_mb << 20,
-                              disk_dir=Path(run_dir) / "sglang_weights" / f"rank{rank}", lora=lora,
+                              disk_dir=Path(run_dir) / "sglang_weights" / f"rank{rank}",
+                              lora=lora_scale,
                               served_dit=getattr(adapter, "sglang_dit", None))
     return client, sender
 
