@@ -37,7 +37,7 @@ def sd3_lora_run(tmp_path_factory):
         tr.optimizer.step()
         tr.optimizer.zero_grad()
     tr.next_rollout = tr.policy_version = 2
-    assert save_checkpoint(tr, 2) is not None
+    assert save_checkpoint(tr.checkpointer, 2) is not None
     from trainer.config import dump_toml
     (run / "config.toml").write_text(dump_toml(tr.cfg))
     rows = [{"step": 0, "eval/reward_mean": 0.25, "eval/ocr_mean": 0.25},

@@ -56,8 +56,10 @@ def test_slurm_script_rendezvous_two_nodes_on_one_host(tmp_path):
          "--set", "data.eval_prompt_data=none", "--rollout-batch-size", "2",
          "--n-samples-per-prompt", "4", "--set", "train.micro_batch_size=2"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-    logs = [(tmp_path / f"node{n}.log").read_text() for n in (0, 1)]
-    assert done.returncode == 0, done.stderr[-2000:] + "\n----\n".join(x[-3000:] for x in logs)
+    logs = [(tmp_path / f"node{n}.log").read_text() if (tmp_path / f"node{n}.log").exists()
+            else f"(node{n}.log was never written: srun did not start it)" for n in (0, 1)]
+    assert done.returncode == 0, (done.stdout[-2000:] + done.stderr[-2000:] + "\n----\n"
+                                  + "\n----\n".join(x[-3000:] for x in logs))
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "perf/step_time" in r] == [1]
     state = json.loads(next(run.glob("checkpoints/t2i/iter_*/trainer_state.json")).read_text())
