@@ -57,16 +57,16 @@ def test_trainer_collects_during_the_rollout_and_trains_the_same(make_trainer, m
     """With train.gc=rollout no automatic collection runs in the train stage, one runs per
     rollout while the engine works, and the weights after two steps equal Python's schedule's
     bit for bit; closing the trainer gives the process its schedule back."""
-    import trainer.actor.update as update_module
+    import trainer.loop as loop_module
 
     seen = []
-    real_train_on = update_module.train_on
+    real_train_on = loop_module.train_on
 
     def recording(*args, **kwargs):
         seen.append(gc.isenabled())
         return real_train_on(*args, **kwargs)
 
-    monkeypatch.setattr(update_module, "train_on", recording)
+    monkeypatch.setattr(loop_module, "train_on", recording)  # the loop's train stage
     weights = {}
     for mode in ("python", "rollout"):
         trainer = make_trainer([f"train.gc={mode}"])
