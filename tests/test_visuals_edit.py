@@ -91,10 +91,10 @@ def test_training_pictures_take_sources_as_a_fourth_item(tmp_path):
                               last_samples=(torch.from_numpy(_solid(BLUE, 16, 16)[None]),
                                             ["make it blue"], torch.tensor([0.7]),
                                             [(_solid(RED, 16, 16),)]))
-    log_pictures(trainer, 2, evaluated=False)
+    log_pictures(trainer.metrics, trainer.run_dir, 2, trainer.last_samples, evaluated=False)
     saved = np.asarray(Image.open(tmp_path / "train_samples" / "step00002.png").convert("RGB"))
     assert (saved == RED).all(-1).any() and (saved == BLUE).all(-1).any()
     trainer.last_samples = trainer.last_samples[:3]  # text-to-image: the three items as before
-    log_pictures(trainer, 3, evaluated=False)
+    log_pictures(trainer.metrics, trainer.run_dir, 3, trainer.last_samples, evaluated=False)
     saved = np.asarray(Image.open(tmp_path / "train_samples" / "step00003.png").convert("RGB"))
     assert not (saved == RED).all(-1).any() and (saved == BLUE).all(-1).any()
