@@ -106,11 +106,12 @@ def prepare_work(prefix: str, layers: int, tiny: bool,
 
 def step_overrides(mode: str, model_dir: Path, reward_dir: Path | None, args, work: Path,
                    groups: int = 1, run_dir: Path | None = None) -> tuple[str, list[str]]:
-    """(recipe, --set overrides) of the benchmarked step: ``groups`` prompts x 8 candidates
-    (bench_multi_gpu.py passes one group per GPU), prompts from ``work``, the run in
-    ``run_dir`` (default ``work/run_<mode>``), everything else as the docstring says."""
+    """(recipe, --set overrides) of the benchmarked step: ``groups`` prompts x
+    ``args.candidates`` candidates (bench_multi_gpu.py passes one group per GPU), prompts from
+    ``work``, the run in ``run_dir`` (default ``work/run_<mode>``), everything else as the
+    docstring says."""
     lora = mode == "lora"
-    n = 8
+    n = getattr(args, "candidates", 8)
     run_dir = run_dir or work / f"run_{mode}"
     sets = [f"model.model_path={model_dir}", f"rollout.rollout_batch_size={groups}",
             f"rollout.n_samples_per_prompt={n}", f"rollout.global_batch_size={groups * n}",
@@ -124,6 +125,9 @@ def step_overrides(mode: str, model_dir: Path, reward_dir: Path | None, args, wo
             f"train.micro_batch_size={args.micro_batch}", f"launch.device={args.device}"]
     if args.tiny:
         sets += ['rollout.sampling={"height": 64, "width": 64}']
+    elif getattr(args, "resolution", None):
+        side = int(args.resolution)
+        sets += [f'rollout.sampling={{"height": {side}, "width": {side}}}']
     if reward_dir is None:
         sets += ["reward.runtime=cpu", "reward.scorer_path=trainer.rewards.jpeg."
                  "JpegCompressibilityScorer", "reward.required_components=[]", "reward.model_path=none",
@@ -266,7 +270,7 @@ def add_floors(results: list[dict], model_dir: Path, args) -> dict:
     the pi_old anchor for the samples of updates after the first, and per update one clip +
     fused AdamW step over fp32 parameters of the trained shapes."""
     steps, tokens = 3, text_tokens(str(model_dir))
-    samples = 8 * args.groups
+    samples = args.candidates * args.groups
     floors: dict = {}
     for r in results:
         rows = int(r["micro_batch"] or args.micro_batch) * steps
@@ -331,7 +335,7 @@ def print_table(results: list[dict], extra: dict, args) -> None:
     dev = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"\n| row | step s | rollout s | train s | train ms/transition | floor ms/transition"
           f" | ratio / to work floor | engine img/s | micro-batch | peak GB | recompiles | ratio0 | parity |"
-          f" ({dev}, {args.layers} layers, {8 * args.groups} samples)")
+          f" ({dev}, {args.layers} layers, {args.candidates * args.groups} samples)")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         st = r["stage_times"]
@@ -340,7 +344,7 @@ def print_table(results: list[dict], extra: dict, args) -> None:
               f"{r.get('floor_ms_per_transition', float('nan')):.2f} | "
               f"{r.get('floor_ratio', float('nan')):.2f} / "
               f"{r.get('work_floor_ratio', float('nan')):.2f} | "
-              f"{8 * args.groups / st.get('perf/rollout_time', float('nan')):.1f} | "
+              f"{args.candidates * args.groups / st.get('perf/rollout_time', float('nan')):.1f} | "
               f"{r['micro_batch']} | {r['peak_gb']:.1f} | {r['recompiles']} | "
               f"{r['first_update_ratio']} | {r['logp_parity']} |")
         print("  stages:", {k: round(v, 4) for k, v in st.items()})
@@ -375,7 +379,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rollouts", type=int, default=4)
     p.add_argument("--micro-batch", default="auto")
     p.add_argument("--groups", type=int, default=1,
-                   help="prompts per step (x 8 candidates); 8 = the recipes' global batch of 64")
+                   help="prompts per step (x --candidates); 8 x 8 = the recipes' global batch of 64")
+    p.add_argument("--candidates", type=int, default=8,
+                   help="samples per prompt (the GRPO group); VeRL-Omni's Qwen-Image runs use 16")
+    p.add_argument("--resolution", type=int, default=None,
+                   help="square side in pixels (default: the recipe's 384)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--model-dir", type=Path, default=None,

@@ -11,6 +11,8 @@
 #                                        peer     the peer, beside the LoRA row at its settings
 #                                                 and the LoRA row with the peer's pi_old
 #                                        offload  both modes with the colocate offloads forced
+#                                        fullsize the 60-block Qwen-Image at 512², one group
+#                                                 of 16, LoRA r64 (VeRL-Omni's geometry)
 #                                        nsys     two-step Nsight captures (REVS="after before")
 #                                                 and the train stages' GPU idle gaps
 #                                        profile  torch.profiler of one train stage + its floor
@@ -74,12 +76,20 @@ purpose_step() {
       --diffusers --rollouts 6 ${STEP_ARGS:-}
     ;;
   peer)
-    TAIL=14 step peer "${SECS2:-230}" $STEP --out "$LOGS/peer.json" --modes lora --no-offload \
-      --micro-batch 4 --label "mb4-no-offload-" --peer ${STEP_ARGS:-}
+    TAIL=16 step peer "${SECS2:-230}" $STEP --out "$LOGS/peer.json" --modes lora --no-offload \
+      --micro-batch 4 --label "mb4-no-offload-" --peer --strong-peer ${STEP_ARGS:-}
     # the peer's algorithm exactly: pi_old from the sampling log-probs, no anchor forward
     TAIL=8 step engine_anchor "${SECS3:-150}" $STEP --out "$LOGS/engine_anchor.json" --modes lora \
       --no-offload --micro-batch 4 --label "mb4-no-offload-engine-anchor-" \
       --set train.anchor=engine ${STEP_ARGS:-}
+    ;;
+  fullsize)
+    # the full depth (60 blocks, about 20 B parameters) with the bench's one-layer text
+    # encoder, as a user with cached prompt embeddings; its directory is built on the machine
+    TAIL=16 step fullsize "${SECS:-560}" python3 bench/bench_step.py --layers 60 \
+      --model-dir "${FULL_MODEL:-/tmp/bench_qwen60}" --out "$LOGS/fullsize.json" --modes lora \
+      --candidates 16 --groups "${FULL_GROUPS:-1}" --resolution 512 --rollouts "${ROLLOUTS:-3}" \
+      --label "fullsize-512-g16-" ${STEP_ARGS:-}
     ;;
   offload)
     TAIL=14 step offload_always "${SECS:-300}" $STEP --out "$LOGS/always.json" --modes lora full \
@@ -117,7 +127,7 @@ purpose_step() {
     TAIL=8 step profile_train "${SECS:-300}" python3 bench/profile_train.py --model-dir "$MODEL" \
       --out "$LOGS/profile" ${STEP_ARGS:-}
     ;;
-  *) echo "unknown step variant '$1' (default, peer, offload, nsys, profile, attention," \
+  *) echo "unknown step variant '$1' (default, peer, fullsize, offload, nsys, profile, attention," \
        "accumulate, textlen, optimizer)" >&2
      FAILED+=("step:$1") ;;
   esac
@@ -207,7 +217,7 @@ list_purposes() {
   for p in $PURPOSES; do
     echo "$p:"
     if [ "$p" = step ]; then
-      for v in default peer offload nsys profile attention accumulate textlen optimizer; do echo " step $v:"; purpose_step "$v"; done
+      for v in default peer fullsize offload nsys profile attention accumulate textlen optimizer; do echo " step $v:"; purpose_step "$v"; done
     else
       "purpose_$p"
     fi
