@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 
 import ipc
-from trainer.config import DEFAULT_SAMPLING, ModelConfig, RolloutConfig, WeightSyncConfig
+from trainer.config import ModelConfig, RolloutConfig, WeightSyncConfig
 from trainer.engine import launch_embedded_engine
 from trainer.models.compile import compile_wanted
 
@@ -49,11 +49,10 @@ def engine_warmup(rollout: RolloutConfig, compile: str, device: torch.device) ->
     if not compile_wanted(compile, device):
         return None
     sampling = rollout.sampling
-    return {"height": int(sampling.get("height", DEFAULT_SAMPLING["height"])),
-            "width": int(sampling.get("width", DEFAULT_SAMPLING["width"])),
+    return {"height": int(sampling.height), "width": int(sampling.width),
             # CFG runs the conditional and the empty-prompt halves as one forward
             "batch": (rollout.wave_size or 1) * rollout.n_samples_per_prompt
-            * (2 if float(sampling.get("guidance_scale", 1.0)) != 1.0 else 1)}
+            * (2 if float(sampling.guidance_scale) != 1.0 else 1)}
 
 
 def embedded_starter(model: ModelConfig, rollout: RolloutConfig, weight_sync: WeightSyncConfig,
