@@ -60,6 +60,17 @@ HEADLINES = (
              (("bench_step", "qwen8l-peer-mb4", "step_s"),
               ("bench_step", "qwen8l-mb4-no-offload-lora", "step_s")),
              "bench/peer_step.py"),
+    Headline("the strong peer (compiled blocks, batched trained steps, best attention) / this "
+             "trainer, same settings, same run",
+             (("bench_step", "qwen8l-peer-strong-mb4", "step_s"),
+              ("bench_step", "qwen8l-mb4-no-offload-lora", "step_s")),
+             "bench/peer_step.py --strong"),
+    Headline("one training step, full-size Qwen-Image (60 blocks, one-layer text encoder), one "
+             "group of 16 at 512², LoRA r64, rollout / train / step",
+             (("bench_step", "qwen60l-fullsize-512-g16-lora", "rollout_s"),
+              ("bench_step", "qwen60l-fullsize-512-g16-lora", "train_s"),
+              ("bench_step", "qwen60l-fullsize-512-g16-lora", "step_s")),
+             "16 images per step: 1.52 images per GPU-second"),
     Headline("train stage per trained transition over the compiled fwd+bwd floor of the same "
              "run, LoRA / full",
              (("bench_step", "qwen8l-lora", "floor_ratio"),
