@@ -51,6 +51,9 @@ def record_step(results: list[dict], extra: dict, args) -> None:
             rec.add(case, "offload_floor_ratio", r["offload_floor_ratio"], "x")
         rec.add(case, "peak_memory", r["peak_gb"], "GB")
         rec.add(case, "outside_compute_share", 100 * r["share_outside"], "%")
+        for stage in ("rollout", "train", "step"):  # from the adapter's FLOP count
+            if f"perf/mfu/{stage}" in stages:
+                rec.add(case, f"mfu_{stage}", 100 * stages[f"perf/mfu/{stage}"], "%")
     if "diffusers_images_per_s" in extra:
         rec.add(f"{setup}-diffusers-eager-pipeline", "images_per_s",
                 extra["diffusers_images_per_s"], "images/s")
