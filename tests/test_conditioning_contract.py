@@ -183,3 +183,19 @@ def test_a_text_to_image_sidecar_names_no_sources(setup, tmp_path):
         assert rows.sources is None
     finally:
         engine.close()
+
+
+def test_preflight_refuses_records_without_sources_for_the_edit_task(tmp_path):
+    from trainer.config import ConfigError, load_config
+    from trainer.preflight import preflight
+
+    _png(tmp_path / "ok.png", (200, 20, 20))
+    train = tmp_path / "train.jsonl"
+    train.write_text(json.dumps({"prompt": "make it blue", "images": ["ok.png"]}) + "\n"
+                     + json.dumps({"prompt": "a cat"}) + "\n")
+    cfg = load_config("toy", [f"logging.run_dir={tmp_path / 'run'}", "model.task=edit",
+                              f"data.prompt_data={train}", "data.eval_prompt_data=none"])
+    with pytest.raises(ConfigError) as err:
+        preflight(cfg)
+    assert (f"1 record(s) carry no source images (first at {train}:2) but "
+            "model.task='edit' edits them") in str(err.value)
