@@ -199,3 +199,27 @@ def test_preflight_refuses_records_without_sources_for_the_edit_task(tmp_path):
         preflight(cfg)
     assert (f"1 record(s) carry no source images (first at {train}:2) but "
             "model.task='edit' edits them") in str(err.value)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_the_http_engine_carries_the_reference_images(setup):
+    """The engine in its own process, asked over HTTP (the request's JSON as it is): the
+    same trajectory and conditions as in-process."""
+    from trainer.engine import SGLangEngineClient
+
+    adapter, engine, refs, model_dir = setup
+    request = adapter.build_rollout_request(
+        ["make it pop"] * 2, ["s0", "s1"], SAMPLING, rollout_id=0, seed=3,
+        images=[(refs["red"],), (refs["blue"], refs["green"])])
+    spawned = launch_embedded_engine(adapter_path=EDIT_ADAPTER_PATH, model_path=str(model_dir),
+                                     adapter_options=None, device="cpu", dtype="fp32", lora=None,
+                                     http_port=0)
+    try:
+        over_http = SGLangEngineClient(spawned.http_url).generate(request)
+    finally:
+        spawned.close()
+    here = engine.generate(request)
+    assert torch.equal(over_http["dit_trajectory"]["latents"], here["dit_trajectory"]["latents"])
+    for key in ("image_embeds", "image_mask"):
+        assert torch.equal(over_http["denoising_env"][key], here["denoising_env"][key]), key
