@@ -223,3 +223,13 @@ def test_the_http_engine_carries_the_reference_images(setup):
     assert torch.equal(over_http["dit_trajectory"]["latents"], here["dit_trajectory"]["latents"])
     for key in ("image_embeds", "image_mask"):
         assert torch.equal(over_http["denoising_env"][key], here["denoising_env"][key]), key
+
+
+def test_an_image_family_refuses_frames_in_the_request_and_at_the_engine(setup):
+    adapter, engine, refs, _ = setup
+    assert adapter.resolution_problems(Geometry(32, 32)) == []
+    assert "frames must be 1, got 5" in adapter.resolution_problems(Geometry(32, 32, 5))[0]
+    request = adapter.build_rollout_request(["a"], ["s0"], SAMPLING, rollout_id=0, seed=1,
+                                            images=[(refs["red"],)])
+    with pytest.raises(RequestError, match="frames must be 1, got 5"):
+        engine.generate({**request, "num_frames": 5})
