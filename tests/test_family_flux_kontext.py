@@ -169,3 +169,50 @@ def test_preflight_refuses_the_sglang_engine_for_kontext():
                                             "rollout.sampling.driver_sigmas=false"])
     problems = sglang_config_problems(cfg.model, cfg.rollout, cfg.lora)
     assert problems and all("flux_kontext" in p for p in problems), problems
+
+
+def test_the_adapter_export_loads_in_the_kontext_pipeline_as_the_merged_one(tiny_model_dir, refs, tmp_path):
+    """Two real optimizer steps of a LoRA on the Kontext forward, exported as a diffusers LoRA
+    and as a merged pipeline: FluxKontextPipeline.load_lora_weights on the base edits the
+    reference as the merged export does, and differently from the base."""
+    import test_checkpoint_harness as h
+    from diffusers import FluxKontextPipeline
+
+    from trainer.checkpoint import save_checkpoint
+    from trainer.cli import main as cli_main
+
+    base = tiny_model_dir(FAMILY)
+    tr = h.make_trainer(base, tmp_path / "ckpt", lora=True, adapter_cls=adapter_class(FAMILY),
+                        extra=["train.lr_warmup_iters=0", "train.lr=0.02"])
+    frozen = tr.adapter.load_frozen(device="cpu", dtype=torch.float32)
+    cond = tr.adapter.encode_conditions(frozen, ["make it blue"], [(refs["red"],)], GEOMETRY)
+    g = torch.Generator().manual_seed(0)
+    for step in range(2):
+        latents, target = (torch.randn(1, *tr.adapter.latent_shape(GEOMETRY), generator=g) for _ in range(2))
+        v = tr.adapter.velocity(tr.model, latents, torch.tensor([0.3 + 0.4 * step]), cond, GEOMETRY)
+        (v - target).square().mean().backward()
+        tr.optimizer.step()
+        tr.optimizer.zero_grad()
+    tr.next_rollout = tr.policy_version = 2
+    assert save_checkpoint(tr.checkpointer, 2) is not None
+    lora_dir, merged_dir = tmp_path / "lora", tmp_path / "merged"
+    assert cli_main(["export", "--save-dir", str(tmp_path / "ckpt"), "--output-dir", str(lora_dir),
+                     "--form", "adapter", "--verify"]) == 0
+    assert cli_main(["export", "--save-dir", str(tmp_path / "ckpt"), "--output-dir", str(merged_dir),
+                     "--form", "merged"]) == 0
+
+    def edit(pipe):
+        pipe.set_progress_bar_config(disable=True)
+        with torch.no_grad():
+            return pipe(image=refs["red"].open(), prompt="make it blue", height=H, width=W,
+                        max_area=H * W, _auto_resize=False, num_inference_steps=2, output_type="latent",
+                        generator=torch.Generator().manual_seed(1)).images
+
+    pipe = FluxKontextPipeline.from_pretrained(str(base))
+    base_out = edit(pipe)
+    pipe.load_lora_weights(str(lora_dir))
+    lora_out = edit(pipe)
+    merged_out = edit(FluxKontextPipeline.from_pretrained(str(merged_dir)))
+    torch.testing.assert_close(lora_out, merged_out, rtol=1e-4, atol=1e-5)
+    gap = (lora_out - base_out).abs().max().item()
+    assert gap > 100 * (lora_out - merged_out).abs().max().item() and gap > 1e-4
