@@ -6,6 +6,8 @@ its recorded log-probs are what the replay computes bit for bit, LoRA wraps the 
 targets, and preflight refuses the SGLang engine (SGLang 0.5.23 has no Kontext pipeline)."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -216,3 +218,20 @@ def test_the_adapter_export_loads_in_the_kontext_pipeline_as_the_merged_one(tiny
     torch.testing.assert_close(lora_out, merged_out, rtol=1e-4, atol=1e-5)
     gap = (lora_out - base_out).abs().max().item()
     assert gap > 100 * (lora_out - merged_out).abs().max().item() and gap > 1e-4
+
+
+def test_the_memory_plan_counts_the_reference_tokens_and_the_frozen_parts(tiny_model_dir):
+    """--dry-run's plan of the recipe on a Kontext model: the joint sequence is the output's
+    tokens and the reference's, and FLUX.1's encoders and VAE are counted in the engine."""
+    from trainer.compute.memory import plan_for_config
+    from trainer.config import load_config
+
+    cfg = load_config("flux-kontext-lora", [f"model.model_path={tiny_model_dir(FAMILY)}"])
+    t2i = load_config("flux-t2i-lora", [f"model.model_path={tiny_model_dir('flux')}"])
+    kontext_plan, t2i_plan = plan_for_config(cfg, 8), plan_for_config(t2i, 8)
+    tokens = [int(re.search(r"(\d+) image \+ at most 512 text tokens", p.title).group(1))
+              for p in (kontext_plan, t2i_plan)]
+    assert tokens[0] == 2 * tokens[1] > 0  # the tiny FLUX and Kontext models share their VAE
+    assert kontext_plan.activations[True] > t2i_plan.activations[True]
+    assert any("T5-XXL" in name for name in kontext_plan.terms)
+    assert not any("not counted" in note for note in kontext_plan.notes)
