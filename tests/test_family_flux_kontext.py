@@ -235,3 +235,22 @@ def test_the_memory_plan_counts_the_reference_tokens_and_the_frozen_parts(tiny_m
     assert kontext_plan.activations[True] > t2i_plan.activations[True]
     assert any("T5-XXL" in name for name in kontext_plan.terms)
     assert not any("not counted" in note for note in kontext_plan.notes)
+
+
+def test_the_stated_flops_are_those_of_the_joint_velocity_forward(loaded):
+    """The adapter's count (output + reference tokens) equals FlopCounterMode over ``velocity``
+    on [x_t; reference]: the MFU of a Kontext run counts what the engine and replay run."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    adapter, _, model = loaded
+    batch, text = 2, 5
+    config = adapter.transformer_config
+    x = adapter.initial_latents(["s0", "s1"], GEOMETRY, seed=0)
+    cond = {"prompt_embeds": torch.randn(batch, text, int(config["joint_attention_dim"])),
+            "pooled_prompt_embeds": torch.randn(batch, int(config["pooled_projection_dim"])),
+            "image_latents": torch.randn_like(x)}
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        adapter.velocity(model, x, torch.full((batch,), 0.5), cond, GEOMETRY)
+    stated = adapter.forward_flops(GEOMETRY, batch=batch, text_tokens=text)
+    assert stated.total == counter.get_total_flops()
