@@ -190,8 +190,9 @@ def _build_sd3(out: Path) -> None:
     ).save_pretrained(out)
 
 
-def _build_flux(out: Path, guidance_embeds: bool = True) -> None:
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+def _build_flux(out: Path, guidance_embeds: bool = True, pipeline_name: str = "FluxPipeline") -> None:
+    import diffusers
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import AutoTokenizer, CLIPTextModel
 
     clip_vocab = write_clip_tokenizer(out / "_clip_src")
@@ -204,7 +205,7 @@ def _build_flux(out: Path, guidance_embeds: bool = True) -> None:
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True,
                                                 base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
                                                 max_image_seq_len=4096)
-    FluxPipeline(
+    getattr(diffusers, pipeline_name)(
         scheduler=scheduler, vae=_kl_vae(0.3611, 0.1159),
         text_encoder=_clip_text(CLIPTextModel, clip_vocab, hidden=16),
         tokenizer=AutoTokenizer.from_pretrained(out / "_clip_src"),
@@ -278,8 +279,14 @@ def _build_qwen_image_edit_plus(out: Path) -> None:
     _build_qwen_image_edit(out, "QwenImageEditPlusPipeline")
 
 
+def _build_flux_kontext(out: Path) -> None:
+    """FLUX.1 Kontext: FLUX.1's tiny parts (the same transformer class), saved by its pipeline."""
+    _build_flux(out, pipeline_name="FluxKontextPipeline")
+
+
 _BUILDERS.update({"qwen_image_edit": _build_qwen_image_edit,
-                  "qwen_image_edit_plus": _build_qwen_image_edit_plus})
+                  "qwen_image_edit_plus": _build_qwen_image_edit_plus,
+                  "flux_kontext": _build_flux_kontext})
 
 
 def build_tiny_model_dir(family: str, root: Path | str, *, seed: int = 0) -> Path:
@@ -288,7 +295,7 @@ def build_tiny_model_dir(family: str, root: Path | str, *, seed: int = 0) -> Pat
     Weights are drawn under ``torch.manual_seed(seed)`` (the global RNG is restored after).
     """
     if family not in _BUILDERS:
-        raise ValueError(f"unknown family {family!r}; tiny models exist for {FAMILIES + EDIT_FAMILIES}")
+        raise ValueError(f"unknown family {family!r}; tiny models exist for {sorted(_BUILDERS)}")
     out = Path(root) / family
     out.mkdir(parents=True, exist_ok=True)
     with torch.random.fork_rng(devices=[]):

@@ -73,6 +73,7 @@ FROZEN_PARAMS: dict[str, tuple[tuple[str, float], ...]] = {
     "sd3": (("CLIP-L + CLIP-G + T5-XXL encoders", 0.123e9 + 0.695e9 + 4.76e9),
                               ("VAE", 0.084e9)),
     "flux": (("CLIP-L + T5-XXL encoders", 0.123e9 + 4.76e9), ("VAE", 0.084e9)),
+    "flux_kontext": (("CLIP-L + T5-XXL encoders", 0.123e9 + 4.76e9), ("VAE", 0.084e9)),  # FLUX.1's
 }
 #: Text tokens the transformer sees at most besides the adapter's ``max_sequence_length``
 #: (SD3 prepends the 77 CLIP tokens to the T5 window).

@@ -14,6 +14,7 @@ ADAPTERS: dict[str, str] = {
     "qwen_image_edit_plus": "trainer.models.qwen_image_edit.QwenImageEditPlusAdapter",
     "sd3": "trainer.models.sd3.SD3Adapter",
     "flux": "trainer.models.flux.FluxAdapter",
+    "flux_kontext": "trainer.models.flux_kontext.FluxKontextAdapter",
     "toy": "trainer.toy.adapter.ToyAdapter",
 }
 

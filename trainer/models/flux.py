@@ -88,9 +88,9 @@ class FluxAdapter(PackedLatentsAdapter):
         tokenizer, tokenizer_2 = self._load_tokenizer("tokenizer"), self._load_tokenizer("tokenizer_2")
         self._check_tokenizers({"tokenizer": (tokenizer, text_encoder),
                                 "tokenizer_2": (tokenizer_2, text_encoder_2)})
-        pipeline = _pipeline_cls()(scheduler=self.scheduler, vae=vae, text_encoder=text_encoder,
-                                   tokenizer=tokenizer, text_encoder_2=text_encoder_2,
-                                   tokenizer_2=tokenizer_2, transformer=None)
+        pipeline = self.pipeline_class()(scheduler=self.scheduler, vae=vae, text_encoder=text_encoder,
+                                         tokenizer=tokenizer, text_encoder_2=text_encoder_2,
+                                         tokenizer_2=tokenizer_2, transformer=None)
         return {"pipeline": pipeline, "vae": vae, "text_encoder": text_encoder,
                 "text_encoder_2": text_encoder_2, "tokenizer": tokenizer, "tokenizer_2": tokenizer_2,
                 "device": torch.device(device), "dtype": dtype}
@@ -108,14 +108,13 @@ class FluxAdapter(PackedLatentsAdapter):
         batch, device = latents.shape[0], latents.device
         sigma = torch.as_tensor(sigma, device=device).reshape(-1).expand(batch)
         timestep = (sigma.to(torch.float32) * 1000).to(dtype) / 1000
-        _, h, w = self.init_noise_shape(geometry)
-        img_ids = _pipeline_cls()._prepare_latent_image_ids(batch, h // 2, w // 2, device, dtype)
+        hidden, img_ids = self.image_stream(latents, cond, geometry)
         txt_ids = torch.zeros(cond["prompt_embeds"].shape[1], 3, device=device, dtype=dtype)
         guidance = None
         if base_module(transformer).config.guidance_embeds:
             guidance = torch.full([1], self.embedded_guidance, device=device, dtype=torch.float32).expand(batch)
-        return transformer(
-            hidden_states=latents,
+        out = transformer(
+            hidden_states=hidden,
             timestep=timestep,
             guidance=guidance,
             pooled_projections=cond["pooled_prompt_embeds"],
@@ -124,6 +123,17 @@ class FluxAdapter(PackedLatentsAdapter):
             img_ids=img_ids,
             return_dict=False,
         )[0]
+        return out if out.shape[1] == latents.shape[1] else out[:, :latents.shape[1]]
+
+    def image_stream(self, latents: torch.Tensor, cond: dict[str, torch.Tensor],
+                     geometry: Geometry) -> tuple[torch.Tensor, torch.Tensor]:
+        """The transformer's image tokens and their position ids [L, 3]: FLUX.1's are the noisy
+        latents alone (an editing subclass appends its references; the velocity is always the
+        first ``latents.shape[1]`` output tokens)."""
+        _, h, w = self.init_noise_shape(geometry)
+        ids = self.pipeline_class()._prepare_latent_image_ids(latents.shape[0], h // 2, w // 2,
+                                                              latents.device, latents.dtype)
+        return latents, ids
 
     @torch.no_grad()
     def decode(self, frozen: dict[str, Any], latents: torch.Tensor, geometry: Geometry) -> torch.Tensor:
