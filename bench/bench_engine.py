@@ -45,6 +45,7 @@ import flowgrpo_kernels as kernels  # noqa: E402
 from trainer.engine.embedded.core import EngineCore  # noqa: E402
 from trainer.engine.embedded.sampler import denoise  # noqa: E402
 from trainer.models.base import GenerativeModelAdapter  # noqa: E402
+from trainer.models.geometry import Geometry  # noqa: E402
 from bench.results import Recorder  # noqa: E402
 
 FULL = dict(patch_size=2, in_channels=64, out_channels=16, attention_head_dim=128,
@@ -92,18 +93,19 @@ class BenchQwenAdapter(GenerativeModelAdapter):
         return {"prompt_embeds": frozen["embeds"].expand(b, -1, -1),
                 "prompt_embeds_mask": frozen["mask"].expand(b, -1)}
 
-    def init_noise_shape(self, height: int, width: int) -> tuple[int, int, int]:
-        return self.channels, 2 * (height // (self.vae_factor * 2)), 2 * (width // (self.vae_factor * 2))
+    def init_noise_shape(self, geometry: Geometry) -> tuple[int, int, int]:
+        step = self.vae_factor * 2
+        return self.channels, 2 * (geometry.height // step), 2 * (geometry.width // step)
 
-    def latent_shape(self, height: int, width: int) -> tuple[int, int]:
-        c, h, w = self.init_noise_shape(height, width)
+    def latent_shape(self, geometry: Geometry) -> tuple[int, int]:
+        c, h, w = self.init_noise_shape(geometry)
         return (h // 2) * (w // 2), 4 * c
 
-    def noise_to_latents(self, noise: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    def noise_to_latents(self, noise: torch.Tensor, geometry: Geometry) -> torch.Tensor:
         return pack(noise)
 
-    def scheduler_sigmas(self, num_inference_steps: int, height: int, width: int) -> torch.Tensor:
-        seq = self.latent_shape(height, width)[0]
+    def scheduler_sigmas(self, num_inference_steps: int, geometry: Geometry) -> torch.Tensor:
+        seq = self.latent_shape(geometry)[0]
         cfg = QWEN_SCHEDULER
         slope = (cfg["max_shift"] - cfg["base_shift"]) / (cfg["max_image_seq_len"] - cfg["base_image_seq_len"])
         mu = cfg["base_shift"] + slope * (seq - cfg["base_image_seq_len"])
@@ -112,21 +114,21 @@ class BenchQwenAdapter(GenerativeModelAdapter):
                             mu=mu, device="cpu")
         return sched.sigmas.to(torch.float32)
 
-    def velocity(self, transformer, latents, sigma, conditions, height, width) -> torch.Tensor:
+    def velocity(self, transformer, latents, sigma, conditions, geometry) -> torch.Tensor:
         dtype = conditions["prompt_embeds"].dtype
         batch = latents.shape[0]
-        _, h, w = self.init_noise_shape(height, width)
+        _, h, w = self.init_noise_shape(geometry)
         return transformer(hidden_states=latents.to(dtype), timestep=sigma.to(dtype),
                            encoder_hidden_states=conditions["prompt_embeds"],
                            encoder_hidden_states_mask=conditions["prompt_embeds_mask"],
                            img_shapes=[[(1, h // 2, w // 2)]] * batch, return_dict=False)[0]
 
-    def decode(self, frozen: dict, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        c, h, w = self.init_noise_shape(height, width)
+    def decode(self, frozen: dict, latents: torch.Tensor, geometry: Geometry) -> torch.Tensor:
+        c, h, w = self.init_noise_shape(geometry)
         b = latents.shape[0]
         z = latents.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)
         rgb = z[:, :3].tanh().add(1).mul(127.5).to(torch.uint8)
-        f = height // h
+        f = geometry.height // h
         return rgb.repeat_interleave(f, 2).repeat_interleave(f, 3).permute(0, 2, 3, 1).contiguous()
 
 
@@ -229,8 +231,9 @@ def path_calls(transformer, cfg, args, device, dtype):
     request = adapter.build_rollout_request(["a bench prompt"] * b, ids, sampling, rollout_id=0, seed=42)
     sigmas = request["extra_sampling_params"]["sigmas"]
     cond = adapter.encode_prompts(frozen, ["p"] * b)
-    x_t = adapter.initial_latents(ids, h, w, seed=42, device=device)
-    noise = {i: adapter.step_noise(ids, i, adapter.latent_shape(h, w), seed=42, device=device)
+    geometry = Geometry(h, w)
+    x_t = adapter.initial_latents(ids, geometry, seed=42, device=device)
+    noise = {i: adapter.step_noise(ids, i, adapter.latent_shape(geometry), seed=42, device=device)
              for i in SDE_INDICES}
     sigma_vecs = [torch.full((b,), s, device=device) for s in sigmas]
     sched = FlowMatchEulerDiscreteScheduler(shift=1.0)
@@ -239,7 +242,7 @@ def path_calls(transformer, cfg, args, device, dtype):
         x = x_t.to(dtype)
         with torch.no_grad():
             for i in range(steps):
-                adapter.velocity(transformer, x, sigma_vecs[i], cond, h, w)
+                adapter.velocity(transformer, x, sigma_vecs[i], cond, geometry)
 
     def diffusers_loop():
         sched.set_timesteps(sigmas=sigmas[:-1], device=device)
@@ -255,7 +258,7 @@ def path_calls(transformer, cfg, args, device, dtype):
 
     def engine_denoise():
         with torch.no_grad():
-            return denoise(lambda x, s: adapter.velocity(transformer, x, s, cond, h, w), x_t, sigmas,
+            return denoise(lambda x, s: adapter.velocity(transformer, x, s, cond, geometry), x_t, sigmas,
                            SDE_INDICES, eta=ETA, sde_type="sde", noise_fn=noise.__getitem__)
 
     def engine_generate():

@@ -62,11 +62,12 @@ def measure(backend: str, args) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from trainer.models.compile import compile_blocks, compile_events
+    from trainer.models.geometry import Geometry
 
     adapter, model = lora_transformer(args.model_dir, args.rank, compiled=False)
     compile_blocks(adapter.transformer_blocks(model), adapter.block_dynamic_dims)
     size = 64 if args.tiny else 384
-    image_tokens = adapter.latent_shape(size, size)[0]
+    image_tokens = adapter.latent_shape(Geometry(size, size))[0]
     forced = BACKENDS[backend]
     lengths = []
     with nullcontext() if forced is None else sdpa_kernel([getattr(SDPBackend, forced)]):

@@ -23,6 +23,7 @@ from peft import LoraConfig, get_peft_model
 
 from trainer.actor.local_adam import scale_gradients, step_adam_on_local_shards
 from trainer.actor.update import grad_norm_and_clip_coef
+from trainer.models.geometry import Geometry
 from trainer.models.compile import compile_blocks
 from trainer.models.qwen_image import QwenImageAdapter
 
@@ -77,7 +78,7 @@ def floor_step(adapter, model, rows: int, *, tokens: int = 32, height: int = 384
     """One floor iteration on random inputs of the step's geometry and text length: the
     forward + backward (gradients dropped after), or with ``forward_only`` the no-grad forward."""
     joint = adapter.transformer_config["joint_attention_dim"]
-    x = torch.randn((rows, *adapter.latent_shape(height, width)), device="cuda",
+    x = torch.randn((rows, *adapter.latent_shape(Geometry(height, width))), device="cuda",
                     dtype=torch.bfloat16)
     sigma = torch.rand(rows, device="cuda")
     cond = {"prompt_embeds": torch.randn(rows, tokens, joint, device="cuda",
@@ -87,9 +88,9 @@ def floor_step(adapter, model, rows: int, *, tokens: int = 32, height: int = 384
     def step():
         if forward_only:
             with torch.no_grad():
-                adapter.velocity(model, x, sigma, cond, height, width)
+                adapter.velocity(model, x, sigma, cond, Geometry(height, width))
             return
-        v = adapter.velocity(model, x, sigma, cond, height, width)
+        v = adapter.velocity(model, x, sigma, cond, Geometry(height, width))
         v.float().square().mean().backward()
         for p in model.parameters():
             p.grad = None

@@ -33,6 +33,7 @@ from flowgrpo_kernels.sde_reference import sde_log_prob_ref, sde_step_ref  # noq
 from record_rows import record_peer  # noqa: E402
 from trainer.patches.diffusers_qwen_fast_paths import install_fast_paths  # noqa: E402
 from trainer.models.qwen_image import QwenImageAdapter  # noqa: E402
+from trainer.models.geometry import Geometry  # noqa: E402
 from trainer.rewards.jpeg import jpeg_kilobytes  # noqa: E402
 
 QWEN_LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj",
@@ -87,23 +88,23 @@ class PeerLoop:
             for block in self.adapter.transformer_blocks(self.model):
                 block.compile(backend=compile_backend)
         self.params = params
-        self.h, self.w, self.steps = height, width, steps
+        self.geometry, self.steps = Geometry(height, width), steps
         self.sde, self.eta, self.eps = list(sde_indices), eta, eps_clip
-        self.sigmas = self.adapter.scheduler_sigmas(steps, height, width).to(device)
+        self.sigmas = self.adapter.scheduler_sigmas(steps, self.geometry).to(device)
 
     @torch.no_grad()
     def sample(self, prompts: list[str], seed: int):
         cond = self.adapter.encode_prompts(self.frozen, prompts)
         gen = torch.Generator(self.device).manual_seed(seed)
-        shape = (len(prompts), *self.adapter.init_noise_shape(self.h, self.w))
+        shape = (len(prompts), *self.adapter.init_noise_shape(self.geometry))
         x = self.adapter.noise_to_latents(torch.randn(shape, generator=gen, device=self.device),
-                                          self.h, self.w)
+                                          self.geometry)
         xs, nexts, logps = [], [], []
         n = len(prompts)
         with self._autocast():
             for i in range(self.steps):
                 s, s_next = self.sigmas[i].expand(n), self.sigmas[i + 1].expand(n)
-                v = self.adapter.velocity(self.model, x, s, cond, self.h, self.w).float()
+                v = self.adapter.velocity(self.model, x, s, cond, self.geometry).float()
                 if i in self.sde:
                     noise = torch.randn(x.shape, generator=gen, device=self.device)
                     x_next, logp, _, _ = sde_step_ref(x, v, s, s_next, eta=self.eta,
@@ -114,7 +115,7 @@ class PeerLoop:
                 else:
                     x_next = x + v * (s_next - s).view(-1, *([1] * (x.dim() - 1)))
                 x = x_next
-        images = self.adapter.decode(self.frozen, x, self.h, self.w)
+        images = self.adapter.decode(self.frozen, x, self.geometry)
         return cond, torch.stack(xs, 1), torch.stack(nexts, 1), torch.stack(logps, 1), images
 
     def _autocast(self):
@@ -158,7 +159,7 @@ class PeerLoop:
         c = {key: v.repeat_interleave(k, 0) for key, v in cond.items()}
         x, x_next = xs.reshape(m * k, *xs.shape[2:]), nexts.reshape(m * k, *xs.shape[2:])
         with self._autocast():
-            v = self.adapter.velocity(self.model, x, s, c, self.h, self.w)
+            v = self.adapter.velocity(self.model, x, s, c, self.geometry)
         logp = sde_log_prob_ref(x, v.float(), x_next, s, s_next, eta=self.eta, sde_type="sde")
         ratio = torch.exp(logp - old.reshape(-1))
         a = adv.repeat_interleave(k)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from trainer.models.base import GenerativeModelAdapter
+from trainer.models.geometry import Geometry
 from trainer.models.qwen_image import QwenImageAdapter
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -113,27 +114,28 @@ class FixtureAdapter(GenerativeModelAdapter):
         device = frozen["device"]
         return {"prompt_embeds": frozen["text"](ids.to(device)), "prompt_embeds_mask": mask.to(device)}
 
-    def resolution_problems(self, height: int, width: int) -> list[str]:
+    def resolution_problems(self, geometry: Geometry) -> list[str]:
         step = VAE_FACTOR * 2
-        if height % step or width % step:
-            return [f"height and width must be multiples of {step}, got {height}x{width}"]
-        return []
+        problems = super().resolution_problems(geometry)
+        if geometry.height % step or geometry.width % step:
+            problems.append(f"height and width must be multiples of {step}, got {geometry}")
+        return problems
 
-    def init_noise_shape(self, height: int, width: int) -> tuple[int, int, int]:
-        return LATENT_CHANNELS, height // VAE_FACTOR, width // VAE_FACTOR
+    def init_noise_shape(self, geometry: Geometry) -> tuple[int, int, int]:
+        return LATENT_CHANNELS, geometry.height // VAE_FACTOR, geometry.width // VAE_FACTOR
 
-    def latent_shape(self, height: int, width: int) -> tuple[int, int]:
-        c, h, w = self.init_noise_shape(height, width)
+    def latent_shape(self, geometry: Geometry) -> tuple[int, int]:
+        c, h, w = self.init_noise_shape(geometry)
         return (h // 2) * (w // 2), 4 * c
 
-    def noise_to_latents(self, noise: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    def noise_to_latents(self, noise: torch.Tensor, geometry: Geometry) -> torch.Tensor:
         return pack(noise)
 
     def velocity(self, transformer: nn.Module, latents: torch.Tensor, sigma: torch.Tensor,
-                 conditions: dict[str, torch.Tensor], height: int, width: int) -> torch.Tensor:
+                 conditions: dict[str, torch.Tensor], geometry: Geometry) -> torch.Tensor:
         dtype = next(transformer.parameters()).dtype
         batch = latents.shape[0]
-        _, h, w = self.init_noise_shape(height, width)
+        _, h, w = self.init_noise_shape(geometry)
         return transformer(
             hidden_states=latents.to(dtype),
             timestep=torch.as_tensor(sigma, device=latents.device).reshape(-1).expand(batch).to(dtype),
@@ -143,9 +145,9 @@ class FixtureAdapter(GenerativeModelAdapter):
             return_dict=False,
         )[0]
 
-    def decode(self, frozen: dict[str, Any], latents: torch.Tensor, height: int,
-               width: int) -> torch.Tensor:
-        _, h, w = self.init_noise_shape(height, width)
+    def decode(self, frozen: dict[str, Any], latents: torch.Tensor,
+               geometry: Geometry) -> torch.Tensor:
+        _, h, w = self.init_noise_shape(geometry)
         z = unpack(latents, h, w).to(frozen["decoder"].weight.dtype)       # [B, C, h, w]
         rgb = frozen["decoder"](z.permute(0, 2, 3, 1)).tanh()              # [B, h, w, 3]
         rgb = rgb.repeat_interleave(VAE_FACTOR, 1).repeat_interleave(VAE_FACTOR, 2)
@@ -163,3 +165,44 @@ def make_request(adapter: GenerativeModelAdapter, prompts: list[str], ids: list[
                  sde_indices: list[int] | None = None) -> dict[str, Any]:
     return adapter.build_rollout_request(prompts, ids, sampling or SAMPLING, rollout_id=rollout_id,
                                          seed=seed, sde_indices=sde_indices)
+
+
+EDIT_ADAPTER_PATH = "engine_fixtures.EditFixtureAdapter"
+
+
+class EditFixtureAdapter(FixtureAdapter):
+    """``FixtureAdapter`` with conditioning media: up to two reference images per candidate,
+    each one token (its mean colour at the output size, mapped through the first three rows
+    of the byte embedding table) appended to the text tokens the transformer attends to. The
+    real editing families put VAE latents on the image sequence instead (qwen_image_edit.py);
+    this one exercises the contract's path, request to replay, in a fraction of the time."""
+
+    family = "edit_fixture"
+    supported_tasks = ("edit",)
+    condition_keys = ("prompt_embeds", "prompt_embeds_mask", "image_embeds", "image_mask")
+    max_condition_images = 2
+
+    def encode_conditions(self, frozen: dict[str, Any], prompts: list[str], images,
+                          geometry: Geometry) -> dict[str, torch.Tensor]:
+        import numpy as np
+
+        cond = self.encode_prompts(frozen, prompts)
+        table = frozen["text"].weight[:3]
+        k = max(len(refs) for refs in images)
+        embeds = table.new_zeros(len(prompts), k, table.shape[1])
+        mask = torch.zeros(len(prompts), k, dtype=torch.long, device=table.device)
+        for row, refs in enumerate(images):
+            for col, ref in enumerate(refs):
+                pixels = np.asarray(ref.open().resize((geometry.width, geometry.height)))
+                colour = torch.tensor(pixels).float().mean((0, 1)) / 127.5 - 1
+                embeds[row, col] = colour.to(table) @ table
+                mask[row, col] = 1
+        return {**cond, "image_embeds": embeds, "image_mask": mask}
+
+    def velocity(self, transformer: nn.Module, latents: torch.Tensor, sigma: torch.Tensor,
+                 conditions: dict[str, torch.Tensor], geometry: Geometry) -> torch.Tensor:
+        joined = {"prompt_embeds": torch.cat([conditions["prompt_embeds"],
+                                              conditions["image_embeds"]], 1),
+                  "prompt_embeds_mask": torch.cat([conditions["prompt_embeds_mask"],
+                                                   conditions["image_mask"]], 1)}
+        return super().velocity(transformer, latents, sigma, joined, geometry)

@@ -9,6 +9,7 @@ from engine_fixtures import ADAPTER_PATH, SAMPLING, FixtureAdapter, build_fixtur
 from trainer.engine.embedded.process import launch_embedded_engine
 from trainer.engine.embedded.sampler import denoise
 from trainer.engine.embedded.trunk import plan_trunk
+from trainer.models.geometry import Geometry
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -71,10 +72,10 @@ def test_engine_computes_the_trunk_once_and_matches_the_unshared_sampler(engine,
     # the unshared sampler from the same x_T, noise and conditions
     seed = extra["initial_noise_seed"]
     cond = adapter.encode_prompts(core.frozen, PROMPTS)
-    x_t = adapter.initial_latents(extra["initial_noise_ids"], 32, 32, seed=seed)
-    shape = adapter.latent_shape(32, 32)
+    x_t = adapter.initial_latents(extra["initial_noise_ids"], Geometry(32, 32), seed=seed)
+    shape = adapter.latent_shape(Geometry(32, 32))
     with torch.no_grad():
-        ref = denoise(lambda x, s: adapter.velocity(core.transformer, x, s, cond, 32, 32), x_t,
+        ref = denoise(lambda x, s: adapter.velocity(core.transformer, x, s, cond, Geometry(32, 32)), x_t,
                       extra["sigmas"], sde, eta=0.7, sde_type="sde",
                       noise_fn=lambda i: adapter.step_noise(IDS, i, shape, seed=seed))
     torch.testing.assert_close(response["dit_trajectory"]["latents"], ref.trajectory,
@@ -148,7 +149,7 @@ def test_flash_takes_the_steps_after_the_window_with_the_solver_on_a_compressed_
                                             sde_indices=sde, group_index=GROUPS)
     extra = request["extra_sampling_params"]
     seed, sigmas = extra["initial_noise_seed"], extra["sigmas"]
-    shape = adapter.latent_shape(32, 32)
+    shape = adapter.latent_shape(Geometry(32, 32))
     client = launch_embedded_engine(adapter_path=ADAPTER_PATH, model_path=str(model_dir),
                                     adapter_options=None, device="cpu", dtype="fp32", lora=None,
                                     in_process=True, flash_ratio=0.5)
@@ -163,9 +164,9 @@ def test_flash_takes_the_steps_after_the_window_with_the_solver_on_a_compressed_
 
         def v(x, s):
             return adapter.velocity(core.transformer, x, torch.as_tensor(s).float().expand(6),
-                                    cond, 32, 32)
+                                    cond, Geometry(32, 32))
         with torch.no_grad():
-            head = denoise(v, adapter.initial_latents(IDS, 32, 32, seed=seed), sigmas[:4], sde,
+            head = denoise(v, adapter.initial_latents(IDS, Geometry(32, 32), seed=seed), sigmas[:4], sde,
                            eta=0.7, sde_type="sde",
                            noise_fn=lambda i: adapter.step_noise(IDS, i, shape, seed=seed))
             final, calls = solve_tail(head.final, v, compress_tail(sigmas[3:], steps_after=3,

@@ -13,6 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from trainer.compute import flops
+from trainer.models.geometry import Geometry
 
 QWEN = dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
             num_attention_heads=2, joint_attention_dim=24, axes_dims_rope=(4, 6, 6))
@@ -131,8 +132,8 @@ def test_each_adapter_states_the_flops_of_its_own_velocity_forward(family, tiny_
             "pooled_prompt_embeds": torch.randn(
                 batch, int(adapter.transformer_config.get("pooled_projection_dim") or 1))}
     cond = {k: cond[k] for k in adapter.condition_keys}
-    latents = adapter.initial_latents([f"s{i}" for i in range(batch)], height, width, seed=0)
+    latents = adapter.initial_latents([f"s{i}" for i in range(batch)], Geometry(height, width), seed=0)
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:
-        adapter.velocity(model, latents, torch.full((batch,), 0.5), cond, height, width)
-    stated = adapter.forward_flops(height, width, batch=batch, text_tokens=text)
+        adapter.velocity(model, latents, torch.full((batch,), 0.5), cond, Geometry(height, width))
+    stated = adapter.forward_flops(Geometry(height, width), batch=batch, text_tokens=text)
     assert stated.total == fc.get_total_flops()

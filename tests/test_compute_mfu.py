@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from trainer.compute import mfu
+from trainer.models.geometry import Geometry
 
 
 def test_peak_comes_from_the_device_name_the_override_wins_and_unknown_devices_give_none():
@@ -21,7 +22,7 @@ class _Counted:
     """An adapter stand-in stating 10 linear + 1 attention FLOPs per sample (the real counts are
     tested in test_compute_flops.py; here only the stage arithmetic is)."""
 
-    def forward_flops(self, height, width, *, batch, text_tokens):
+    def forward_flops(self, geometry, *, batch, text_tokens):
         from trainer.compute.flops import FlopCount
 
         assert text_tokens == 7
@@ -34,7 +35,7 @@ def _batch(guidance):
     conditions = {"prompt_embeds": torch.zeros(4, 7, 3)}
     if guidance != 1.0:
         conditions["neg:prompt_embeds"] = torch.zeros(4, 5, 3)
-    return SimpleNamespace(sample_ids=list("abcd"), sde_indices=[1, 2], height=8, width=8,
+    return SimpleNamespace(sample_ids=list("abcd"), sde_indices=[1, 2], geometry=Geometry(8, 8),
                            guidance_scale=guidance, conditions=conditions)
 
 
@@ -80,7 +81,7 @@ def test_a_cpu_step_logs_mfu_only_with_a_stated_peak_and_from_the_adapters_count
         assert not any(k.startswith("perf/mfu/") for k in metrics)
         return
     batch = seen["batch"]
-    one = trainer.adapter.forward_flops(batch.height, batch.width, batch=1,
+    one = trainer.adapter.forward_flops(batch.geometry, batch=1,
                                         text_tokens=batch.conditions["prompt_embeds"].shape[1]).total
     steps = cfg.rollout.sampling.num_inference_steps
     assert metrics["perf/mfu/rollout"] * metrics["perf/rollout_time"] * 1e12 == pytest.approx(

@@ -21,6 +21,7 @@ from trainer.actor.replay import plan_updates, replay_log_probs, replay_log_prob
 from trainer.config import load_config
 from trainer.engine import launch_embedded_engine
 from trainer.models.compile import compile_blocks, compile_events
+from trainer.models.geometry import Geometry
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -295,16 +296,16 @@ def test_a_second_prompt_length_compiles_nothing_once_the_text_dimension_is_mark
     compile_blocks(adapter.transformer_blocks(compiled),
                    adapter.block_dynamic_dims if marked else None)
     torch.manual_seed(0)
-    latents = torch.randn(2, *adapter.latent_shape(HEIGHT, WIDTH))
+    latents = torch.randn(2, *adapter.latent_shape(Geometry(HEIGHT, WIDTH)))
     sigma = torch.tensor([0.7, 0.4])
     compiles = []
     for length in (5, 9):  # the actor's replay: forward and backward, grad enabled
         cond = _text_conditions(2, length)
         before = compile_events()
-        got = adapter.velocity(compiled, latents, sigma, cond, HEIGHT, WIDTH)
+        got = adapter.velocity(compiled, latents, sigma, cond, Geometry(HEIGHT, WIDTH))
         got.square().sum().backward()
         compiles.append(compile_events() - before)
-        want = adapter.velocity(eager, latents, sigma, cond, HEIGHT, WIDTH)
+        want = adapter.velocity(eager, latents, sigma, cond, Geometry(HEIGHT, WIDTH))
         want.square().sum().backward()
         assert (got - want).abs().max() <= 1e-5
         for (name, p), q in zip(compiled.named_parameters(), eager.parameters()):

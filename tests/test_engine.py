@@ -11,6 +11,7 @@ from engine_fixtures import (ADAPTER_PATH, FixtureAdapter, build_fixture_model_d
                              make_request)
 from trainer.engine import EngineStateError, RequestError, launch_embedded_engine
 from trainer.engine.embedded.request import parse_generate_request
+from trainer.models.geometry import Geometry
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -63,7 +64,7 @@ def test_same_sample_id_same_result_across_runs_and_engines(engine, model_dir, a
     _assert_same(first, again)
     _assert_same(first, elsewhere)
     lat = first["dit_trajectory"]["latents"]
-    assert lat.shape == (6, 3, 2, *adapter.latent_shape(32, 32)) and lat.dtype == torch.float32
+    assert lat.shape == (6, 3, 2, *adapter.latent_shape(Geometry(32, 32))) and lat.dtype == torch.float32
     # different candidates of one group (and of different groups) differ
     for i in range(6):
         for j in range(i + 1, 6):
@@ -100,14 +101,14 @@ def test_sampler_matches_reference_loop(engine, adapter):
     assert torch.equal(sched.sigmas, torch.tensor(sigmas))
     core = _core(engine)
     cond = adapter.encode_prompts(core.frozen, PROMPTS)
-    x = adapter.initial_latents(IDS, 32, 32, seed=extra["initial_noise_seed"])
+    x = adapter.initial_latents(IDS, Geometry(32, 32), seed=extra["initial_noise_seed"])
     sde = request["rollout_sde_step_indices"]
     pairs, logps = [], []
     with torch.no_grad():
         for i, t in enumerate(sched.timesteps):
-            v = adapter.velocity(core.transformer, x, torch.full((6,), sigmas[i]), cond, 32, 32)
+            v = adapter.velocity(core.transformer, x, torch.full((6,), sigmas[i]), cond, Geometry(32, 32))
             if i in sde:
-                noise = adapter.step_noise(IDS, i, adapter.latent_shape(32, 32), seed=extra["initial_noise_seed"])
+                noise = adapter.step_noise(IDS, i, adapter.latent_shape(Geometry(32, 32)), seed=extra["initial_noise_seed"])
                 out = kernels.sde_step(x, v, sigmas[i], sigmas[i + 1], eta=0.7, sde_type="sde", noise=noise)
                 pairs.append(torch.stack([x, out.prev_sample], 1))
                 logps.append(out.log_prob)
@@ -117,7 +118,7 @@ def test_sampler_matches_reference_loop(engine, adapter):
             sched._step_index = i + 1  # we stepped outside the scheduler on SDE steps
     assert torch.equal(response["dit_trajectory"]["latents"], torch.stack(pairs, 1))
     assert torch.equal(response["rollout_log_probs"], torch.stack(logps, 1))
-    assert torch.equal(response["images"], adapter.decode(core.frozen, x, 32, 32))
+    assert torch.equal(response["images"], adapter.decode(core.frozen, x, Geometry(32, 32)))
     assert response["dit_trajectory"]["sigmas"].tolist() == pytest.approx(sigmas, abs=0)
     assert torch.equal(response["denoising_env"]["prompt_embeds"], cond["prompt_embeds"])
 
@@ -134,12 +135,12 @@ def test_ode_request_matches_diffusers_scheduler_loop(engine, adapter):
     sched.set_timesteps(sigmas=sigmas[:-1], device="cpu")
     core = _core(engine)
     cond = adapter.encode_prompts(core.frozen, PROMPTS[:2])
-    x = adapter.initial_latents(IDS[:2], 32, 32, seed=request["seed"])
+    x = adapter.initial_latents(IDS[:2], Geometry(32, 32), seed=request["seed"])
     with torch.no_grad():
         for i, t in enumerate(sched.timesteps):
-            v = adapter.velocity(core.transformer, x, torch.full((2,), sigmas[i]), cond, 32, 32)
+            v = adapter.velocity(core.transformer, x, torch.full((2,), sigmas[i]), cond, Geometry(32, 32))
             x = sched.step(v, t, x).prev_sample
-    assert torch.equal(response["images"], adapter.decode(core.frozen, x, 32, 32))
+    assert torch.equal(response["images"], adapter.decode(core.frozen, x, Geometry(32, 32)))
 
 
 def test_request_validation_lists_every_problem(adapter):

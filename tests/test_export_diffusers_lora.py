@@ -12,6 +12,7 @@ from tiny_models import FAMILIES, TINY_HEIGHT, TINY_WIDTH
 from trainer.checkpoint import save_checkpoint
 from trainer.cli import main as cli_main
 from trainer.models import adapter_class
+from trainer.models.geometry import Geometry
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 PROMPT = "a red panda in a teacup"
@@ -23,12 +24,12 @@ def train_two_steps(family, base, root):
     frozen = tr.adapter.load_frozen(device="cpu", dtype=torch.float32)
     conditions = tr.adapter.encode_prompts(frozen, [PROMPT])
     g = torch.Generator().manual_seed(0)
-    shape = tr.adapter.latent_shape(TINY_HEIGHT, TINY_WIDTH)
+    shape = tr.adapter.latent_shape(Geometry(TINY_HEIGHT, TINY_WIDTH))
     for step in range(2):
         latents = torch.randn(1, *shape, generator=g)
         target = torch.randn(1, *shape, generator=g)
         sigma = torch.tensor([0.3 + 0.4 * step])
-        v = tr.adapter.velocity(tr.model, latents, sigma, conditions, TINY_HEIGHT, TINY_WIDTH)
+        v = tr.adapter.velocity(tr.model, latents, sigma, conditions, Geometry(TINY_HEIGHT, TINY_WIDTH))
         (v - target).square().mean().backward()
         tr.optimizer.step()
         tr.optimizer.zero_grad()

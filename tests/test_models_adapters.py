@@ -14,6 +14,7 @@ from torch import nn
 from tiny_models import ADAPTER_PATHS, FAMILIES, TINY_HEIGHT, TINY_WIDTH
 from trainer.models import adapter_class
 from trainer.models.base import GenerativeModelAdapter
+from trainer.models.geometry import Geometry
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 H, W = TINY_HEIGHT, TINY_WIDTH
@@ -119,13 +120,13 @@ def test_max_sequence_length_option_limits_text_tokens(family, loaded, tiny_mode
 def test_velocity_shape_and_determinism(family, loaded):
     adapter, frozen, transformer = loaded(family)
     cond = adapter.encode_prompts(frozen, PROMPTS)
-    x = adapter.initial_latents(["s0", "s1"], H, W, seed=3)
-    assert x.shape == (2, *adapter.latent_shape(H, W))
+    x = adapter.initial_latents(["s0", "s1"], Geometry(H, W), seed=3)
+    assert x.shape == (2, *adapter.latent_shape(Geometry(H, W)))
     with torch.no_grad():
-        v1 = adapter.velocity(transformer, x, torch.tensor([0.7, 0.7]), cond, H, W)
-        v2 = adapter.velocity(transformer, x, torch.tensor([0.7, 0.7]), cond, H, W)
-        v_scalar = adapter.velocity(transformer, x, torch.tensor(0.7), cond, H, W)
-        v_sigma = adapter.velocity(transformer, x, torch.tensor([0.7, 0.3]), cond, H, W)
+        v1 = adapter.velocity(transformer, x, torch.tensor([0.7, 0.7]), cond, Geometry(H, W))
+        v2 = adapter.velocity(transformer, x, torch.tensor([0.7, 0.7]), cond, Geometry(H, W))
+        v_scalar = adapter.velocity(transformer, x, torch.tensor(0.7), cond, Geometry(H, W))
+        v_sigma = adapter.velocity(transformer, x, torch.tensor([0.7, 0.3]), cond, Geometry(H, W))
     assert v1.shape == x.shape and torch.isfinite(v1).all()
     assert torch.equal(v1, v2) and torch.equal(v1, v_scalar)
     assert torch.equal(v_sigma[0], v1[0]) and not torch.equal(v_sigma[1], v1[1])  # per-sample sigma
@@ -138,12 +139,12 @@ def test_ode_sampling_and_decode_equal_the_diffusers_pipeline(family, loaded):
     adapter = as_the_pipeline_runs(adapter)
     steps = 3
     cond = adapter.encode_prompts(frozen, PROMPTS)
-    x_t = adapter.initial_latents(["a", "b"], H, W, seed=11)
-    sigmas = adapter.scheduler_sigmas(steps, H, W)
+    x_t = adapter.initial_latents(["a", "b"], Geometry(H, W), seed=11)
+    sigmas = adapter.scheduler_sigmas(steps, Geometry(H, W))
     x = x_t.clone()
     with torch.no_grad():
         for i in range(steps):
-            v = adapter.velocity(transformer, x, sigmas[i].expand(2), cond, H, W)
+            v = adapter.velocity(transformer, x, sigmas[i].expand(2), cond, Geometry(H, W))
             x = x + (sigmas[i + 1] - sigmas[i]) * v            # ODE: mean = x + v * dt
 
     pipe = _pipeline_with(frozen, transformer)
@@ -152,7 +153,7 @@ def test_ode_sampling_and_decode_equal_the_diffusers_pipeline(family, loaded):
     assert torch.equal(pipe.scheduler.sigmas, sigmas)
     assert torch.equal(x, expected)
 
-    images = adapter.decode(frozen, x, H, W)
+    images = adapter.decode(frozen, x, Geometry(H, W))
     assert images.shape == (2, H, W, 3) and images.dtype == torch.uint8
     reference = pipe(**kw, output_type="np").images                 # float in [0, 1]
     assert torch.equal(images, torch.from_numpy((reference * 255).round().astype("uint8")))
@@ -161,11 +162,11 @@ def test_ode_sampling_and_decode_equal_the_diffusers_pipeline(family, loaded):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_scheduler_sigmas_schedule(family, loaded):
     adapter = loaded(family)[0]
-    sig = adapter.scheduler_sigmas(12, H, W)
+    sig = adapter.scheduler_sigmas(12, Geometry(H, W))
     assert sig.dtype == torch.float32 and sig.shape == (13,)
     assert sig[0] == 1.0 and sig[-1] == 0.0 and (sig[1:] < sig[:-1]).all()
     assert torch.allclose(adapter.timesteps_from_sigmas(sig), sig[:-1] * 1000)
-    larger = adapter.scheduler_sigmas(12, 4 * H, 4 * W)
+    larger = adapter.scheduler_sigmas(12, Geometry(4 * H, 4 * W))
     if family == "sd3":  # static shift = 3 of the scheduler config, whatever the resolution
         assert torch.equal(sig, larger)
         # SD3's schedule written out: t spans the training sigmas' range [1, shift(1/1000)],
@@ -187,20 +188,20 @@ def _recipe_draw(seed: int, sample_id: str, stream: str, shape) -> torch.Tensor:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_initial_latents_and_step_noise_are_pure_functions_of_the_sample_id(family, loaded):
     adapter = loaded(family)[0]
-    x_ab = adapter.initial_latents(["a", "b"], H, W, seed=7)
-    x_cb = adapter.initial_latents(["c", "b", "a"], H, W, seed=7)
+    x_ab = adapter.initial_latents(["a", "b"], Geometry(H, W), seed=7)
+    x_cb = adapter.initial_latents(["c", "b", "a"], Geometry(H, W), seed=7)
     assert torch.equal(x_ab[1], x_cb[1]) and torch.equal(x_ab[0], x_cb[2])   # batch-independent
     assert not torch.equal(x_ab[0], x_ab[1])                                  # candidates differ
-    assert not torch.equal(adapter.initial_latents(["a"], H, W, seed=8)[0], x_ab[0])
+    assert not torch.equal(adapter.initial_latents(["a"], Geometry(H, W), seed=8)[0], x_ab[0])
     # Unpacked with the pipeline's own helper, x_T is the recipe's draw in [C, h, w].
-    raw = _recipe_draw(7, "b", "x_T", adapter.init_noise_shape(H, W))
+    raw = _recipe_draw(7, "b", "x_T", adapter.init_noise_shape(Geometry(H, W)))
     if family == "sd3":
         assert torch.equal(x_ab[1], raw)
     else:
         pipe_cls = type(loaded(family)[1]["pipeline"])
         unpacked = pipe_cls._unpack_latents(x_ab[1:2], H, W, loaded(family)[1]["pipeline"].vae_scale_factor)
         assert torch.equal(unpacked.reshape(raw.shape), raw)
-    shape = adapter.latent_shape(H, W)
+    shape = adapter.latent_shape(Geometry(H, W))
     n2 = adapter.step_noise(["a", "b"], 2, shape, seed=7)
     assert n2.shape == (2, *shape)
     assert torch.equal(n2[1], _recipe_draw(7, "b", "step:2", shape))
@@ -237,10 +238,10 @@ def test_lora_targets_exist_and_peft_wraps_them(family, loaded):
     assert len(adapter.transformer_blocks(model)) == len(adapter.transformer_blocks(reference))
 
     cond = adapter.encode_prompts(frozen, PROMPTS[:1])
-    x = adapter.initial_latents(["a"], H, W, seed=1)
+    x = adapter.initial_latents(["a"], Geometry(H, W), seed=1)
     with torch.no_grad():  # peft initialises B = 0: the wrapped model is the base model
-        assert torch.equal(adapter.velocity(model, x, torch.tensor([0.5]), cond, H, W),
-                           adapter.velocity(reference, x, torch.tensor([0.5]), cond, H, W))
+        assert torch.equal(adapter.velocity(model, x, torch.tensor([0.5]), cond, Geometry(H, W)),
+                           adapter.velocity(reference, x, torch.tensor([0.5]), cond, Geometry(H, W)))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -270,11 +271,11 @@ def test_weight_name_map_round_trip_through_a_merged_lora(family, loaded):
     merged_state = {mapping[n]: t for n, t in state.items() if n not in lora}
     engine.load_state_dict(merged_state, strict=True)      # every engine tensor named exactly once
     cond = adapter.encode_prompts(frozen, PROMPTS[:1])
-    x = adapter.initial_latents(["a"], H, W, seed=2)
+    x = adapter.initial_latents(["a"], Geometry(H, W), seed=2)
     with torch.no_grad():
-        v_train = adapter.velocity(model, x, torch.tensor([0.6]), cond, H, W)
-        v_engine = adapter.velocity(engine, x, torch.tensor([0.6]), cond, H, W)
-        v_base = adapter.velocity(adapter.load_train_model(), x, torch.tensor([0.6]), cond, H, W)
+        v_train = adapter.velocity(model, x, torch.tensor([0.6]), cond, Geometry(H, W))
+        v_engine = adapter.velocity(engine, x, torch.tensor([0.6]), cond, Geometry(H, W))
+        v_base = adapter.velocity(adapter.load_train_model(), x, torch.tensor([0.6]), cond, Geometry(H, W))
     assert torch.equal(v_train, v_engine)
     assert not torch.equal(v_engine, v_base)                # the update really moved the weights
 
@@ -287,15 +288,15 @@ def test_flux_guidance_embedding_follows_the_transformer_config(loaded):
     adapter, frozen, transformer = loaded("flux")
     assert transformer.config.guidance_embeds
     cond = adapter.encode_prompts(frozen, PROMPTS[:1])
-    x = adapter.initial_latents(["a"], H, W, seed=4)
+    x = adapter.initial_latents(["a"], Geometry(H, W), seed=4)
     other = adapter_class("flux")(adapter.model_path, embedded_guidance=1.0)
     cfg = {k: v for k, v in transformer.config.items() if not k.startswith("_")}
     schnell = FluxTransformer2DModel(**{**cfg, "guidance_embeds": False})
     with torch.no_grad():
-        assert not torch.equal(adapter.velocity(transformer, x, torch.tensor([0.5]), cond, H, W),
-                               other.velocity(transformer, x, torch.tensor([0.5]), cond, H, W))
-        assert torch.equal(adapter.velocity(schnell, x, torch.tensor([0.5]), cond, H, W),
-                           other.velocity(schnell, x, torch.tensor([0.5]), cond, H, W))
+        assert not torch.equal(adapter.velocity(transformer, x, torch.tensor([0.5]), cond, Geometry(H, W)),
+                               other.velocity(transformer, x, torch.tensor([0.5]), cond, Geometry(H, W)))
+        assert torch.equal(adapter.velocity(schnell, x, torch.tensor([0.5]), cond, Geometry(H, W)),
+                           other.velocity(schnell, x, torch.tensor([0.5]), cond, Geometry(H, W)))
 
 
 def test_broken_tokenizer_is_rejected_at_load(tiny_model_dir, tmp_path):
@@ -323,14 +324,14 @@ def test_qwen_channels_last_decoder_decodes_the_same_images(tiny_model_dir):
 
     adapter = adapter_class("qwen_image")(str(tiny_model_dir("qwen_image")))
     frozen = adapter.load_frozen(device="cpu", dtype=torch.float32)
-    x = torch.randn((2, *adapter.latent_shape(H, W)), generator=torch.Generator().manual_seed(3))
-    before = adapter.decode(frozen, x, H, W)
+    x = torch.randn((2, *adapter.latent_shape(Geometry(H, W))), generator=torch.Generator().manual_seed(3))
+    before = adapter.decode(frozen, x, Geometry(H, W))
     _channels_last(frozen["vae"].decoder)
     convs = [m for m in frozen["vae"].decoder.modules() if isinstance(m, torch.nn.Conv3d)
              and m.weight.shape[2:].numel() > 1]
     assert convs and all(m.weight.is_contiguous(memory_format=torch.channels_last_3d)
                          and not m.weight.is_contiguous() for m in convs)
-    assert torch.equal(adapter.decode(frozen, x, H, W), before)
+    assert torch.equal(adapter.decode(frozen, x, Geometry(H, W)), before)
 
 
 
@@ -356,10 +357,10 @@ def test_the_attention_backend_option_runs_the_chosen_kernel(family, loaded, tin
 
     default_adapter, frozen, default_model = loaded(family)
     cond = default_adapter.encode_prompts(frozen, PROMPTS)
-    x = default_adapter.initial_latents(["s0", "s1"], H, W, seed=3)
+    x = default_adapter.initial_latents(["s0", "s1"], Geometry(H, W), seed=3)
     sigma = torch.tensor([0.7, 0.3])
     with torch.no_grad():
-        want = default_adapter.velocity(default_model, x, sigma, cond, H, W)
+        want = default_adapter.velocity(default_model, x, sigma, cond, Geometry(H, W))
     math = AttentionBackendName._NATIVE_MATH
     calls = []
     kernel = attention_registry._backends[math]
@@ -367,7 +368,7 @@ def test_the_attention_backend_option_runs_the_chosen_kernel(family, loaded, tin
     adapter = adapter_class(family)(str(tiny_model_dir(family)), attention_backend=math.value)
     model = adapter.load_train_model(dtype=torch.float32)
     with torch.no_grad():
-        got = adapter.velocity(model, x, sigma, cond, H, W)
+        got = adapter.velocity(model, x, sigma, cond, Geometry(H, W))
     blocks = len(adapter.transformer_blocks(model))
     assert len(calls) >= blocks  # at least one attention per block, each through the choice
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -398,7 +399,7 @@ def test_qwen_pads_the_joint_sequence_to_a_multiple_with_masked_tokens(loaded, l
     mask[1, length - 2:] = 0  # the shorter prompt of a batch, already padded by the pipeline
     cond = {"prompt_embeds": torch.randn(2, length, adapter.transformer_config["joint_attention_dim"]),
             "prompt_embeds_mask": mask}
-    x = adapter.initial_latents(["s0", "s1"], H, W, seed=3)
+    x = adapter.initial_latents(["s0", "s1"], Geometry(H, W), seed=3)
     seen = []
     hook = transformer.register_forward_pre_hook(
         lambda _, args, kwargs: seen.append((kwargs["encoder_hidden_states"].clone(),
@@ -406,9 +407,9 @@ def test_qwen_pads_the_joint_sequence_to_a_multiple_with_masked_tokens(loaded, l
         with_kwargs=True)
     try:
         with torch.no_grad():
-            padded = adapter.velocity(transformer, x, torch.tensor(0.6), cond, H, W)
+            padded = adapter.velocity(transformer, x, torch.tensor(0.6), cond, Geometry(H, W))
             plain = as_the_pipeline_runs(adapter).velocity(transformer, x, torch.tensor(0.6),
-                                                           cond, H, W)
+                                                           cond, Geometry(H, W))
     finally:
         hook.remove()
     (embeds, sent_mask), (plain_embeds, _) = seen

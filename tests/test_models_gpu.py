@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from trainer.models.geometry import Geometry
 
 pytest.importorskip("transformers")
 
@@ -31,14 +32,14 @@ def test_bf16_cuda_ode_sampling_equals_the_diffusers_pipeline(family, tiny_model
     frozen = adapter.load_frozen(device="cuda", dtype=torch.bfloat16)
     transformer = adapter.load_train_model(dtype=torch.bfloat16, device="cuda")
     cond = adapter.encode_prompts(frozen, PROMPTS)
-    x_t = adapter.initial_latents(["a", "b"], H, W, seed=5, dtype=torch.bfloat16, device="cuda")
-    assert torch.equal(x_t.cpu(), adapter.initial_latents(["a", "b"], H, W, seed=5, dtype=torch.bfloat16))
+    x_t = adapter.initial_latents(["a", "b"], Geometry(H, W), seed=5, dtype=torch.bfloat16, device="cuda")
+    assert torch.equal(x_t.cpu(), adapter.initial_latents(["a", "b"], Geometry(H, W), seed=5, dtype=torch.bfloat16))
     steps = 4
-    sigmas = adapter.scheduler_sigmas(steps, H, W).cuda()
+    sigmas = adapter.scheduler_sigmas(steps, Geometry(H, W)).cuda()
     x = x_t.clone()
     with torch.no_grad():
         for i in range(steps):  # the scheduler's step as it is written: dt * v stays bf16
-            v = adapter.velocity(transformer, x, sigmas[i].expand(2), cond, H, W)
+            v = adapter.velocity(transformer, x, sigmas[i].expand(2), cond, Geometry(H, W))
             x = (x.float() + (sigmas[i + 1] - sigmas[i]) * v).to(torch.bfloat16)
     expected = _pipeline_with(frozen, transformer)(
         **_pipeline_kwargs(family, adapter, cond, x_t, steps), output_type="latent").images
@@ -77,7 +78,7 @@ def test_compiled_qwen_blocks_compile_once_across_text_lengths_and_alignments(ti
     adapter = adapter_class("qwen_image")(str(tiny_model_dir("qwen_image")))
     model = adapter.load_train_model(dtype=torch.bfloat16, device="cuda")
     compile_blocks(adapter.transformer_blocks(model), adapter.block_dynamic_dims)
-    x = adapter.initial_latents(["a", "b"], H, W, seed=1, dtype=torch.bfloat16, device="cuda")
+    x = adapter.initial_latents(["a", "b"], Geometry(H, W), seed=1, dtype=torch.bfloat16, device="cuda")
     joint = adapter.transformer_config["joint_attention_dim"]
     aligned = 24 - x.shape[1] % 8  # image + text tokens a multiple of 8 without padding
     compiles = []
@@ -85,7 +86,7 @@ def test_compiled_qwen_blocks_compile_once_across_text_lengths_and_alignments(ti
         cond = {"prompt_embeds": torch.randn(2, length, joint, device="cuda", dtype=torch.bfloat16),
                 "prompt_embeds_mask": torch.ones(2, length, dtype=torch.long, device="cuda")}
         before = compile_events()
-        v = adapter.velocity(model, x, torch.tensor([0.7, 0.3], device="cuda"), cond, H, W)
+        v = adapter.velocity(model, x, torch.tensor([0.7, 0.3], device="cuda"), cond, Geometry(H, W))
         v.float().square().mean().backward()  # the actor's replay: forward and backward
         compiles.append(compile_events() - before)
     assert compiles[0] >= 1 and compiles[1:] == [0, 0, 0], compiles

@@ -9,6 +9,7 @@ import torch
 
 import flowgrpo_kernels as kernels
 from trainer.models import adapter_class
+from trainer.models.geometry import Geometry
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 H = W = 32
@@ -22,11 +23,11 @@ def serve(adapter, frozen, transformer, request, *, device="cpu", dtype=torch.fl
     sde = set(request["rollout_sde_step_indices"])
     sigmas = torch.tensor(extra["sigmas"], device=device)
     cond = adapter.encode_prompts(frozen, request["prompt"])
-    x = adapter.initial_latents(ids, H, W, seed=seed, dtype=dtype, device=device)
+    x = adapter.initial_latents(ids, Geometry(H, W), seed=seed, dtype=dtype, device=device)
     pairs, log_probs = [], []
     with torch.no_grad():
         for i in range(request["num_inference_steps"]):
-            v = adapter.velocity(transformer, x, sigmas[i].expand(len(ids)), cond, H, W)
+            v = adapter.velocity(transformer, x, sigmas[i].expand(len(ids)), cond, Geometry(H, W))
             if i in sde:
                 out = kernels.sde_step(x, v, sigmas[i].expand(len(ids)), sigmas[i + 1].expand(len(ids)),
                                        eta=request["rollout_noise_level"],
@@ -44,7 +45,7 @@ def serve(adapter, frozen, transformer, request, *, device="cpu", dtype=torch.fl
                            "timesteps": adapter.timesteps_from_sigmas(sigmas)},
         "denoising_env": cond,
         "sde_indices": sorted(sde), "height": H, "width": W, "sample_ids": list(ids),
-        "images": adapter.decode(frozen, x, H, W),
+        "images": adapter.decode(frozen, x, Geometry(H, W)),
     }
 
 
@@ -67,7 +68,7 @@ def test_packed_rollout_replays_to_the_recorded_log_probs(tiny_model_dir, sde_ty
     assert not torch.equal(batch.next_latents[0], batch.next_latents[1])   # candidates differ
     assert batch.images.shape == (4, H, W, 3)
     if indices[0] == 0:   # the first SDE step starts from x_T itself
-        assert torch.equal(batch.latents[:, 0], adapter.initial_latents(ids, H, W, seed=9, dtype=dtype))
+        assert torch.equal(batch.latents[:, 0], adapter.initial_latents(ids, Geometry(H, W), seed=9, dtype=dtype))
     with torch.no_grad():
         replayed = torch.stack([
             kernels.sde_log_prob(batch.latents[:, s], adapter.replay_velocity(transformer, batch, s),

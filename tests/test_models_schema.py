@@ -11,6 +11,7 @@ import torch
 from flowgrpo_kernels.sde_types import TABLE
 from trainer.models import adapter_class, noise
 from trainer.models.diffusers_base import engine_param_name
+from trainer.models.geometry import Geometry
 from trainer.models.wire import ROLLOUT_RESPONSE_FIELDS, from_jsonable, to_jsonable
 
 H = W = 32
@@ -68,9 +69,9 @@ def test_request_fields_follow_the_sglang_schema(adapter):
     extra = req["extra_sampling_params"]
     assert extra["sample_ids"] == IDS and extra["group_index"] == [0, 0, 1, 1]
     assert extra["rollout_id"] == 5 and extra["model_family"] == "qwen_image"
-    assert extra["latent_shape"] == list(adapter.latent_shape(H, W)) == [64, 16]
+    assert extra["latent_shape"] == list(adapter.latent_shape(Geometry(H, W))) == [64, 16]
     assert extra["init_noise_latent_shape"] == [4, 16, 16]
-    assert extra["sigmas"] == adapter.scheduler_sigmas(6, H, W).tolist()
+    assert extra["sigmas"] == adapter.scheduler_sigmas(6, Geometry(H, W)).tolist()
     assert extra["noise_recipe"] == noise.RECIPE and extra["initial_noise_seed"] == 42
 
 
@@ -247,7 +248,7 @@ def test_one_error_names_every_response_problem(adapter):
 def test_undriven_sigmas_must_still_form_a_schedule(adapter):
     req = make_request(adapter, {"driver_sigmas": False})
     resp = fake_response(adapter, {**req, "extra_sampling_params": {
-        **req["extra_sampling_params"], "sigmas": adapter.scheduler_sigmas(6, H, W).tolist()}})
+        **req["extra_sampling_params"], "sigmas": adapter.scheduler_sigmas(6, Geometry(H, W)).tolist()}})
     adapter.validate_rollout_response(resp, req)
     resp["dit_trajectory"]["sigmas"] = resp["dit_trajectory"]["sigmas"].flip(0)
     resp["dit_trajectory"]["timesteps"] = adapter.timesteps_from_sigmas(resp["dit_trajectory"]["sigmas"])

@@ -28,6 +28,7 @@ from trainer.engine.sglang import sync as sglang_sync
 from trainer.engine.sglang.sync import (SGLangSyncError, SGLangWeightSync, serialize_payload,
                                         tensor_sha256)
 from trainer.engine.sglang.verify import VerifyPolicy
+from trainer.models.geometry import Geometry
 
 require_sglang()
 
@@ -117,7 +118,7 @@ def test_rollout_packs_and_replays_through_our_transformer(server, adapter):
     assert not torch.equal(batch.latents[0], batch.latents[1])  # same prompt, other noise
     # SGLang's sigmas and per-step timesteps ([T+1] on the wire) mapped onto our schema
     assert torch.allclose(response["dit_trajectory"]["sigmas"],
-                          adapter.scheduler_sigmas(4, 32, 32).float())
+                          adapter.scheduler_sigmas(4, Geometry(32, 32)).float())
     # SGLang's text encoding stage: the embeddings our adapter computes for the same prompt
     frozen = adapter.load_frozen(device="cpu", dtype=torch.float32)
     ours = adapter.encode_prompts(frozen, PROMPTS[:1])["prompt_embeds"][0]

@@ -18,6 +18,7 @@ from sglang_fixtures import (assert_served_and_sampled_from, policy_copy, requir
                              serve_sglang, trainer_overrides)
 
 from trainer.engine.sglang.client import SGLangEngineClient
+from trainer.models.geometry import Geometry
 
 require_sglang()
 
@@ -73,13 +74,13 @@ def test_dance_with_driver_noise_is_our_sampler(server):
         SGLangEngineClient(server.url).generate(request)  # stock client: refused before sending
     response = SGLangEngineClient(server.url, extension=True).generate(request)
     batch = adapter.pack_trajectory(response, request)
-    x_t = adapter.initial_latents(IDS, 32, 32, seed=7)
+    x_t = adapter.initial_latents(IDS, Geometry(32, 32), seed=7)
     assert torch.equal(batch.latents[:, 0], x_t)
     sigmas = response["dit_trajectory"]["sigmas"]
     for b, sid in enumerate(IDS):
         cond = {k: v[b:b + 1] for k, v in batch.conditions.items()}
         with torch.no_grad():
-            v = adapter.velocity(transformer, x_t[b:b + 1], sigmas[0], cond, 32, 32)
+            v = adapter.velocity(transformer, x_t[b:b + 1], sigmas[0], cond, Geometry(32, 32))
         noise = adapter.step_noise([sid], 0, list(x_t.shape[1:]), seed=7)
         step = kernels.sde_step(x_t[b:b + 1], v, float(sigmas[0]), float(sigmas[1]), eta=0.7,
                                 sde_type="dance", noise=noise)
@@ -120,7 +121,7 @@ def test_driver_sigmas_are_the_schedule_sglang_runs(server, driver_xt):
         x_1 = batch.latents[:1, 0]
         cond = {k: v[:1] for k, v in batch.conditions.items()}
         with torch.no_grad():
-            v = adapter.velocity(transformer, x_1, torch.tensor(0.8), cond, 32, 32)
+            v = adapter.velocity(transformer, x_1, torch.tensor(0.8), cond, Geometry(32, 32))
         step = kernels.sde_step(x_1, v, 0.8, 0.5, eta=0.7, sde_type="sde",
                                 noise=adapter.step_noise(IDS[:1], 1, list(x_1.shape[1:]), seed=7))
         assert torch.allclose(batch.next_latents[0, 0], step.prev_sample[0], atol=1e-5, rtol=0)
@@ -147,7 +148,7 @@ def test_hooks_are_inert_for_stock_requests(server):
 
     request = _request(adapter, {"driver_xt": False, "sde_type": "sde"}, [1, 2])
     batch = adapter.pack_trajectory(SGLangEngineClient(server.url).generate(request), request)
-    assert not torch.equal(batch.latents[:, 0], adapter.initial_latents(IDS, 32, 32, seed=7))
+    assert not torch.equal(batch.latents[:, 0], adapter.initial_latents(IDS, Geometry(32, 32), seed=7))
     with torch.no_grad():
         replay = replay_log_probs(adapter, transformer, batch, backend="torch")
     assert torch.allclose(replay, batch.log_probs, atol=2e-4, rtol=0)
@@ -182,7 +183,7 @@ def test_trainer_step_with_the_extension(server, tiny_model_dir, tmp_path, monke
 
     if driver_sigmas:
         monkeypatch.setattr(QwenImageAdapter, "scheduler_sigmas",
-                            lambda self, steps, h, w: torch.tensor(DRIVER_SIGMAS))
+                            lambda self, steps, geometry: torch.tensor(DRIVER_SIGMAS))
     sampling = {"driver_xt": True, "sde_type": "dance", "sde_indices": [0, 2],
                 "sde_pool": [0, 1, 2], "sde_resample_per_rollout": False,
                 "driver_sigmas": driver_sigmas}
@@ -193,7 +194,7 @@ def test_trainer_step_with_the_extension(server, tiny_model_dir, tmp_path, monke
     try:
         batch = trainer.rollout(0)
         assert batch.sde_indices[0] == 0
-        x_t = trainer.adapter.initial_latents(batch.sample_ids, 32, 32,
+        x_t = trainer.adapter.initial_latents(batch.sample_ids, Geometry(32, 32),
                                               seed=cfg.rollout.generation_seed)
         assert torch.equal(batch.latents[:, 0], x_t)
         if driver_sigmas:  # steps 0 and 2 of the driver's schedule

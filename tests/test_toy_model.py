@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+from trainer.models.geometry import Geometry
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -77,29 +78,29 @@ def test_velocity_survives_the_save_load_round_trip(tiny_dir, tmp_path):
     adapter = ToyAdapter(tiny_dir)
     model, frozen = adapter.load_train_model(), adapter.load_frozen()
     cond = adapter.encode_prompts(frozen, ["a red circle", "three green squares"])
-    x = adapter.initial_latents(["a", "b"], 32, 32, seed=0)
-    v = adapter.velocity(model, x, torch.tensor([0.9, 0.3]), cond, 32, 32)
-    assert v.shape == x.shape == (2, *adapter.latent_shape(32, 32)) == (2, 3, 32, 32)
+    x = adapter.initial_latents(["a", "b"], Geometry(32, 32), seed=0)
+    v = adapter.velocity(model, x, torch.tensor([0.9, 0.3]), cond, Geometry(32, 32))
+    assert v.shape == x.shape == (2, *adapter.latent_shape(Geometry(32, 32))) == (2, 3, 32, 32)
     # same forward, called the way the diffusers pipeline does
     ref = model(hidden_states=x, encoder_hidden_states=cond["prompt_embeds"],
                 pooled_projections=cond["pooled_prompt_embeds"],
                 timestep=torch.tensor([900.0, 300.0])).sample
     assert torch.equal(v, ref)
     # scalar sigma broadcasts
-    v_scalar = adapter.velocity(model, x, torch.tensor(0.5), cond, 32, 32)
-    assert torch.equal(v_scalar, adapter.velocity(model, x, torch.full((2,), 0.5), cond, 32, 32))
+    v_scalar = adapter.velocity(model, x, torch.tensor(0.5), cond, Geometry(32, 32))
+    assert torch.equal(v_scalar, adapter.velocity(model, x, torch.full((2,), 0.5), cond, Geometry(32, 32)))
     with pytest.raises(ValueError, match="height=30.*width=64"):
-        adapter.latent_shape(30, 64)
+        adapter.latent_shape(Geometry(30, 64))
 
 
 def test_noise_is_a_pure_function_of_seed_id_and_step(tiny_dir):
     adapter = ToyAdapter(tiny_dir)
-    a = adapter.initial_latents(["p:0:sample:0", "p:0:sample:1"], 32, 32, seed=5)
-    b = adapter.initial_latents(["p:0:sample:1", "x", "p:0:sample:0"], 32, 32, seed=5)
+    a = adapter.initial_latents(["p:0:sample:0", "p:0:sample:1"], Geometry(32, 32), seed=5)
+    b = adapter.initial_latents(["p:0:sample:1", "x", "p:0:sample:0"], Geometry(32, 32), seed=5)
     assert a.shape == (2, 3, 32, 32)
     assert torch.equal(a[0], b[2]) and torch.equal(a[1], b[0])
     assert not torch.equal(a[0], a[1])
-    assert not torch.equal(a, adapter.initial_latents(["p:0:sample:0", "p:0:sample:1"], 32, 32,
+    assert not torch.equal(a, adapter.initial_latents(["p:0:sample:0", "p:0:sample:1"], Geometry(32, 32),
                                                       seed=6))
     assert a.std().item() == pytest.approx(1.0, abs=0.05)
     # the project's shared x_T recipe, so engines and drivers agree on toy candidates
@@ -109,19 +110,19 @@ def test_noise_is_a_pure_function_of_seed_id_and_step(tiny_dir):
     assert n3.shape == (2, 3, 32, 32)
     assert torch.equal(n3[1], adapter.step_noise(["v"], 3, (3, 32, 32), seed=5)[0])
     assert not torch.equal(n3, adapter.step_noise(["u", "v"], 4, (3, 32, 32), seed=5))
-    assert not torch.equal(n3[0], adapter.initial_latents(["u"], 32, 32, seed=5)[0])
+    assert not torch.equal(n3[0], adapter.initial_latents(["u"], Geometry(32, 32), seed=5)[0])
     half = adapter.step_noise(["u"], 3, (3, 32, 32), seed=5, dtype=torch.bfloat16)
     assert half.dtype == torch.bfloat16 and torch.equal(half[0], n3[0].bfloat16())
 
 
 def test_schedule_and_option_checks(tiny_dir):
     adapter = ToyAdapter(tiny_dir)
-    sigmas = adapter.scheduler_sigmas(8, 32, 32)
+    sigmas = adapter.scheduler_sigmas(8, Geometry(32, 32))
     assert sigmas.shape == (9,) and sigmas[0] == 1.0 and sigmas[-1] == 0.0
     assert torch.all(sigmas[1:] < sigmas[:-1])
     assert torch.equal(adapter.timesteps_from_sigmas(sigmas), sigmas[:-1] * 1000)
-    assert adapter.resolution_problems(32, 32) == []
-    assert len(adapter.resolution_problems(30, 64)) == 2
+    assert adapter.resolution_problems(Geometry(32, 32)) == []
+    assert len(adapter.resolution_problems(Geometry(30, 64))) == 2
     with pytest.raises(ValueError, match="max_sequence_length=40"):
         ToyAdapter(tiny_dir, max_sequence_length=40)
     with pytest.raises(ValueError, match="unknown options"):
@@ -240,7 +241,7 @@ def test_shipped_weights_sample_better_than_noise():
     assert level_steps.max() <= 1 and (level_steps > 0).float().mean() < 1e-3, level_steps.sum()
     scorer = ToyCompositionScorer()
     metadata = [r["metadata"] for r in records]
-    noise = adapter.decode(frozen, adapter.initial_latents(ids, 32, 32, seed=0), 32, 32)
+    noise = adapter.decode(frozen, adapter.initial_latents(ids, Geometry(32, 32), seed=0), Geometry(32, 32))
     model_reward = torch.stack(list(scorer.score(images, prompts, metadata).values())).mean()
     noise_reward = torch.stack(list(scorer.score(noise, prompts, metadata).values())).mean()
     assert model_reward > noise_reward + 0.2, (model_reward, noise_reward)

@@ -27,6 +27,9 @@ import torch
 from trainer.models import ADAPTERS
 
 FAMILIES = ("qwen_image", "sd3", "flux")
+# The image-editing families (task "edit": prompt + reference images); built like the others
+# by build_tiny_model_dir, kept out of FAMILIES, whose tests are text-to-image.
+EDIT_FAMILIES = ("qwen_image_edit", "qwen_image_edit_plus")
 TINY_HEIGHT, TINY_WIDTH = 32, 32
 ADAPTER_PATHS = {family: ADAPTERS[family] for family in FAMILIES}  # dotpath of each family's adapter
 
@@ -213,13 +216,79 @@ def _build_flux(out: Path, guidance_embeds: bool = True) -> None:
 _BUILDERS = {"qwen_image": _build_qwen_image, "sd3": _build_sd3, "flux": _build_flux}
 
 
+# Qwen2.5-VL's vision markers, in the tiny tokenizer of the editing families (the processor
+# expands <|image_pad|> to one token per merged image patch; the text encoder finds them by id)
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def _tiny_qwen_vl(vocab: int, hidden: int, token_ids: dict[str, int]):
+    """A Qwen2.5-VL with a one-block vision tower whose patching matches the tiny processor's."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    return Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "mrope_section": [2, 3, 3]},
+                         bos_token_id=None, eos_token_id=2, pad_token_id=0),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
+                           out_hidden_size=hidden, fullatt_block_indexes=[0], patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2, window_size=56),
+        image_token_id=token_ids["<|image_pad|>"], video_token_id=token_ids["<|video_pad|>"],
+        vision_start_token_id=token_ids["<|vision_start|>"],
+        vision_end_token_id=token_ids["<|vision_end|>"],
+    ))
+
+
+def _build_qwen_image_edit(out: Path, pipeline_name: str = "QwenImageEditPipeline") -> None:
+    """Qwen-Image-Edit(-Plus): Qwen-Image's tiny parts plus what editing adds, a Qwen2-VL
+    processor (the tokenizer with the vision markers and a Qwen2-VL image processor bounded to
+    a few patches) and a text encoder whose vision tower reads what it produces."""
+    import diffusers
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+    from transformers import (AutoTokenizer, Qwen2VLImageProcessor, Qwen2VLProcessor,
+                              Qwen2VLVideoProcessor)
+
+    tok_dir = out / "_qwen_src"
+    write_qwen2_tokenizer(tok_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", *VISION_TOKENS]})
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    hidden = 32
+    text_encoder = _tiny_qwen_vl(len(tokenizer), hidden, ids)
+    image_processor = Qwen2VLImageProcessor(patch_size=14, merge_size=2, temporal_patch_size=2,
+                                            min_pixels=56 * 56, max_pixels=112 * 112)
+    processor = Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                 video_processor=Qwen2VLVideoProcessor())
+    vae = AutoencoderKLQwenImage(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1,
+                                 temperal_downsample=[False], latents_mean=[-0.7, 0.1, 0.4, -0.2],
+                                 latents_std=[2.8, 1.4, 2.3, 1.9])
+    transformer = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=2,
+                                              attention_head_dim=16, num_attention_heads=2,
+                                              joint_attention_dim=hidden, axes_dims_rope=(4, 6, 6))
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+        base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential")
+    getattr(diffusers, pipeline_name)(
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+        processor=processor, transformer=transformer).save_pretrained(out)
+
+
+def _build_qwen_image_edit_plus(out: Path) -> None:
+    _build_qwen_image_edit(out, "QwenImageEditPlusPipeline")
+
+
+_BUILDERS.update({"qwen_image_edit": _build_qwen_image_edit,
+                  "qwen_image_edit_plus": _build_qwen_image_edit_plus})
+
+
 def build_tiny_model_dir(family: str, root: Path | str, *, seed: int = 0) -> Path:
     """Build, save and return ``root/<family>``: a tiny random model of ``family``.
 
     Weights are drawn under ``torch.manual_seed(seed)`` (the global RNG is restored after).
     """
     if family not in _BUILDERS:
-        raise ValueError(f"unknown family {family!r}; tiny models exist for {FAMILIES}")
+        raise ValueError(f"unknown family {family!r}; tiny models exist for {FAMILIES + EDIT_FAMILIES}")
     out = Path(root) / family
     out.mkdir(parents=True, exist_ok=True)
     with torch.random.fork_rng(devices=[]):

@@ -264,7 +264,7 @@ class Trainer(TrainerState):
         with self.timer.stage("reward"):
             with self.actor.meter.region("reward_model", self.reward_device):
                 components, metrics = self.reward.score(batch.images, batch.prompts,
-                                                        batch.metadata)
+                                                        batch.metadata, sources=batch.sources)
             weights = self.reward.weights or {c: 1.0 for c in components}
             adv, adv_metrics, failed = compute_advantages(
                 components, batch.group_index, weights=weights,
@@ -276,8 +276,12 @@ class Trainer(TrainerState):
         metrics["reward/mean"] = float(total.mean()) / wsum  # weighted mean, same scale as eval
         k = self.cfg.logging.train_samples if self.rank == 0 else 0
         shown = pick_samples(batch.prompts, k)  # spread over the groups: several prompts
-        self.last_samples = (batch.images[shown].cpu(), [batch.prompts[i] for i in shown],
-                             (total[shown] / wsum).cpu()) if k > 0 else None
+        self.last_samples = None
+        if k > 0:  # editing: the shown samples' sources as a fourth item (trainer.visuals)
+            self.last_samples = (batch.images[shown].cpu(), [batch.prompts[i] for i in shown],
+                                 (total[shown] / wsum).cpu())
+            if batch.sources is not None:
+                self.last_samples += ([batch.sources[i] for i in shown],)
         metrics["reward/failed_groups"] = float(len(failed))
         return adv, metrics
 
@@ -410,7 +414,8 @@ class Trainer(TrainerState):
                 self.eval_records, cfg.data.n_samples_per_eval_prompt, rollout_id=None,
                 policy_version=self.policy_version, write_artifacts=False,
                 progress=cfg.logging.progress and self.rank == 0))
-            components, _ = self.reward.score(batch.images, batch.prompts, batch.metadata)
+            components, _ = self.reward.score(batch.images, batch.prompts, batch.metadata,
+                                              sources=batch.sources)
         weights = self.reward.weights or {c: 1.0 for c in components}
         total = sum(weights.get(c, 0.0) * v.float() for c, v in components.items())
         wsum = sum(weights.get(c, 0.0) for c in components) or 1.0
@@ -422,7 +427,8 @@ class Trainer(TrainerState):
             rewards = (total[:32] / wsum).tolist()
             log_samples(self.metrics, f"{tag}/samples", step, batch.images[:32],
                         batch.prompts[:32], rewards,
-                        path=self.run_dir / "eval" / f"{tag}_step{step:05d}.png")
+                        path=self.run_dir / "eval" / f"{tag}_step{step:05d}.png",
+                        sources=None if batch.sources is None else batch.sources[:32])
         return out
 
     def eval_over_seeds(self, seeds) -> list[float]:

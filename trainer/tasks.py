@@ -1,15 +1,20 @@
 """The generation-task vocabulary, importable without torch.
 
-Only text-to-image exists. A family that brings its
-own adapter for another task must add the task name here too, so that the vocabulary never
-lists a task without a replay path. ``trainer.preflight`` checks ``--generation-task`` against
-this tuple before anything heavy is imported; ``trainer.models.base`` re-exports it.
+- ``t2i``: text to image, the case without conditioning media.
+- ``edit``: image editing: a prompt and one or several reference images (the prompt record's
+  ``images``, ``trainer.media``) to one image. One task for every editing family (Qwen-Image-
+  Edit, Qwen-Image-Edit-Plus, FLUX.1 Kontext): what differs between them, such as how many
+  reference images they take, is the adapter's (``max_condition_images``), not the task's.
+
+A family that brings its own adapter for another task must add the task name here too, so
+that the vocabulary never lists a task without a replay path. ``trainer.preflight`` checks
+``--generation-task`` against this tuple before anything heavy is imported;
+``trainer.models.base`` re-exports it.
 """
 from __future__ import annotations
 
-GENERATION_TASKS: tuple[str, ...] = ("t2i",)
+GENERATION_TASKS: tuple[str, ...] = ("t2i", "edit")
 # The tasks whose families take conditioning media (reference images: ``trainer.media``); a
 # subset of GENERATION_TASKS. Preflight refuses prompt records that carry images for any
-# other task: a text-to-image family would silently drop them. Empty until the first editing
-# family registers its task here.
-CONDITIONED_TASKS: tuple[str, ...] = ()
+# other task: a text-to-image family would silently drop them.
+CONDITIONED_TASKS: tuple[str, ...] = ("edit",)

@@ -62,8 +62,8 @@ def rows_velocity(adapter: GenerativeModelAdapter, model: nn.Module, rows: Repla
     2 * b * S rows, trainer.models.guidance)."""
     device = rows.x.device
     with meter.region("transformer", device) if meter else contextlib.nullcontext():
-        return guided_velocity(adapter, model, rows.x, rows.sigma, rows.conditions, batch.height,
-                               batch.width, batch.guidance_scale)
+        return guided_velocity(adapter, model, rows.x, rows.sigma, rows.conditions,
+                               batch.geometry, batch.guidance_scale)
 
 
 def replay_log_probs(adapter: GenerativeModelAdapter, model: nn.Module, batch: RolloutBatch,
@@ -93,7 +93,7 @@ def replay_log_probs_per_step(adapter: GenerativeModelAdapter, model: nn.Module,
     for s in range(len(batch.sde_indices)):
         x = batch.latents[:, s].to(device)
         sigma, sigma_next = batch.sigmas[:, s].to(device), batch.sigmas_next[:, s].to(device)
-        v = guided_velocity(adapter, model, x, sigma, conditions, batch.height, batch.width,
+        v = guided_velocity(adapter, model, x, sigma, conditions, batch.geometry,
                             batch.guidance_scale)
         cols.append(kernels.sde_log_prob(x, v, batch.next_latents[:, s].to(device), sigma,
                                          sigma_next, **batch.kernel_options(),

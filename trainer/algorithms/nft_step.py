@@ -63,7 +63,7 @@ class OldPolicy:
 
 
 def _velocity(actor, mb, x: torch.Tensor, t: torch.Tensor, conditions) -> torch.Tensor:
-    return guided_velocity(actor.adapter, actor.model, x, t, conditions, mb.height, mb.width,
+    return guided_velocity(actor.adapter, actor.model, x, t, conditions, mb.geometry,
                            mb.guidance_scale)
 
 

@@ -226,6 +226,7 @@ def plan_for_config(cfg: Any, world: int) -> MemoryPlan | None:
     (no transformer class to count)."""
     from trainer.config.sampling import SamplingConfig
     from trainer.utils.values import import_dotpath
+    from trainer.models.geometry import Geometry
 
     adapter_cls = import_dotpath(cfg.model.adapter_path)
     transformer_class = getattr(adapter_cls, "transformer_class", "")
@@ -242,7 +243,7 @@ def plan_for_config(cfg: Any, world: int) -> MemoryPlan | None:
     text += EXTRA_TEXT_TOKENS.get(transformer_class, 0)
     try:
         adapter = adapter_cls(model_path, **options)
-        image = adapter.image_tokens(sampling.height, sampling.width)
+        image = adapter.image_tokens(Geometry(sampling.height, sampling.width))
     except (OSError, ValueError):  # no model directory here: the published VAE x8 + 2x2 patches
         side = PIXELS_PER_TOKEN_SIDE
         image = (sampling.height // side) * (sampling.width // side)

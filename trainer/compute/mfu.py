@@ -62,7 +62,7 @@ def stage_flops(adapter: Any, batch: Any, *, num_inference_steps: int, trained_r
     forwards per trained transition (the pi_old anchors, see ``anchor_forwards``)."""
     samples = len(batch.sample_ids)
     text = _text_tokens(batch.conditions)
-    one = adapter.forward_flops(batch.height, batch.width, batch=1, text_tokens=text)
+    one = adapter.forward_flops(batch.geometry, batch=1, text_tokens=text)
     if one is None:
         return None
     cfg_factor = 2 if float(batch.guidance_scale) != 1.0 else 1

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from trainer.models import noise, wire
+from trainer.models.geometry import Geometry
 from trainer.models.batch import RolloutBatch  # noqa: F401  (its home; re-exported for importers)
 from trainer.tasks import GENERATION_TASKS  # noqa: E402,F401  (torch-free home, re-exported)
 
@@ -32,8 +33,11 @@ class GenerativeModelAdapter(abc.ABC):
 
     family: ClassVar[str] = "base"
     supported_tasks: ClassVar[tuple[str, ...]] = ("t2i",)
-    #: Keys of ``encode_prompts``' output that ``velocity`` needs (checked in every response).
+    #: Keys of ``encode_conditions``' output that ``velocity`` needs (checked in every response).
     condition_keys: ClassVar[tuple[str, ...]] = ()
+    #: Reference images one candidate may carry: 0 for a family without conditioning media
+    #: (text-to-image), 1 for a single-source edit, more for a multi-reference family.
+    max_condition_images: ClassVar[int] = 0
 
     def __init__(self, model_path: str, **options: Any) -> None:
         self.model_path = model_path
@@ -75,25 +79,58 @@ class GenerativeModelAdapter(abc.ABC):
     def encode_prompts(self, frozen: dict[str, Any], prompts: list[str]) -> dict[str, torch.Tensor]:
         """Batch-first frozen conditions for ``velocity`` (embeddings, pooled, masks)."""
 
+    def encode_conditions(self, frozen: dict[str, Any], prompts: list[str],
+                          images: Sequence[Sequence[Any]] | None,
+                          geometry: Geometry) -> dict[str, torch.Tensor]:
+        """Batch-first frozen conditions of B candidates: their prompts and, per candidate, its
+        reference images (``trainer.media.ImageRef``; None or all empty: none), encoded for
+        the output ``geometry``. What it returns is all ``velocity`` gets, image latents
+        included, and what the rollout records for the replay.
+
+        Default: the prompts alone (``encode_prompts``); a family with conditioning media
+        (``max_condition_images`` > 0) overrides this."""
+        if images is not None and any(len(refs) for refs in images):
+            raise ValueError(f"{type(self).__name__} ({self.family!r}) takes no reference images")
+        return self.encode_prompts(frozen, prompts)
+
+    def condition_image_problems(self, images: Sequence[Sequence[Any]] | None) -> list[str]:
+        """Why these per-candidate reference images cannot condition this family ([] when
+        they can): more images than ``max_condition_images``, or none where it needs some."""
+        if images is None:
+            return [] if self.max_condition_images == 0 else [
+                f"{self.family!r} edits reference images: every candidate needs at least one"]
+        problems = []
+        for row, refs in enumerate(images):
+            if len(refs) > self.max_condition_images:
+                problems.append(f"candidate {row} has {len(refs)} reference images; "
+                                f"{self.family!r} takes at most {self.max_condition_images}")
+            elif self.max_condition_images and not refs:
+                problems.append(f"candidate {row} has no reference image; {self.family!r} edits one")
+        return problems
+
     @abc.abstractmethod
-    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+    def latent_shape(self, geometry: Geometry) -> tuple[int, ...]:
         """Per-sample latent shape as the transformer takes it."""
 
     @abc.abstractmethod
     def velocity(self, transformer: nn.Module, latents: torch.Tensor, sigma: torch.Tensor,
-                 conditions: dict[str, torch.Tensor], height: int, width: int) -> torch.Tensor:
-        """The one transformer forward: x_t at sigma [B] -> predicted velocity, same shape."""
+                 conditions: dict[str, torch.Tensor], geometry: Geometry) -> torch.Tensor:
+        """The one transformer forward: x_t at sigma [B] -> predicted velocity, same shape.
+
+        ``conditions`` is what ``encode_conditions`` returned (reference-image latents
+        included), gathered and batched by the engine, or the same tensors as the rollout
+        recorded them (the replay)."""
 
     @abc.abstractmethod
-    def decode(self, frozen: dict[str, Any], latents: torch.Tensor, height: int,
-               width: int) -> torch.Tensor:
+    def decode(self, frozen: dict[str, Any], latents: torch.Tensor,
+               geometry: Geometry) -> torch.Tensor:
         """Final latents -> images [B, H, W, 3] uint8."""
 
     def compile_frozen(self, frozen: dict[str, Any]) -> None:
         """Compile what of the frozen parts pays for it (the engine calls this when it compiles
         its transformer); nothing by default."""
 
-    def scheduler_sigmas(self, num_inference_steps: int, height: int, width: int) -> torch.Tensor:
+    def scheduler_sigmas(self, num_inference_steps: int, geometry: Geometry) -> torch.Tensor:
         """The sampling schedule: num_inference_steps + 1 sigmas from 1.0 down to 0.0 (fp32).
 
         Default: linear spacing as FlowMatchEulerDiscreteScheduler without shift; families
@@ -108,7 +145,7 @@ class GenerativeModelAdapter(abc.ABC):
         """
         return sigmas[:-1].to(torch.float32) * 1000.0
 
-    def forward_flops(self, height: int, width: int, *, batch: int, text_tokens: int):
+    def forward_flops(self, geometry: Geometry, *, batch: int, text_tokens: int):
         """FLOPs of one transformer forward of ``batch`` samples at this geometry and text
         length, from the config alone (a ``trainer.compute.flops.FlopCount``), or None where
         the family does not state them: its MFU is then not logged."""
@@ -145,24 +182,28 @@ class GenerativeModelAdapter(abc.ABC):
             raise ValueError(f"guidance_scale must be a number >= 1.0, got {guidance_scale!r}")
 
     # ---- latent geometry and the x_T recipe ------------------------------------------------
-    def resolution_problems(self, height: int, width: int) -> list[str]:
-        """Why (height, width) cannot be generated by this family ([] when it can)."""
+    def resolution_problems(self, geometry: Geometry) -> list[str]:
+        """Why ``geometry`` cannot be generated by this family ([] when it can). The default
+        refuses frames > 1: a family that generates video overrides it."""
+        if geometry.frames != 1:
+            return [f"{type(self).__name__} ({self.family!r}) generates images: frames must be "
+                    f"1, got {geometry.frames}"]
         return []
 
-    def init_noise_shape(self, height: int, width: int) -> tuple[int, ...]:
+    def init_noise_shape(self, geometry: Geometry) -> tuple[int, ...]:
         """Per-sample shape x_T is drawn in (before ``noise_to_latents``); default latent_shape."""
-        return tuple(self.latent_shape(height, width))
+        return tuple(self.latent_shape(geometry))
 
-    def latent_grid(self, height: int, width: int) -> tuple[int, int]:
+    def latent_grid(self, geometry: Geometry) -> tuple[int, int]:
         """(h, w) of the latent grid: the last two dims of ``init_noise_shape``."""
-        shape = self.init_noise_shape(height, width)
+        shape = self.init_noise_shape(geometry)
         return int(shape[-2]), int(shape[-1])
 
-    def noise_to_latents(self, noise: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    def noise_to_latents(self, noise: torch.Tensor, geometry: Geometry) -> torch.Tensor:
         """[B, *init_noise_shape] -> [B, *latent_shape] (e.g. 2x2 packing); default identity."""
         return noise
 
-    def initial_latents(self, sample_ids: Sequence[str], height: int, width: int, *, seed: int,
+    def initial_latents(self, sample_ids: Sequence[str], geometry: Geometry, *, seed: int,
                         dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu") -> torch.Tensor:
         """x_T [B, *latent_shape]: row b a pure function of (seed, sample_ids[b]).
@@ -170,9 +211,9 @@ class GenerativeModelAdapter(abc.ABC):
         Drawn in ``init_noise_shape`` (the unpacked [C, h, w] grid, as the diffusers pipelines
         draw it) with the recipe of ``trainer.models.noise``, then packed, then cast.
         """
-        draws = noise.gaussian(sample_ids, noise.initial_stream(), self.init_noise_shape(height, width),
+        draws = noise.gaussian(sample_ids, noise.initial_stream(), self.init_noise_shape(geometry),
                                seed=seed)
-        return self.noise_to_latents(draws, height, width).to(device=device, dtype=dtype)
+        return self.noise_to_latents(draws, geometry).to(device=device, dtype=dtype)
 
     def step_noise(self, sample_ids: Sequence[str], step_index: int, shape: Sequence[int], *,
                    seed: int, dtype: torch.dtype = torch.float32,
@@ -185,18 +226,21 @@ class GenerativeModelAdapter(abc.ABC):
     def build_rollout_request(self, prompts: Sequence[str], sample_ids: Sequence[str],
                               sampling: Mapping[str, Any], *, rollout_id: int | None, seed: int,
                               sde_indices: Sequence[int] | None = None,
-                              group_index: Sequence[int] | None = None) -> dict[str, Any]:
+                              group_index: Sequence[int] | None = None,
+                              images: Sequence[Sequence[Any]] | None = None) -> dict[str, Any]:
         """A request in SGLang's diffusion rollout schema for B candidates.
 
         ``sampling`` is the rollout.sampling config (a ``SamplingConfig``, or its table). The
         trained SDE steps are the driver's resolved ``sde_indices`` (keyword) or else the
         config's; they are sorted and deduplicated. ``group_index`` defaults to one group per
-        distinct prompt, numbered in order of first appearance. Raises one ValueError listing
+        distinct prompt, numbered in order of first appearance. ``images``: per candidate, its
+        reference images (``trainer.media.ImageRef``; None: none). Raises one ValueError listing
         every problem (guidance_scale != 1.0, an SDE step where the SDE type has no density,
         bad geometry, duplicate sample ids...).
         """
         return wire.build_request(self, prompts, sample_ids, sampling, rollout_id=rollout_id,
-                                  seed=seed, sde_indices=sde_indices, group_index=group_index)
+                                  seed=seed, sde_indices=sde_indices, group_index=group_index,
+                                  images=images)
 
     def validate_rollout_response(self, response: Mapping[str, Any],
                                   request: Mapping[str, Any]) -> None:
@@ -214,4 +258,4 @@ class GenerativeModelAdapter(abc.ABC):
         dev = next(transformer.parameters()).device
         cond = {k: v.to(dev, non_blocking=True) for k, v in batch.conditions.items()}
         return self.velocity(transformer, batch.latents[:, step].to(dev, non_blocking=True),
-                             batch.sigmas[:, step].to(dev), cond, batch.height, batch.width)
+                             batch.sigmas[:, step].to(dev), cond, batch.geometry)

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from trainer.models.geometry import Geometry
+
 
 @dataclass
 class RolloutBatch:
@@ -47,6 +49,16 @@ class RolloutBatch:
     sde_options: dict[str, str] = field(default_factory=dict)  # sigma_one, log_prob_form
     final_latents: torch.Tensor | None = None  # [B, *latent] x_0, when the engine returned it
     schedule: torch.Tensor | None = None       # [N + 1] fp32 sigmas of the whole schedule
+    frames: int = 1                            # 1: images (Geometry.frames)
+    # per candidate, its reference images (trainer.media.ImageRef); None: no conditioning
+    # media (text-to-image). Their encoding is in ``conditions``; these go to the rewards
+    # that want sources and to the pictures.
+    sources: list[tuple[Any, ...]] | None = None
+
+    @property
+    def geometry(self) -> Geometry:
+        """What every candidate of the batch is: height x width pixels, ``frames`` frames."""
+        return Geometry(self.height, self.width, self.frames)
 
     def kernel_options(self) -> dict[str, Any]:
         """Keyword arguments of kernels.sde_log_prob / sde_kl for these transitions."""
@@ -91,6 +103,8 @@ class RolloutBatch:
             sde_options=dict(self.sde_options),
             final_latents=None if self.final_latents is None else take(self.final_latents),
             schedule=self.schedule,
+            frames=self.frames,
+            sources=None if self.sources is None else [self.sources[i] for i in rows],
         )
 
 
@@ -120,8 +134,8 @@ def concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:
     first = batches[0]
     problems = []
     for b in batches[1:]:
-        for field in ("sde_indices", "height", "width", "eta", "sde_type", "guidance_scale",
-                      "sde_options"):
+        for field in ("sde_indices", "height", "width", "frames", "eta", "sde_type",
+                      "guidance_scale", "sde_options"):
             if getattr(b, field) != getattr(first, field):
                 problems.append(f"{field} differs: {getattr(first, field)!r} vs {getattr(b, field)!r}")
         if set(b.conditions) != set(first.conditions):
@@ -157,4 +171,13 @@ def concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:
         final_latents=torch.cat([b.final_latents for b in batches])
         if all(b.final_latents is not None for b in batches) else None,
         schedule=first.schedule,
+        frames=first.frames,
+        sources=_joined_sources(batches),
     )
+
+
+def _joined_sources(batches: list[RolloutBatch]) -> list[tuple[Any, ...]] | None:
+    """The batches' per-candidate sources in order; None when none has any (text-to-image)."""
+    if all(b.sources is None for b in batches):
+        return None
+    return [tuple(s) for b in batches for s in (b.sources or [()] * len(b))]

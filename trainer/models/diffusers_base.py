@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from trainer.models.base import GenerativeModelAdapter
+from trainer.models.geometry import Geometry
 
 # Wrapper segments that torch.compile, activation checkpointing and FSDP insert in names.
 _WRAPPER_SEGMENTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
@@ -223,20 +224,20 @@ class DiffusersAdapter(GenerativeModelAdapter):
         return mapping
 
     # ---- compute accounting (trainer.compute; docs/compute-accounting.md) -------------------
-    def image_tokens(self, height: int, width: int) -> int:
+    def image_tokens(self, geometry: Geometry) -> int:
         """Image tokens of the transformer's sequence: the packed sequence of a 2-D latent
         ([tokens, channels]) or the patches of a [C, h, w] latent."""
-        shape = self.latent_shape(height, width)
+        shape = self.latent_shape(geometry)
         if len(shape) == 2:
             return int(shape[0])
         patch = int(self.transformer_config["patch_size"])
         return (int(shape[-2]) // patch) * (int(shape[-1]) // patch)
 
-    def forward_flops(self, height: int, width: int, *, batch: int, text_tokens: int):
+    def forward_flops(self, geometry: Geometry, *, batch: int, text_tokens: int):
         from trainer.compute.flops import transformer_forward
 
         return transformer_forward(self.transformer_class, self.transformer_config,
-                                   image_tokens=self.image_tokens(height, width),
+                                   image_tokens=self.image_tokens(geometry),
                                    text_tokens=text_tokens, batch=batch)
 
     # ---- engine side helpers ----------------------------------------------------------------
@@ -285,22 +286,24 @@ class PackedLatentsAdapter(DiffusersAdapter):
     def vae_scale_factor(self) -> int:
         raise NotImplementedError
 
-    def resolution_problems(self, height: int, width: int) -> list[str]:
+    def resolution_problems(self, geometry: Geometry) -> list[str]:
+        problems = super().resolution_problems(geometry)
         multiple = self.vae_scale_factor * 2
-        if height % multiple or width % multiple:
-            return [f"height and width must be multiples of {multiple} for {self.display_name} "
-                    f"(VAE x{self.vae_scale_factor}, 2x2 packing), got {height}x{width}"]
-        return []
+        if geometry.height % multiple or geometry.width % multiple:
+            problems.append(f"height and width must be multiples of {multiple} for "
+                            f"{self.display_name} (VAE x{self.vae_scale_factor}, 2x2 packing), "
+                            f"got {geometry.height}x{geometry.width}")
+        return problems
 
-    def init_noise_shape(self, height: int, width: int) -> tuple[int, int, int]:
+    def init_noise_shape(self, geometry: Geometry) -> tuple[int, int, int]:
         step = self.vae_scale_factor * 2
-        return (self.transformer_config["in_channels"] // 4, 2 * (int(height) // step),
-                2 * (int(width) // step))
+        return (self.transformer_config["in_channels"] // 4, 2 * (int(geometry.height) // step),
+                2 * (int(geometry.width) // step))
 
-    def latent_shape(self, height: int, width: int) -> tuple[int, int]:
-        channels, h, w = self.init_noise_shape(height, width)
+    def latent_shape(self, geometry: Geometry) -> tuple[int, int]:
+        channels, h, w = self.init_noise_shape(geometry)
         return (h // 2) * (w // 2), channels * 4
 
-    def noise_to_latents(self, noise: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        channels, h, w = self.init_noise_shape(height, width)
+    def noise_to_latents(self, noise: torch.Tensor, geometry: Geometry) -> torch.Tensor:
+        channels, h, w = self.init_noise_shape(geometry)
         return self.pipeline_class()._pack_latents(noise, noise.shape[0], channels, h, w)

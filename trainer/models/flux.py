@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from trainer.models.diffusers_base import PackedLatentsAdapter, base_module, images_to_uint8
+from trainer.models.geometry import Geometry
 
 # diffusers and transformers are imported inside the methods that need them, so importing
 # the adapter class (as the config checks do) imports neither: trainer/models/diffusers_base.py.
@@ -65,13 +66,13 @@ class FluxAdapter(PackedLatentsAdapter):
     def vae_scale_factor(self) -> int:
         return 2 ** (len(self.vae_config["block_out_channels"]) - 1)
 
-    def scheduler_sigmas(self, num_inference_steps: int, height: int, width: int) -> torch.Tensor:
+    def scheduler_sigmas(self, num_inference_steps: int, geometry: Geometry) -> torch.Tensor:
         from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
         cfg = self.scheduler.config
         sigmas = None if cfg.get("use_flow_sigmas", False) else \
             np.linspace(1.0, 1 / num_inference_steps, num_inference_steps)
-        mu = calculate_shift(self.latent_shape(height, width)[0], cfg.get("base_image_seq_len", 256),
+        mu = calculate_shift(self.latent_shape(geometry)[0], cfg.get("base_image_seq_len", 256),
                              cfg.get("max_image_seq_len", 4096), cfg.get("base_shift", 0.5),
                              cfg.get("max_shift", 1.15))
         return self._scheduler_sigmas(num_inference_steps, sigmas=sigmas, mu=mu)
@@ -102,12 +103,12 @@ class FluxAdapter(PackedLatentsAdapter):
         return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
 
     def velocity(self, transformer: nn.Module, latents: torch.Tensor, sigma: torch.Tensor,
-                 conditions: dict[str, torch.Tensor], height: int, width: int) -> torch.Tensor:
+                 conditions: dict[str, torch.Tensor], geometry: Geometry) -> torch.Tensor:
         latents, cond, dtype = self._cast_inputs(transformer, latents, conditions)
         batch, device = latents.shape[0], latents.device
         sigma = torch.as_tensor(sigma, device=device).reshape(-1).expand(batch)
         timestep = (sigma.to(torch.float32) * 1000).to(dtype) / 1000
-        _, h, w = self.init_noise_shape(height, width)
+        _, h, w = self.init_noise_shape(geometry)
         img_ids = _pipeline_cls()._prepare_latent_image_ids(batch, h // 2, w // 2, device, dtype)
         txt_ids = torch.zeros(cond["prompt_embeds"].shape[1], 3, device=device, dtype=dtype)
         guidance = None
@@ -125,9 +126,10 @@ class FluxAdapter(PackedLatentsAdapter):
         )[0]
 
     @torch.no_grad()
-    def decode(self, frozen: dict[str, Any], latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    def decode(self, frozen: dict[str, Any], latents: torch.Tensor, geometry: Geometry) -> torch.Tensor:
         pipeline, vae = frozen["pipeline"], frozen["vae"]
-        z = pipeline._unpack_latents(latents, height, width, pipeline.vae_scale_factor)
+        z = pipeline._unpack_latents(latents, geometry.height, geometry.width,
+                                     pipeline.vae_scale_factor)
         z = z.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
         images = vae.decode(z, return_dict=False)[0]
         return images_to_uint8(pipeline.image_processor, images)

@@ -52,12 +52,12 @@ def _stack_halves(negative: torch.Tensor, positive: torch.Tensor) -> torch.Tenso
 
 
 def guided_velocity(adapter: Any, model: nn.Module, x: torch.Tensor, sigma: torch.Tensor,
-                    conditions: dict[str, torch.Tensor], height: int, width: int,
+                    conditions: dict[str, torch.Tensor], geometry: Any,
                     guidance_scale: float) -> torch.Tensor:
     """The velocity the SDE step takes: plain at g == 1, else CFG from one 2B-row forward."""
     positive, negative = split_conditions(conditions)
     if float(guidance_scale) == 1.0:
-        return adapter.velocity(model, x, sigma, positive, height, width)
+        return adapter.velocity(model, x, sigma, positive, geometry)
     missing = sorted(set(positive) - set(negative))
     if missing:
         raise ValueError(f"guidance_scale={guidance_scale} needs the negative conditions "
@@ -65,6 +65,6 @@ def guided_velocity(adapter: Any, model: nn.Module, x: torch.Tensor, sigma: torc
     batch = x.shape[0]
     sigma = torch.as_tensor(sigma, device=x.device).reshape(-1).expand(batch)
     both = {k: _stack_halves(negative[k], positive[k]) for k in positive}
-    v = adapter.velocity(model, torch.cat([x, x]), torch.cat([sigma, sigma]), both, height, width)
+    v = adapter.velocity(model, torch.cat([x, x]), torch.cat([sigma, sigma]), both, geometry)
     v_uncond, v_cond = v[:batch].detach(), v[batch:]
     return v_uncond + guidance_scale * (v_cond - v_uncond)

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from trainer.models.diffusers_base import PackedLatentsAdapter, images_to_uint8
+from trainer.models.geometry import Geometry
 from trainer.patches.diffusers_qwen_fast_paths import install_fast_paths
 
 # diffusers and transformers are imported inside the methods that need them, so importing
@@ -84,11 +85,11 @@ class QwenImageAdapter(PackedLatentsAdapter):
     def vae_scale_factor(self) -> int:
         return 2 ** len(self.vae_config["temperal_downsample"])
 
-    def scheduler_sigmas(self, num_inference_steps: int, height: int, width: int) -> torch.Tensor:
+    def scheduler_sigmas(self, num_inference_steps: int, geometry: Geometry) -> torch.Tensor:
         from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 
         cfg = self.scheduler.config
-        mu = calculate_shift(self.latent_shape(height, width)[0], cfg.get("base_image_seq_len", 256),
+        mu = calculate_shift(self.latent_shape(geometry)[0], cfg.get("base_image_seq_len", 256),
                              cfg.get("max_image_seq_len", 4096), cfg.get("base_shift", 0.5),
                              cfg.get("max_shift", 1.15))
         sigmas = np.linspace(1.0, 1 / num_inference_steps, num_inference_steps)
@@ -134,12 +135,12 @@ class QwenImageAdapter(PackedLatentsAdapter):
         return dims
 
     def velocity(self, transformer: nn.Module, latents: torch.Tensor, sigma: torch.Tensor,
-                 conditions: dict[str, torch.Tensor], height: int, width: int) -> torch.Tensor:
+                 conditions: dict[str, torch.Tensor], geometry: Geometry) -> torch.Tensor:
         latents, cond, dtype = self._cast_inputs(transformer, latents, conditions)
         batch = latents.shape[0]
         sigma = torch.as_tensor(sigma, device=latents.device).reshape(-1).expand(batch)
         timestep = (sigma.to(torch.float32) * 1000).to(dtype) / 1000
-        _, h, w = self.init_noise_shape(height, width)
+        _, h, w = self.init_noise_shape(geometry)
         cond = self.pad_text(cond, image_tokens=latents.shape[1])
         return transformer(
             hidden_states=latents,
@@ -150,10 +151,10 @@ class QwenImageAdapter(PackedLatentsAdapter):
             return_dict=False,
         )[0]
 
-    def forward_flops(self, height: int, width: int, *, batch: int, text_tokens: int):
+    def forward_flops(self, geometry: Geometry, *, batch: int, text_tokens: int):
         """As the base, at the padded text length ``velocity`` runs."""
-        padded = self.padded_text_length(text_tokens, self.image_tokens(height, width))
-        return super().forward_flops(height, width, batch=batch, text_tokens=padded)
+        padded = self.padded_text_length(text_tokens, self.image_tokens(geometry))
+        return super().forward_flops(geometry, batch=batch, text_tokens=padded)
 
     def padded_text_length(self, text_tokens: int, image_tokens: int) -> int:
         """The text length the transformer sees: image + text tokens rounded up to a multiple
@@ -173,10 +174,11 @@ class QwenImageAdapter(PackedLatentsAdapter):
                 "prompt_embeds_mask": torch.cat([mask, mask.new_zeros(batch, pad)], 1)}
 
     @torch.no_grad()
-    def decode(self, frozen: dict[str, Any], latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    def decode(self, frozen: dict[str, Any], latents: torch.Tensor, geometry: Geometry) -> torch.Tensor:
         pipeline, vae = frozen["pipeline"], frozen["vae"]
         # Inverse of the pipeline's per-channel latent normalisation, as QwenImagePipeline does it.
-        z = pipeline._unpack_latents(latents, height, width, pipeline.vae_scale_factor).to(vae.dtype)
+        z = pipeline._unpack_latents(latents, geometry.height, geometry.width,
+                                     pipeline.vae_scale_factor).to(vae.dtype)
         shape = (1, vae.config.z_dim, 1, 1, 1)
         mean = torch.tensor(vae.config.latents_mean).view(shape).to(z.device, z.dtype)
         inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(z.device, z.dtype)

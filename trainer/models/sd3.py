@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from trainer.models.diffusers_base import DiffusersAdapter, images_to_uint8
+from trainer.models.geometry import Geometry
 
 # diffusers and transformers are imported inside the methods that need them, so importing
 # the adapter class (as the config checks do) imports neither: trainer/models/diffusers_base.py.
@@ -45,30 +46,33 @@ class SD3Adapter(DiffusersAdapter):
     def vae_scale_factor(self) -> int:
         return 2 ** (len(self.vae_config["block_out_channels"]) - 1)
 
-    def resolution_problems(self, height: int, width: int) -> list[str]:
+    def resolution_problems(self, geometry: Geometry) -> list[str]:
+        problems = super().resolution_problems(geometry)
+        height, width = geometry.height, geometry.width
         patch = self.transformer_config["patch_size"]
         multiple = self.vae_scale_factor * patch
         if height % multiple or width % multiple:
-            return [f"height and width must be multiples of {multiple} for SD3 "
+            return problems + [f"height and width must be multiples of {multiple} for SD3 "
                     f"(VAE x{self.vae_scale_factor}, patch {patch}), got {height}x{width}"]
         limit = self.transformer_config["pos_embed_max_size"] * multiple
         if height > limit or width > limit:
-            return [f"height and width must be at most {limit} for this SD3 transformer "
+            return problems + [f"height and width must be at most {limit} for this SD3 transformer "
                     f"(pos_embed_max_size {self.transformer_config['pos_embed_max_size']}), "
                     f"got {height}x{width}"]
-        return []
+        return problems
 
-    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
+    def latent_shape(self, geometry: Geometry) -> tuple[int, int, int]:
         vsf = self.vae_scale_factor
-        return self.transformer_config["in_channels"], int(height) // vsf, int(width) // vsf
+        return (self.transformer_config["in_channels"], int(geometry.height) // vsf,
+                int(geometry.width) // vsf)
 
-    def scheduler_sigmas(self, num_inference_steps: int, height: int, width: int) -> torch.Tensor:
+    def scheduler_sigmas(self, num_inference_steps: int, geometry: Geometry) -> torch.Tensor:
         cfg = self.scheduler.config
         if not cfg.get("use_dynamic_shifting", False):
             return self._scheduler_sigmas(num_inference_steps)
         from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
 
-        _, h, w = self.latent_shape(height, width)
+        _, h, w = self.latent_shape(geometry)
         patch = self.transformer_config["patch_size"]
         mu = calculate_shift((h // patch) * (w // patch), cfg.get("base_image_seq_len", 256),
                              cfg.get("max_image_seq_len", 4096), cfg.get("base_shift", 0.5),
@@ -106,7 +110,7 @@ class SD3Adapter(DiffusersAdapter):
         return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
 
     def velocity(self, transformer: nn.Module, latents: torch.Tensor, sigma: torch.Tensor,
-                 conditions: dict[str, torch.Tensor], height: int, width: int) -> torch.Tensor:
+                 conditions: dict[str, torch.Tensor], geometry: Geometry) -> torch.Tensor:
         latents, cond, _ = self._cast_inputs(transformer, latents, conditions)
         batch = latents.shape[0]
         sigma = torch.as_tensor(sigma, device=latents.device).reshape(-1).expand(batch)
@@ -120,7 +124,7 @@ class SD3Adapter(DiffusersAdapter):
         )[0]
 
     @torch.no_grad()
-    def decode(self, frozen: dict[str, Any], latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    def decode(self, frozen: dict[str, Any], latents: torch.Tensor, geometry: Geometry) -> torch.Tensor:
         pipeline, vae = frozen["pipeline"], frozen["vae"]
         z = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
         images = vae.decode(z, return_dict=False)[0]

@@ -21,7 +21,9 @@ One safetensors sidecar per prompt group with three flat namespaces:
   ``log_probs`` / ``sigmas`` / ``sigmas_next`` [G, S].
 
 The string metadata holds the prompt, sample ids, task, geometry, eta, sde type, sampling
-fingerprint and weight checksum as JSON-safe strings. Files are written ``.tmp`` → fsync →
+fingerprint and weight checksum as JSON-safe strings; an editing group also its candidates'
+reference images (``sources``: their ``ImageRef`` entries, paths or data URIs) and a video
+group its ``frames``. The reference images' encoding is among the ``conditions.*``. Files are written ``.tmp`` → fsync →
 atomic ``os.replace`` (then the directory is fsynced), so a reader never sees half a sidecar.
 PNGs are written ``.tmp`` → rename without fsync: they are for eyes, the sidecar is the audit
 record.
@@ -46,6 +48,7 @@ from PIL import Image
 from safetensors.torch import load_file, save
 from safetensors import safe_open
 
+from trainer.media import ImageRef
 from trainer.models.base import RolloutBatch
 from trainer.utils.fsio import fsync_dir
 
@@ -135,6 +138,12 @@ def write_group_sidecar(directory: Path, group_index: int, rows: RolloutBatch, *
         "conditions_shared": "1" if shared else "0",
         "metadata": json.dumps(rows.metadata, default=str),
     }
+    # only where they say something, so a text-to-image sidecar stays what it was
+    if rows.frames != 1:
+        metadata["frames"] = str(rows.frames)
+    if rows.sources is not None:
+        metadata["sources"] = json.dumps([[getattr(ref, "entry", ref) for ref in refs]
+                                          for refs in rows.sources])
     path = sidecar_path(directory, group_index)
     atomic_write_bytes(path, save(tensors, metadata=metadata))
     return path
@@ -195,6 +204,9 @@ def load_group_sidecar(path: str | os.PathLike, *, with_images: bool = True) -> 
         # absent in sidecars written before CFG and the Flow-GRPO options: their defaults
         guidance_scale=float(meta.get("guidance_scale", "1.0")),
         sde_options=json.loads(meta.get("sde_options", "{}")),
+        frames=int(meta.get("frames", "1")),
+        sources=None if "sources" not in meta else
+        [tuple(ImageRef(entry) for entry in refs) for refs in json.loads(meta["sources"])],
     )
 
 

@@ -33,6 +33,7 @@ from typing import Any, Callable
 import torch
 from tqdm.auto import tqdm
 
+from trainer.media import batch_sources
 from trainer.models.base import GenerativeModelAdapter, RolloutBatch
 from trainer.profiling import add_times, nvtx_range
 from trainer.metrics import settle_writes
@@ -166,10 +167,13 @@ class RolloutDriver:
         requests = []
         for groups in chunks:
             prompts = [records[g]["prompt"] for g in groups for _ in range(n)]
+            # each candidate carries its record's reference images (None: text-to-image)
+            sources = batch_sources([records[g] for g in groups for _ in range(n)])
             req_seed = self.seed if self.driver_xt else self.seed + groups[0] * n
             requests.append(self.adapter.build_rollout_request(
                 prompts, [s for g in groups for s in ids[g]], self.sampling_config, rollout_id=rollout_id,
-                seed=req_seed, sde_indices=sde, group_index=[g for g in groups for _ in range(n)]))
+                seed=req_seed, sde_indices=sde, group_index=[g for g in groups for _ in range(n)],
+                images=sources))
 
         # One weight checksum per engine per rollout, recorded in every candidate's manifest
         # (with the policy version and sampling fingerprint: docs/design.md#data).
@@ -264,7 +268,7 @@ class RolloutDriver:
         if sent is not None:
             return torch.tensor(sent, dtype=torch.float32)
         steps = int(request["num_inference_steps"])
-        return self.adapter.scheduler_sigmas(steps, batch.height, batch.width).to(torch.float32)
+        return self.adapter.scheduler_sigmas(steps, batch.geometry).to(torch.float32)
 
     def _metadata(self, records: list[dict[str, Any]], ids: list[list[str]], n: int,
                   policy_version: int, directory: Path | None,

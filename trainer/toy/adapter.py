@@ -24,6 +24,7 @@ from torch import nn
 from trainer.data.prompt_files import cut
 from trainer.models.diffusers_base import DiffusersAdapter, freeze
 from trainer.models.sd3 import SD3Adapter
+from trainer.models.geometry import Geometry
 from trainer.toy import weights_dir
 
 # transformers is imported inside load_frozen, as the other adapters import diffusers and
@@ -70,24 +71,24 @@ class ToyAdapter(DiffusersAdapter):
                              f"in [3, {limit}] (the text encoder's positions)")
 
     # ---- geometry -----------------------------------------------------------------------
-    def resolution_problems(self, height: int, width: int) -> list[str]:
+    def resolution_problems(self, geometry: Geometry) -> list[str]:
         patch = int(self.transformer_config["patch_size"])
         limit = int(self.transformer_config["pos_embed_max_size"]) * patch
-        problems = []
-        for name, v in (("height", height), ("width", width)):
+        problems = super().resolution_problems(geometry)
+        for name, v in (("height", geometry.height), ("width", geometry.width)):
             if v <= 0 or v % patch:
                 problems.append(f"{name}={v} must be a positive multiple of the patch size {patch}")
             elif v > limit:
                 problems.append(f"{name}={v} exceeds {limit} px (pos_embed_max_size x patch)")
         return problems
 
-    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
-        problems = self.resolution_problems(height, width)
+    def latent_shape(self, geometry: Geometry) -> tuple[int, int, int]:
+        problems = self.resolution_problems(geometry)
         if problems:
             raise ValueError("ToyAdapter: " + "; ".join(problems))
-        return int(self.transformer_config["in_channels"]), int(height), int(width)
+        return int(self.transformer_config["in_channels"]), int(geometry.height), int(geometry.width)
 
-    def scheduler_sigmas(self, num_inference_steps: int, height: int, width: int) -> torch.Tensor:
+    def scheduler_sigmas(self, num_inference_steps: int, geometry: Geometry) -> torch.Tensor:
         return self._scheduler_sigmas(num_inference_steps)
 
     # ---- engine side --------------------------------------------------------------------
@@ -125,8 +126,8 @@ class ToyAdapter(DiffusersAdapter):
     velocity = SD3Adapter.velocity
 
     @torch.no_grad()
-    def decode(self, frozen: dict[str, Any], latents: torch.Tensor, height: int,
-               width: int) -> torch.Tensor:
+    def decode(self, frozen: dict[str, Any], latents: torch.Tensor,
+               geometry: Geometry) -> torch.Tensor:
         """Pixels in [-1, 1], [B, 3, H, W] -> uint8 [B, H, W, 3], clamped and rounded."""
         img = (latents.float().clamp(-1.0, 1.0) + 1.0) * 127.5
         return img.round().to(torch.uint8).permute(0, 2, 3, 1).contiguous()

@@ -21,6 +21,7 @@ import torch
 
 from trainer.toy import world
 from trainer.toy.adapter import ToyAdapter
+from trainer.models.geometry import Geometry
 from trainer.toy.reward import ToyCompositionScorer
 
 
@@ -41,12 +42,13 @@ def sample_images(adapter: ToyAdapter, transformer: torch.nn.Module, frozen: dic
     recipe samples)."""
     height = height or adapter.resolution
     width = width or adapter.resolution
+    geometry = Geometry(height, width)
     sde_step = None
     if eta > 0:
         from flowgrpo_kernels import sde_step  # ImportError here says kernels/ lacks it
     device = next(transformer.parameters()).device
     dtype = next(transformer.parameters()).dtype
-    sigmas = adapter.scheduler_sigmas(num_steps, height, width).tolist()
+    sigmas = adapter.scheduler_sigmas(num_steps, geometry).tolist()
     init_ids = list(sample_ids if init_ids is None else init_ids)
     sde_steps = num_steps if sde_steps is None else sde_steps
     noisy = set(range(sde_steps)) if isinstance(sde_steps, int) else set(sde_steps)
@@ -55,18 +57,18 @@ def sample_images(adapter: ToyAdapter, transformer: torch.nn.Module, frozen: dic
     for lo in range(0, len(prompts), batch_size):
         ps, ids = list(prompts[lo:lo + batch_size]), list(sample_ids[lo:lo + batch_size])
         cond = adapter.encode_prompts(frozen, ps)
-        x = adapter.initial_latents(init_ids[lo:lo + batch_size], height, width, seed=seed,
+        x = adapter.initial_latents(init_ids[lo:lo + batch_size], geometry, seed=seed,
                                     dtype=dtype, device=device)
         for i, (s, s_next) in enumerate(zip(sigmas[:-1], sigmas[1:])):
             sig = torch.full((len(ps),), s, device=device)
-            v = adapter.velocity(transformer, x, sig, cond, height, width)
+            v = adapter.velocity(transformer, x, sig, cond, geometry)
             if sde_step is None or i not in noisy:
                 x = x + v * (s_next - s)
             else:
                 noise = adapter.step_noise(ids, i, x.shape[1:], seed=seed, device=device)
                 x = sde_step(x, v, s, s_next, eta=eta, sde_type="sde", noise=noise,
                              **options).prev_sample
-        out.append(adapter.decode(frozen, x, height, width).cpu())
+        out.append(adapter.decode(frozen, x, geometry).cpu())
     return torch.cat(out)
 
 

@@ -40,6 +40,7 @@ from trainer.engine.embedded.sampler import denoise
 from flowgrpo_kernels.ode_solvers import compress_tail, solve_tail
 from trainer.engine.embedded.trunk import plan_trunk, run_trunk, select_rows
 from trainer.models.base import GenerativeModelAdapter
+from trainer.models.geometry import Geometry
 from trainer.models.compile import compile_blocks, compile_events, compile_wanted
 from trainer.models.guidance import guided_velocity, with_negative
 from trainer.models.lora import apply_lora
@@ -214,13 +215,14 @@ class EngineCore:
         with self._lock, torch.no_grad():
             self._serve_merged()
             t0, before = time.perf_counter(), compile_events()
-            shape = tuple(self.adapter.latent_shape(height, width))
+            geometry = Geometry(height, width)
+            shape = tuple(self.adapter.latent_shape(geometry))
             for prompt in ("warm-up", "a warm-up prompt with rather more words than the first"):
-                cond = self._conditions([prompt] * batch)
+                cond = self._conditions([prompt] * batch, None, geometry)
                 x = torch.randn((batch, *shape), device=self.device)
                 sigma = torch.full((batch,), 0.5, device=self.device)
-                self.adapter.velocity(self.transformer, x, sigma, cond, height, width)
-            self.adapter.decode(self.frozen, x, height, width)
+                self.adapter.velocity(self.transformer, x, sigma, cond, geometry)
+            self.adapter.decode(self.frozen, x, geometry)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.warmup_s = time.perf_counter() - t0
@@ -238,25 +240,31 @@ class EngineCore:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t.to(self.device)
 
-    def _conditions(self, prompts: list[str]) -> dict[str, torch.Tensor]:
-        unique = list(dict.fromkeys(prompts))
+    def _conditions(self, prompts: list[str], images: list[tuple] | None,
+                    geometry: Geometry) -> dict[str, torch.Tensor]:
+        """The adapter's conditions of every candidate; a (prompt, reference images) pair
+        repeated in the request (a group's candidates) is encoded once and gathered."""
+        keys = list(zip(prompts, images if images is not None else [()] * len(prompts)))
+        unique = list(dict.fromkeys(keys))
+        unique_images = None if images is None else [refs for _, refs in unique]
         with nvtx_range("rollout/encode_prompts"), self.meter.region("text_encoder", self.device):
-            encoded = self.adapter.encode_prompts(self.frozen, unique)
-        if unique == prompts:
+            encoded = self.adapter.encode_conditions(self.frozen, [p for p, _ in unique],
+                                                     unique_images, geometry)
+        if unique == keys:
             return dict(encoded)
-        pos = {p: i for i, p in enumerate(unique)}
+        pos = {k: i for i, k in enumerate(unique)}
         out = {}
         for key, value in encoded.items():
-            idx = torch.tensor([pos[p] for p in prompts], dtype=torch.long, device=value.device)
+            idx = torch.tensor([pos[k] for k in keys], dtype=torch.long, device=value.device)
             out[key] = value.index_select(0, idx)
         return out
 
     def _noise(self, spec: GenerateSpec):
         """x_T [B, *latent] fp32 on the device, and the step-noise function of the sampler."""
-        adapter, h, w, ids = self.adapter, spec.height, spec.width, spec.sample_ids
-        latent_shape = tuple(adapter.latent_shape(h, w))
+        adapter, geometry, ids = self.adapter, spec.geometry, spec.sample_ids
+        latent_shape = tuple(adapter.latent_shape(geometry))
         if spec.driver_xt:  # the driver's recipe: a pure function of (seed, sample id, stream)
-            x_t = self._to_device(adapter.initial_latents(spec.initial_noise_ids or ids, h, w,
+            x_t = self._to_device(adapter.initial_latents(spec.initial_noise_ids or ids, geometry,
                                                           seed=spec.noise_seed,
                                                           dtype=torch.float32, device="cpu"))
 
@@ -267,9 +275,9 @@ class EngineCore:
         # Without driver_xt the engine draws from its own generator seeded with `seed`, in a
         # fixed order (x_T, then the SDE steps in schedule order): reproducible per request.
         gen = torch.Generator(device=self.device).manual_seed(spec.seed)
-        draw = torch.randn((len(ids), *adapter.init_noise_shape(h, w)), generator=gen,
+        draw = torch.randn((len(ids), *adapter.init_noise_shape(geometry)), generator=gen,
                            device=self.device, dtype=torch.float32)
-        x_t = adapter.noise_to_latents(draw, h, w).to(torch.float32)
+        x_t = adapter.noise_to_latents(draw, geometry).to(torch.float32)
 
         def own_noise(step: int) -> torch.Tensor:
             return torch.randn((len(ids), *latent_shape), generator=gen, device=self.device,
@@ -290,7 +298,7 @@ class EngineCore:
                        conditions: dict[str, torch.Tensor], spec: GenerateSpec) -> torch.Tensor:
         with self.meter.region("transformer", self.device):
             return guided_velocity(self.adapter, self.transformer, x, sigma, conditions,
-                                   spec.height, spec.width, spec.guidance_scale)
+                                   spec.geometry, spec.guidance_scale)
 
     def generate(self, request: dict[str, Any]) -> dict[str, Any]:
         """Serve one rollout request (``trainer.models.wire``); tensors stay on the device."""
@@ -304,18 +312,19 @@ class EngineCore:
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
             self._serve_merged()
-            h, w = spec.height, spec.width
+            geometry, images = spec.geometry, spec.condition_images
             with torch.no_grad(), nvtx_range("rollout/generate"):
-                negative = (self._conditions([""] * len(spec.prompts))
-                            if spec.guidance_scale != 1.0 else {})  # CFG: the empty prompt
-                conditions = with_negative(self._conditions(spec.prompts), negative,
-                                           spec.guidance_scale)
+                # CFG: the empty prompt, with the same reference images (an edit's negative)
+                negative = (self._conditions([""] * len(spec.prompts), images, geometry)
+                            if spec.guidance_scale != 1.0 else {})
+                conditions = with_negative(self._conditions(spec.prompts, images, geometry),
+                                           negative, spec.guidance_scale)
                 x_t, noise_fn = self._noise(spec)
 
                 def velocity(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
                     with self.meter.region("transformer", self.device):
                         return guided_velocity(self.adapter, self.transformer, x, sigma, conditions,
-                                               h, w, spec.guidance_scale)
+                                               geometry, spec.guidance_scale)
 
                 # a group sharing x_T and its ODE trunk computes the trunk once (trunk.py)
                 plan = plan_trunk(spec.initial_noise_ids, spec.prompts, spec.sde_indices) \
@@ -337,7 +346,7 @@ class EngineCore:
                 if stop < len(spec.sigmas):
                     out.final = self._flash_tail(out.final, velocity, spec.sigmas, stop - 1)
                 with nvtx_range("rollout/vae_decode"), self.meter.region("vae", self.device):
-                    images = self.adapter.decode(self.frozen, out.final, h, w)
+                    decoded = self.adapter.decode(self.frozen, out.final, geometry)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # NOTE: host sync, once per request (timing)
             self.generate_calls += 1
@@ -346,11 +355,10 @@ class EngineCore:
                 "prompt": spec.prompts,
                 "seed": spec.seed,
                 "sample_ids": spec.sample_ids,
-                "height": h,
-                "width": w,
+                **geometry.request_fields(),
                 "sde_indices": list(spec.sde_indices),
                 "rollout_log_probs": out.log_probs,
-                "images": images,
+                "images": decoded,
                 "policy_version": self.get_version(),
                 "inference_time_s": time.perf_counter() - t0,
                 # model compute inside this request, seconds per part (perf/compute/engine_*)

@@ -27,8 +27,11 @@ from typing import Any, Mapping
 
 from flowgrpo_kernels.sde_types import (LOG_PROB_FORMS, SDE_TYPES, SIGMA_ONE_TREATMENTS, TABLE,
                                         undefined_step_problems)
+from trainer.media import ImageRef
 from trainer.models import noise
 from trainer.models.base import GenerativeModelAdapter
+from trainer.models.geometry import Geometry
+from trainer.models.wire import CONDITION_IMAGES_KEY
 from trainer.utils.values import is_int, is_number
 
 DEFAULT_ETA = 0.7
@@ -54,8 +57,8 @@ class GenerateSpec:
     prompts: list[str]
     sample_ids: list[str]
     seed: int
-    height: int
-    width: int
+    geometry: Geometry
+    condition_images: list[tuple[ImageRef, ...]] | None  # per candidate; None: text only
     sigmas: list[float]              # N + 1 values, 1 >= s_0 > ... > s_N == 0
     sde_indices: list[int]           # sorted, unique, in [0, N)
     sde_type: str
@@ -133,16 +136,20 @@ def _candidates(request: Mapping[str, Any], extra: Mapping[str, Any], problems: 
 
 
 def _geometry(adapter: GenerativeModelAdapter, request: Mapping[str, Any],
-              extra: Mapping[str, Any], problems: list[str]) -> tuple[Any, Any, Any, bool]:
-    """(height, width, num_inference_steps, all valid), guidance and the model family checked."""
+              extra: Mapping[str, Any], problems: list[str]) -> tuple[Geometry | None, Any]:
+    """(geometry or None when invalid, num_inference_steps), guidance and the model family
+    checked."""
     height, width, steps = request.get("height"), request.get("width"), request.get("num_inference_steps")
+    frames = request.get("num_frames", 1)
     geometry_ok = True
-    for key, value in (("height", height), ("width", width), ("num_inference_steps", steps)):
+    for key, value in (("height", height), ("width", width), ("num_frames", frames),
+                       ("num_inference_steps", steps)):
         if not is_int(value) or value <= 0:
             problems.append(f"{key} must be a positive integer, got {value!r}")
             geometry_ok = False
-    if geometry_ok:
-        resolution = adapter.resolution_problems(height, width)
+    geometry = Geometry(int(height), int(width), int(frames)) if geometry_ok else None
+    if geometry is not None:
+        resolution = adapter.resolution_problems(geometry)
         problems += resolution
         geometry_ok = not resolution
     for key in ("guidance_scale", "true_cfg_scale"):
@@ -156,17 +163,36 @@ def _geometry(adapter: GenerativeModelAdapter, request: Mapping[str, Any],
         problems.append(f"the request was built for model family {family!r}, this engine serves "
                         f"{adapter.family!r}")
     if geometry_ok:
-        for key, want in (("latent_shape", adapter.latent_shape(height, width)),
-                          ("init_noise_latent_shape", adapter.init_noise_shape(height, width))):
+        for key, want in (("latent_shape", adapter.latent_shape(geometry)),
+                          ("init_noise_latent_shape", adapter.init_noise_shape(geometry))):
             got = extra.get(key)
             if got is not None and list(got) != list(want):
                 problems.append(f"extra_sampling_params.{key} {list(got)} does not match this "
-                                f"model's {list(want)} at {height}x{width}")
-    return height, width, steps, geometry_ok
+                                f"model's {list(want)} at {geometry}")
+    return (geometry if geometry_ok else None), steps
+
+
+def _condition_images(adapter: GenerativeModelAdapter, extra: Mapping[str, Any], batch: int,
+                      problems: list[str]) -> list[tuple[ImageRef, ...]] | None:
+    """The candidates' reference images (``condition_images`` entries), None when absent;
+    how many the family takes is the adapter's rule. Decoding waits for the encode, where a
+    bad image fails the request with the image named."""
+    raw = extra.get(CONDITION_IMAGES_KEY)
+    images = None
+    if raw is not None:
+        if not isinstance(raw, list) or len(raw) != batch or not all(
+                isinstance(refs, list) and all(isinstance(e, str) and e for e in refs)
+                for refs in raw):
+            problems.append(f"extra_sampling_params.{CONDITION_IMAGES_KEY} must be {batch} lists "
+                            "(one per candidate) of image entries (paths or data URIs)")
+            return None
+        images = [tuple(ImageRef(entry) for entry in refs) for refs in raw]
+    problems += adapter.condition_image_problems(images)
+    return images
 
 
 def _schedule(adapter: GenerativeModelAdapter, extra: Mapping[str, Any], steps: Any,
-              height: Any, width: Any, geometry_ok: bool, problems: list[str]) -> list[float]:
+              geometry: Geometry | None, problems: list[str]) -> list[float]:
     """The driver's sigmas (N, or N + 1 values), else the adapter's schedule."""
     sigmas: list[float] = []
     raw_sigmas = extra.get("sigmas")
@@ -186,8 +212,8 @@ def _schedule(adapter: GenerativeModelAdapter, extra: Mapping[str, Any], steps: 
                 problems.append("extra_sampling_params.sigmas must decrease strictly from <= 1.0 "
                                 "to 0.0")
                 sigmas = []
-    elif geometry_ok:
-        sigmas = [float(s) for s in adapter.scheduler_sigmas(steps, height, width).tolist()]
+    elif geometry is not None:
+        sigmas = [float(s) for s in adapter.scheduler_sigmas(steps, geometry).tolist()]
     return sigmas
 
 
@@ -271,8 +297,9 @@ def parse_generate_request(adapter: GenerativeModelAdapter, request: Any) -> Gen
         problems.append(f"extra_sampling_params must be an object, got {type(extra).__name__}")
         extra = {}
     prompts, sample_ids, single, seed = _candidates(request, extra, problems)
-    height, width, steps, geometry_ok = _geometry(adapter, request, extra, problems)
-    sigmas = _schedule(adapter, extra, steps, height, width, geometry_ok, problems)
+    geometry, steps = _geometry(adapter, request, extra, problems)
+    sigmas = _schedule(adapter, extra, steps, geometry, problems)
+    images = _condition_images(adapter, extra, len(prompts), problems)
     indices, sde_type, eta, sigma_one, log_prob_form = _sde(request, extra, steps, sigmas,
                                                             problems)
     recipe, noise_seed, init_ids = _driver_noise(extra, seed, sample_ids, problems)
@@ -281,8 +308,8 @@ def parse_generate_request(adapter: GenerativeModelAdapter, request: Any) -> Gen
     if problems:
         raise RequestError(problems)
     return GenerateSpec(
-        prompts=prompts, sample_ids=list(sample_ids), seed=int(seed), height=int(height),
-        width=int(width), sigmas=sigmas, sde_indices=indices, sde_type=str(sde_type),
+        prompts=prompts, sample_ids=list(sample_ids), seed=int(seed), geometry=geometry,
+        condition_images=images, sigmas=sigmas, sde_indices=indices, sde_type=str(sde_type),
         eta=float(eta), driver_xt=recipe is not None, noise_seed=int(noise_seed),
         initial_noise_ids=None if init_ids is None else list(init_ids),
         return_trajectory=return_traj, return_env=return_env, single_prompt=single,

@@ -16,7 +16,8 @@ only, so ``json.dumps`` works as is)::
 
     prompt                          list[str]   B candidate prompts (a group repeats its prompt)
     seed                            int         base seed of the run (the engine's own RNG seed)
-    width, height                   int         pixels
+    width, height                   int         pixels (``Geometry.request_fields``)
+    num_frames                      int         video only (frames > 1); absent: an image
     num_inference_steps             int         N, every step is run
     guidance_scale                  float       1.0, or > 1: CFG against the empty prompt
     rollout                         True
@@ -39,6 +40,9 @@ only, so ``json.dumps`` works as is)::
         log_prob_form               str         "gaussian" | "squared_residual" (kernels)
         train_step_indices          list[int]   trained subset of the SDE steps (optional;
                                                 absent = all; pack keeps only these)
+        condition_images            list[list[str]]  per candidate, its reference images as
+                                                ``trainer.media.ImageRef`` entries (paths or
+                                                data URIs); absent: none (text-to-image)
         initial_noise_ids           list[str]   B ids x_T is drawn from (optional, driver_xt;
                                                 absent = sample_ids). The driver's
                                                 ``init_same_noise`` gives every candidate of a
@@ -60,10 +64,13 @@ JSON a tensor is ``codec.encode_tensor``'s tagged base64 safetensors blob, or a 
         timesteps           [N] float32        the family's timestep of each step
                                                (``adapter.timesteps_from_sigmas``)
         sigmas              [N+1] float32      the schedule actually used
-    denoising_env           dict name -> [B, ...]  frozen conditions, ``adapter.encode_prompts``;
-                                               with CFG also the empty prompt's, "neg:"-prefixed
+    denoising_env           dict name -> [B, ...]  frozen conditions, ``adapter.encode_conditions``
+                                               (reference-image latents included: the replay
+                                               takes exactly these); with CFG also the empty
+                                               prompt's, "neg:"-prefixed
     sde_indices             list[int]          echo of rollout_sde_step_indices
     height, width           int                echo of the request (the only source of the grid)
+    num_frames              int                echo, when the request sent it
     sample_ids              list[str]          echo of extra_sampling_params.sample_ids
     images                  [B, H, W, 3] uint8 decoded images (optional)
     policy_version          int                the engine's committed weight version (optional)
@@ -73,6 +80,7 @@ Why pairs and not the S+1 chain: the trained steps need not be contiguous (e.g. 
 from trainer.models.wire.codec import (TENSOR_TAG, decode_tensor, encode_tensor,  # noqa: F401
                                        from_jsonable, from_wire, to_jsonable, to_wire)
 from trainer.models.wire.model import WireModel  # noqa: F401
-from trainer.models.wire.request import ROLLOUT_PATH, build_request  # noqa: F401
+from trainer.models.wire.request import (CONDITION_IMAGES_KEY, ROLLOUT_PATH,  # noqa: F401
+                                         build_request)
 from trainer.models.wire.response import (ROLLOUT_RESPONSE_FIELDS, coerce_response,  # noqa: F401
                                           pack, response_problems, validate_response)

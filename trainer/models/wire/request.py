@@ -10,10 +10,43 @@ import torch
 from flowgrpo_kernels.sde_types import undefined_step_problems
 from trainer.config.sampling import SamplingConfig
 from trainer.models import noise
+from trainer.models.geometry import Geometry
 from trainer.models.wire.model import WireModel
 from trainer.utils.values import is_int
 
 ROLLOUT_PATH = "/rollout/generate"  # where an engine serves the request (SGLang's path)
+# extra_sampling_params key of the per-candidate reference images (trainer.models.wire)
+CONDITION_IMAGES_KEY = "condition_images"
+
+
+def sampling_geometry(cfg: SamplingConfig) -> Geometry:
+    """The candidates' geometry under a sampling config (images: frames 1)."""
+    return Geometry(cfg.height, cfg.width)
+
+
+def _condition_entries(adapter: WireModel, images: Sequence[Sequence[Any]] | None, batch: int,
+                       problems: list[str]) -> list[list[str]] | None:
+    """Per-candidate reference images as their ``ImageRef.entry`` strings (paths or data URIs:
+    plain JSON, so the HTTP engine carries them as they are); None when no candidate has any,
+    so a text-to-image request is exactly what it was. The family's own rule on how many it
+    takes is checked here too."""
+    if images is not None:
+        images = [tuple(refs) for refs in images]
+        if len(images) != batch:
+            problems.append(f"{len(images)} reference-image lists for {batch} candidates")
+            return None
+        if not any(images):
+            images = None
+    problems += adapter.condition_image_problems(images)
+    if images is None:
+        return None
+    entries = []
+    for row, refs in enumerate(images):
+        names = [getattr(ref, "entry", ref) for ref in refs]
+        if not all(isinstance(n, str) and n for n in names):
+            problems.append(f"candidate {row}: reference images must be ImageRefs or entry strings")
+        entries.append(names)
+    return entries
 
 
 def _candidate_problems(prompts: list, sample_ids: list) -> list[str]:
@@ -64,7 +97,7 @@ def _schedule(adapter: WireModel, cfg: SamplingConfig, resolved: list[int],
     """The fp32 sigma schedule; noisy steps where the SDE type has no density are refused
     (flowgrpo_kernels.sde_types)."""
     steps = cfg.num_inference_steps
-    sigmas = adapter.scheduler_sigmas(steps, cfg.height, cfg.width).to(torch.float32)
+    sigmas = adapter.scheduler_sigmas(steps, sampling_geometry(cfg)).to(torch.float32)
     problems += [f"sde_indices: {p}" for p in undefined_step_problems(
         cfg.sde_type, cfg.eta, resolved, sigmas.tolist(), sigma_one=cfg.sigma_one,
         log_prob_form=cfg.log_prob_form)]
@@ -89,13 +122,12 @@ def _groups(prompts: list, group_index: Sequence[int] | None, problems: list[str
 def _latent_shapes(adapter: WireModel, cfg: SamplingConfig,
                    problems: list[str]) -> tuple[list[int], list[int]]:
     """(latent shape, x_T draw shape) at the request's geometry."""
-    height, width = cfg.height, cfg.width
-    latent_shape = list(adapter.latent_shape(height, width))
-    init_shape = list(adapter.init_noise_shape(height, width))
+    latent_shape = list(adapter.latent_shape(sampling_geometry(cfg)))
+    init_shape = list(adapter.init_noise_shape(sampling_geometry(cfg)))
     override = cfg.init_noise_latent_shape
     if override is not None and (not isinstance(override, (list, tuple)) or list(override) != init_shape):
         problems.append(f"init_noise_latent_shape {override!r} does not match this model's "
-                        f"x_T shape {init_shape} at {height}x{width}")
+                        f"x_T shape {init_shape} at {sampling_geometry(cfg)}")
     return latent_shape, init_shape
 
 
@@ -136,7 +168,8 @@ def build_request(adapter: WireModel, prompts: Sequence[str],
                   sample_ids: Sequence[str], sampling: Mapping[str, Any], *,
                   rollout_id: int | None, seed: int,
                   sde_indices: Sequence[int] | None = None,
-                  group_index: Sequence[int] | None = None) -> dict[str, Any]:
+                  group_index: Sequence[int] | None = None,
+                  images: Sequence[Sequence[Any]] | None = None) -> dict[str, Any]:
     """See ``GenerativeModelAdapter.build_rollout_request`` (``sampling``: a SamplingConfig or
     its table); raises one ValueError listing all problems."""
     cfg, problems = SamplingConfig.check(sampling)
@@ -147,7 +180,7 @@ def build_request(adapter: WireModel, prompts: Sequence[str],
     problems += _candidate_problems(prompts, sample_ids)
     geometry_ok = not any(p.startswith(("height", "width")) for p in problems)
     if geometry_ok:
-        resolution = adapter.resolution_problems(cfg.height, cfg.width)
+        resolution = adapter.resolution_problems(sampling_geometry(cfg))
         problems += resolution
         geometry_ok = not resolution
     try:
@@ -167,6 +200,7 @@ def build_request(adapter: WireModel, prompts: Sequence[str],
                         f"{cfg.timestep_fraction})")
     sigmas = _schedule(adapter, cfg, resolved, problems) if geometry_ok else None
     group = _groups(prompts, group_index, problems)
+    entries = _condition_entries(adapter, images, len(prompts), problems)
     latent_shape, init_shape = _latent_shapes(adapter, cfg, problems) if geometry_ok \
         else (None, None)
     if problems:
@@ -175,11 +209,12 @@ def build_request(adapter: WireModel, prompts: Sequence[str],
     extra = _extra_sampling_params(adapter, cfg, sample_ids, group, rollout_id=rollout_id,
                                    seed=seed, resolved=resolved, trained=trained, sigmas=sigmas,
                                    latent_shape=latent_shape, init_shape=init_shape)
+    if entries is not None:
+        extra[CONDITION_IMAGES_KEY] = entries
     return {
         "prompt": prompts,
         "seed": int(seed),
-        "width": cfg.width,
-        "height": cfg.height,
+        **sampling_geometry(cfg).request_fields(),
         "num_inference_steps": cfg.num_inference_steps,
         "guidance_scale": float(cfg.guidance_scale),
         "rollout": not deterministic,

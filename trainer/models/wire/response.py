@@ -7,10 +7,13 @@ from typing import Any, Mapping
 
 import torch
 
+from trainer.media import ImageRef
 from trainer.models.batch import RolloutBatch
+from trainer.models.geometry import Geometry
 from trainer.models.guidance import NEGATIVE_PREFIX
 from trainer.models.wire.codec import TENSOR_TAG, decode_tensor
 from trainer.models.wire.model import WireModel
+from trainer.models.wire.request import CONDITION_IMAGES_KEY
 from trainer.utils.values import is_int
 
 ROLLOUT_RESPONSE_FIELDS = ("rollout_log_probs", "dit_trajectory", "denoising_env", "sde_indices",
@@ -67,9 +70,10 @@ def _shape(t: torch.Tensor) -> list[int]:
 def _echo_problems(resp: dict[str, Any], request: Mapping[str, Any]) -> list[str]:
     """The echoes of the request: height, width and the SDE steps."""
     problems: list[str] = []
-    height, width = request["height"], request["width"]
+    echoed = request.get("num_frames") is not None
     indices = list(request["rollout_sde_step_indices"])
-    for key, want in (("height", height), ("width", width)):
+    for key in ("height", "width", *(("num_frames",) if echoed else ())):
+        want = request[key]
         if key not in resp:
             problems.append(f"missing '{key}': the engine must echo it (the latent grid comes from it)")
         elif not is_int(resp[key]) or resp[key] != want:
@@ -102,10 +106,9 @@ def _trajectory_problems(adapter: WireModel, traj: Mapping[str, Any],
     problems: list[str] = []
     extra = request["extra_sampling_params"]
     batch, steps = len(request["prompt"]), request["num_inference_steps"]
-    height, width = request["height"], request["width"]
     n_sde = len(request["rollout_sde_step_indices"])
     lat = traj.get("latents")
-    want_lat = [batch, n_sde, 2, *adapter.latent_shape(height, width)]
+    want_lat = [batch, n_sde, 2, *adapter.latent_shape(Geometry.from_request(request))]
     if "latents" not in traj:
         problems.append("missing 'dit_trajectory.latents'")
     elif isinstance(lat, torch.Tensor):
@@ -170,13 +173,14 @@ def _optional_field_problems(resp: dict[str, Any], request: Mapping[str, Any]) -
     """sample_ids (echo), images and policy_version, when the response carries them."""
     problems: list[str] = []
     extra = request["extra_sampling_params"]
-    batch, height, width = len(request["prompt"]), request["height"], request["width"]
+    batch, geometry = len(request["prompt"]), Geometry.from_request(request)
     echoed = resp.get("sample_ids", extra["sample_ids"])
     if not isinstance(echoed, (list, tuple)) or list(echoed) != list(extra["sample_ids"]):
         problems.append("'sample_ids' do not echo the request's sample ids in order")
     images = resp.get("images")
     if isinstance(images, torch.Tensor):
-        want_img = [batch, height, width, 3]
+        frames = [geometry.frames] if geometry.is_video else []
+        want_img = [batch, *frames, geometry.height, geometry.width, 3]
         if _shape(images) != want_img or images.dtype != torch.uint8:
             problems.append(f"'images' is {images.dtype} {_shape(images)}, expected uint8 {want_img}")
     if "policy_version" in resp and not is_int(resp["policy_version"]):
@@ -225,6 +229,14 @@ def validate_response(adapter: WireModel, response: Any,
     return resp
 
 
+def _sources(extra: Mapping[str, Any]) -> list[tuple[ImageRef, ...]] | None:
+    """The request's per-candidate reference images (None: text-to-image)."""
+    entries = extra.get(CONDITION_IMAGES_KEY)
+    if entries is None:
+        return None
+    return [tuple(ImageRef(entry) for entry in refs) for refs in entries]
+
+
 def pack(adapter: WireModel, response: Any, request: Mapping[str, Any]) -> "RolloutBatch":
     """Validate, then lay the response out as the RolloutBatch the reward and the actor take."""
     resp = validate_response(adapter, response, request)
@@ -255,6 +267,8 @@ def pack(adapter: WireModel, response: Any, request: Mapping[str, Any]) -> "Roll
         conditions=dict(resp.get("denoising_env") or {}),
         height=int(resp["height"]),
         width=int(resp["width"]),
+        frames=int(request.get("num_frames", 1)),
+        sources=_sources(extra),
         eta=float(request["rollout_noise_level"]),
         sde_type=str(request["rollout_sde_type"]),
         images=resp.get("images"),
