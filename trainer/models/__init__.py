@@ -12,6 +12,7 @@ ADAPTERS: dict[str, str] = {
     "qwen_image": "trainer.models.qwen_image.QwenImageAdapter",
     "sd3": "trainer.models.sd3.SD3Adapter",
     "flux": "trainer.models.flux.FluxAdapter",
+    "wan": "trainer.models.wan.WanAdapter",
     "toy": "trainer.toy.adapter.ToyAdapter",
 }
 

@@ -20,8 +20,8 @@ CONDITION_IMAGES_KEY = "condition_images"
 
 
 def sampling_geometry(cfg: SamplingConfig) -> Geometry:
-    """The candidates' geometry under a sampling config (images: frames 1)."""
-    return Geometry(cfg.height, cfg.width)
+    """The candidates' geometry under a sampling config (images: num_frames 1)."""
+    return Geometry(cfg.height, cfg.width, cfg.num_frames)
 
 
 def _condition_entries(adapter: WireModel, images: Sequence[Sequence[Any]] | None, batch: int,
