@@ -17,12 +17,13 @@ a [4, 2, 4, 4] latent.
 """
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import torch
 
-from tiny_models import write_t5_tokenizer
+from tiny_models import _CORPUS
 
 WAN_VARIANTS = ("wan2.1", "wan2.2")
 TINY_VIDEO = (32, 32, 5)  # height, width, frames
@@ -48,11 +49,33 @@ def tiny_wan_transformer(seed: int = 0):
 def tiny_wan_vae():
     from diffusers import AutoencoderKLWan
 
-    # four levels: x8 spatial; temporal downsampling in the last two: x4, as the published VAE
-    return AutoencoderKLWan(base_dim=4, z_dim=LATENT_CHANNELS, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+    # four levels: x8 spatial; temporal downsampling in the last two: x4, as the published VAE.
+    # Width 16, not the narrowest: a narrower random decoder barely lets the latents move the
+    # pixels, and the learning test needs videos that differ within a group
+    return AutoencoderKLWan(base_dim=16, z_dim=LATENT_CHANNELS, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                             temperal_downsample=[False, True, True],
                             latents_mean=[-0.76, -0.71, -0.91, 0.11], latents_std=[2.82, 1.45, 2.33, 2.66],
                             scale_factor_temporal=4, scale_factor_spatial=8)
+
+
+def write_umt5_tokenizer(out: Path) -> int:
+    """A T5-style Unigram tokenizer (<pad>=0, </s>=1, <unk>=2) over the corpus' words and
+    characters, its pieces and scores fixed (``tokenizers``' Unigram trainer is not
+    deterministic across runs, and a test that trains must see the same token ids each run)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    words = sorted({w.strip(",.") for line in _CORPUS for w in line.lower().split()} - {""})
+    chars = sorted({c for line in _CORPUS for c in line.lower()} - {" "})
+    pieces = ["<pad>", "</s>", "<unk>", "\u2581"] + ["\u2581" + w for w in words] + chars
+    tok = Tokenizer(models.Unigram([(p, -float(i)) for i, p in enumerate(pieces)], unk_id=2))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "T5Tokenizer", "extra_ids": 0, "model_max_length": 512,
+        "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}))
+    return tok.get_vocab_size()
 
 
 def _umt5(vocab: int):
@@ -64,8 +87,10 @@ def _umt5(vocab: int):
                                        decoder_start_token_id=0))
 
 
-def build_tiny_wan_dir(variant: str, root: Path | str, *, seed: int = 0) -> Path:
-    """Build, save and return ``root/<variant>``: a tiny random Wan ``variant`` model."""
+def build_tiny_wan_dir(variant: str, root: Path | str, *, seed: int = 0,
+                       boundary_ratio: float = WAN22_BOUNDARY) -> Path:
+    """Build, save and return ``root/<variant>``: a tiny random Wan ``variant`` model
+    (``boundary_ratio``: Wan 2.2's expert boundary, the published one unless a test moves it)."""
     from diffusers import UniPCMultistepScheduler, WanPipeline
     from transformers import AutoTokenizer
 
@@ -75,7 +100,7 @@ def build_tiny_wan_dir(variant: str, root: Path | str, *, seed: int = 0) -> Path
     out.mkdir(parents=True, exist_ok=True)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        vocab = write_t5_tokenizer(out / "_t5_src")
+        vocab = write_umt5_tokenizer(out / "_t5_src")
         two = variant == "wan2.2"
         # the published Wan schedulers: UniPC on flow sigmas, shift 3.0 (480p)
         scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
@@ -83,6 +108,6 @@ def build_tiny_wan_dir(variant: str, root: Path | str, *, seed: int = 0) -> Path
         WanPipeline(tokenizer=AutoTokenizer.from_pretrained(out / "_t5_src"), text_encoder=_umt5(vocab),
                     vae=tiny_wan_vae(), scheduler=scheduler, transformer=tiny_wan_transformer(seed),
                     transformer_2=tiny_wan_transformer(seed + 1) if two else None,
-                    boundary_ratio=WAN22_BOUNDARY if two else None).save_pretrained(out)
+                    boundary_ratio=boundary_ratio if two else None).save_pretrained(out)
     shutil.rmtree(out / "_t5_src")
     return out
