@@ -38,15 +38,24 @@ redness.component = "red"
 
 
 def first_frames(monkeypatch) -> None:
-    """The loop's sample grid, given each video's first frame (the grid draws images)."""
+    """The loop's sample grids (eval and training samples), given each video's first frame
+    (the grids draw images)."""
     import trainer.loop
-    from trainer.visuals import log_samples
+    from trainer.visuals import log_pictures, log_samples
+
+    def first(images):
+        return images[:, 0] if images is not None and images.dim() == 5 else images
 
     def grid_of_first_frames(metrics, tag, step, images, *args, **kwargs):
-        return log_samples(metrics, tag, step, images[:, 0] if images.dim() == 5 else images,
-                           *args, **kwargs)
+        return log_samples(metrics, tag, step, first(images), *args, **kwargs)
+
+    def pictures_of_first_frames(metrics, run_dir, step, samples, **kwargs):
+        if samples is not None:
+            samples = (first(samples[0]), *samples[1:])
+        return log_pictures(metrics, run_dir, step, samples, **kwargs)
 
     monkeypatch.setattr(trainer.loop, "log_samples", grid_of_first_frames)
+    monkeypatch.setattr(trainer.loop, "log_pictures", pictures_of_first_frames)
 
 
 def _prompts(tmp: Path) -> tuple[Path, Path]:
@@ -105,3 +114,42 @@ def test_a_dense_video_reward_rises_within_a_few_rollouts(tmp_path, monkeypatch,
         Trainer(cfg, rank=0, world=1, device="cpu"), cfg.train.num_rollouts, check_step)
     print(f"{variant} redness eval before {before} after {after}: gain {gain:.4f}, noise {noise:.4f}")
     assert gain > 2 * noise, (before, after)
+
+
+@pytest.mark.parametrize("variant, recipe", [("wan2.1", "wan2.1-t2v"), ("wan2.2", "wan2.2-t2v")])
+def test_the_merged_export_of_a_trained_run_is_a_pipeline_diffusers_wan_pipeline_runs(
+        tmp_path, monkeypatch, variant, recipe):
+    """Two rollouts, the end-of-run checkpoint, ``python -m trainer export --form merged
+    --verify``: a pipeline folder with the trained (merged) transformer and, for Wan 2.2, the
+    untouched low-noise expert beside it, which diffusers' WanPipeline loads and runs."""
+    from diffusers import WanPipeline
+    from safetensors.torch import load_file
+
+    from trainer.cli import main as cli_main
+    from trainer.config import load_config
+    from trainer.loop import Trainer
+
+    model_dir = build_tiny_wan_dir(variant, tmp_path, boundary_ratio=0.5)
+    cfg = load_config(recipe, shrink(model_dir, tmp_path, steps=6, pool=[1, 2, 3]) + ["train.num_rollouts=2"])
+    first_frames(monkeypatch)
+    trainer = Trainer(cfg, rank=0, world=1, device="cpu")
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    out = tmp_path / "merged"
+    assert cli_main(["export", "--save-dir", str(tmp_path / "ckpt"), "--output-dir", str(out),
+                     "--form", "merged", "--base-model-path", str(model_dir), "--task", "t2v",
+                     "--verify"]) == 0
+    pipe = WanPipeline.from_pretrained(out)
+    assert (pipe.transformer_2 is not None) == (variant == "wan2.2")
+    base, merged = (load_file(next((d / "transformer").glob("*.safetensors"))) for d in (model_dir, out))
+    assert base.keys() == merged.keys()
+    assert any(not torch.equal(base[k], merged[k]) for k in base)              # the LoRA was folded in
+    if variant == "wan2.2":  # the frozen expert is the base's, bit for bit
+        low_base, low_out = (load_file(next((d / "transformer_2").glob("*.safetensors")))
+                             for d in (model_dir, out))
+        assert all(torch.equal(low_base[k], low_out[k]) for k in low_base)
+    video = pipe(prompt="a red panda", height=H, width=W, num_frames=F, num_inference_steps=2,
+                 guidance_scale=1.0, output_type="pt", max_sequence_length=16).frames
+    assert video.shape == (1, F, 3, H, W) and torch.isfinite(video).all()
