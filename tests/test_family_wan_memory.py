@@ -80,3 +80,32 @@ def test_dry_run_prints_each_published_wan_models_plan_at_480x832x81(model, caps
     # 81 frames of the 14B models do not fit one row without activation checkpointing or SP
     if "14B" in model:
         assert plan.max_rows(sp=1, checkpointing=False) == 0
+
+
+def test_wan_flop_count_equals_flop_counter_mode_over_a_real_forward_and_the_adapter_states_it(tmp_path):
+    """FlopCounterMode over SDPA's math path counts what the count counts (tests/test_compute_flops.py
+    says what that is); the adapter's ``forward_flops`` is the same count at its video tokens."""
+    from diffusers import WanTransformer3DModel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from trainer.compute import flops
+    from trainer.models.geometry import Geometry
+    from trainer.models.wan import WanAdapter
+    from wan_models import build_tiny_wan_dir
+
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(**TINY).eval()
+    batch, frames, h, w, text = 2, 3, 8, 6, 7
+    inputs = dict(hidden_states=torch.randn(batch, 4, frames, h, w), timestep=torch.rand(batch) * 1000,
+                  encoder_hidden_states=torch.randn(batch, text, 16))
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:
+        model(**inputs, return_dict=False)
+    ours = flops.transformer_forward("WanTransformer3DModel", model.config,
+                                     image_tokens=frames * (h // 2) * (w // 2), text_tokens=text, batch=batch)
+    assert ours.total == fc.get_total_flops()
+    adapter = WanAdapter(str(build_tiny_wan_dir("wan2.1", tmp_path)))
+    geometry = Geometry(32, 48, 9)                                   # 3 latent frames of 4 x 6
+    stated = adapter.forward_flops(geometry, batch=2, text_tokens=5)
+    assert stated == flops.transformer_forward("WanTransformer3DModel", adapter.transformer_config,
+                                               image_tokens=3 * 2 * 3, text_tokens=5, batch=2)
