@@ -146,3 +146,30 @@ def test_wan22_experts_split_at_the_boundary_and_low_noise_training_is_refused(w
     fresh = adapter_class("wan")(str(wan_dir["wan2.2"]), **OPTIONS)  # an actor: no frozen expert
     with pytest.raises(ValueError, match="low-noise expert"):
         fresh.velocity(high, x, torch.tensor([0.3, 0.3]), cond, geometry)
+
+
+def test_lora_targets_every_attention_projection_and_the_mlp_and_names_map_to_the_engines(wan_dir):
+    from trainer.models.lora import apply_lora
+
+    adapter = adapter_class("wan")(str(wan_dir["wan2.1"]), **OPTIONS)
+    model = apply_lora(adapter.load_train_model(), rank=4, alpha=8,
+                       target_modules=adapter.lora_target_modules())
+    wrapped = sorted(n[:-len(".lora_A.default")] for n, _ in model.named_modules() if n.endswith("lora_A.default"))
+    per_block = sorted(n.split("blocks.0.", 1)[1] for n in wrapped if ".blocks.0." in n)
+    assert per_block == sorted([f"attn{i}.{p}" for i in (1, 2) for p in ("to_q", "to_k", "to_v", "to_out.0")]
+                               + ["ffn.net.0.proj", "ffn.net.2"])
+    assert len(wrapped) == len(per_block) * len(adapter.transformer_blocks(model))
+    names = adapter.weight_name_map(n for n, p in model.named_parameters() if p.requires_grad)
+    assert "blocks.1.attn2.to_k.lora_A.weight" in names.values()
+
+
+def test_preflight_refuses_wan_on_sglang_rollouts_with_the_reason(wan_dir):
+    """SGLang 0.5.23 ships a native Wan pipeline, but our SGLang client maps no Wan denoising env."""
+    from trainer.config import load_config
+    from trainer.config.sections import ConfigError
+    from trainer.preflight import preflight
+
+    cfg = load_config("wan2.1-t2v", [f"model.model_path={wan_dir['wan2.1']}", "rollout.engine=sglang",
+                                     'rollout.sglang_urls=["http://127.0.0.1:30000"]'])
+    with pytest.raises(ConfigError, match=r"model family 'wan': the SGLang client maps the denoising env"):
+        preflight(cfg, world_size=8, check_paths=False)
