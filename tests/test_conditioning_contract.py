@@ -183,3 +183,53 @@ def test_a_text_to_image_sidecar_names_no_sources(setup, tmp_path):
         assert rows.sources is None
     finally:
         engine.close()
+
+
+def test_preflight_refuses_records_without_sources_for_the_edit_task(tmp_path):
+    from trainer.config import ConfigError, load_config
+    from trainer.preflight import preflight
+
+    _png(tmp_path / "ok.png", (200, 20, 20))
+    train = tmp_path / "train.jsonl"
+    train.write_text(json.dumps({"prompt": "make it blue", "images": ["ok.png"]}) + "\n"
+                     + json.dumps({"prompt": "a cat"}) + "\n")
+    cfg = load_config("toy", [f"logging.run_dir={tmp_path / 'run'}", "model.task=edit",
+                              f"data.prompt_data={train}", "data.eval_prompt_data=none"])
+    with pytest.raises(ConfigError) as err:
+        preflight(cfg)
+    assert (f"1 record(s) carry no source images (first at {train}:2) but "
+            "model.task='edit' edits them") in str(err.value)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_the_http_engine_carries_the_reference_images(setup):
+    """The engine in its own process, asked over HTTP (the request's JSON as it is): the
+    same trajectory and conditions as in-process."""
+    from trainer.engine import SGLangEngineClient
+
+    adapter, engine, refs, model_dir = setup
+    request = adapter.build_rollout_request(
+        ["make it pop"] * 2, ["s0", "s1"], SAMPLING, rollout_id=0, seed=3,
+        images=[(refs["red"],), (refs["blue"], refs["green"])])
+    spawned = launch_embedded_engine(adapter_path=EDIT_ADAPTER_PATH, model_path=str(model_dir),
+                                     adapter_options=None, device="cpu", dtype="fp32", lora=None,
+                                     http_port=0)
+    try:
+        over_http = SGLangEngineClient(spawned.http_url).generate(request)
+    finally:
+        spawned.close()
+    here = engine.generate(request)
+    assert torch.equal(over_http["dit_trajectory"]["latents"], here["dit_trajectory"]["latents"])
+    for key in ("image_embeds", "image_mask"):
+        assert torch.equal(over_http["denoising_env"][key], here["denoising_env"][key]), key
+
+
+def test_an_image_family_refuses_frames_in_the_request_and_at_the_engine(setup):
+    adapter, engine, refs, _ = setup
+    assert adapter.resolution_problems(Geometry(32, 32)) == []
+    assert "frames must be 1, got 5" in adapter.resolution_problems(Geometry(32, 32, 5))[0]
+    request = adapter.build_rollout_request(["a"], ["s0"], SAMPLING, rollout_id=0, seed=1,
+                                            images=[(refs["red"],)])
+    with pytest.raises(RequestError, match="frames must be 1, got 5"):
+        engine.generate({**request, "num_frames": 5})

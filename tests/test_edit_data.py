@@ -102,8 +102,8 @@ def test_preflight_refuses_source_images_for_a_task_that_takes_none(tmp_path):
 
 
 def test_preflight_names_every_missing_or_broken_source_as_file_line(tmp_path, monkeypatch):
-    # stand-in for an editing family's task registration (trainer.tasks.CONDITIONED_TASKS):
-    # none exists yet, and the media check must not wait for one
+    # t2i made a conditioned task here: the toy model (loaded by every other preflight check)
+    # declares only t2i, and the media check is the same for every conditioned task
     monkeypatch.setattr("trainer.preflight.data_rules.CONDITIONED_TASKS", ("t2i",))
     _png(tmp_path / "ok.png")
     (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated")

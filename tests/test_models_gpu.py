@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from trainer.models.geometry import Geometry
 
 pytest.importorskip("transformers")

@@ -10,6 +10,8 @@ import importlib
 
 ADAPTERS: dict[str, str] = {
     "qwen_image": "trainer.models.qwen_image.QwenImageAdapter",
+    "qwen_image_edit": "trainer.models.qwen_image_edit.QwenImageEditAdapter",
+    "qwen_image_edit_plus": "trainer.models.qwen_image_edit.QwenImageEditPlusAdapter",
     "sd3": "trainer.models.sd3.SD3Adapter",
     "flux": "trainer.models.flux.FluxAdapter",
     "wan": "trainer.models.wan.WanAdapter",

@@ -4,6 +4,11 @@ One adapter class per model family, chosen by dotpath (``--model-adapter-path``)
 (rollout side) and the actor (training side) only ever talk to a model through this class, so
 adding a family means adding one adapter, never touching the loop.
 
+Every size-dependent method takes one ``Geometry`` (height, width, frames:
+``trainer.models.geometry``). Conditioning media (reference images) reach the family through
+``encode_conditions``; what it returns is recorded with the rollout and handed back to
+``velocity`` unchanged by the replay (trainer/models/README.md draws the whole path).
+
 Invariant the whole trainer rests on: ``velocity()`` is the single transformer forward used
 both by the engine's sampler and by the actor's replay, and both then call the same
 ``kernels`` function, so the first on-policy update sees ratio == 1 exactly.

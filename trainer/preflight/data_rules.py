@@ -111,6 +111,10 @@ def check_prompt_media(c: Checker, name: str, numbered: list[tuple[str, dict]]) 
                 f"conditioning media (tasks that do: {list(CONDITIONED_TASKS) or 'none yet'}); "
                 f"they would be ignored")
         return
+    without = [where for where, record in numbered if not record.get("images")]
+    if without and c.cfg.model.task in CONDITIONED_TASKS:
+        c.error(f"{flagged('data.' + name)}: {len(without)} record(s) carry no source images "
+                f"(first at {without[0]}) but model.task={c.cfg.model.task!r} edits them")
     seen: dict = {}
     problems = [f"{where}: {problem}" for where, record in numbered
                 for problem in record_media_problems(record, seen)]

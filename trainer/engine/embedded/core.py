@@ -22,13 +22,16 @@ Design choices:
 from __future__ import annotations
 
 import gc
+import io
 import os
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
+from PIL import Image
 from safetensors.torch import load_file
 from torch import nn
 
@@ -40,6 +43,7 @@ from trainer.engine.embedded.sampler import denoise
 from flowgrpo_kernels.ode_solvers import compress_tail, solve_tail
 from trainer.engine.embedded.trunk import plan_trunk, run_trunk, select_rows
 from trainer.models.base import GenerativeModelAdapter
+from trainer.media import ImageRef
 from trainer.models.geometry import Geometry
 from trainer.models.compile import compile_blocks, compile_events, compile_wanted
 from trainer.models.guidance import guided_velocity, with_negative
@@ -97,6 +101,18 @@ def check_launch_args(*, adapter_path: Any, model_path: Any, device: Any, dtype:
 
 def _modules_in(frozen: dict[str, Any]) -> dict[str, nn.Module]:
     return {k: v for k, v in frozen.items() if isinstance(v, nn.Module)}
+
+
+def _warm_up_images(adapter: GenerativeModelAdapter, geometry: Geometry,
+                    batch: int) -> list[tuple[ImageRef, ...]] | None:
+    """For a family with conditioning media, one grey reference at the output geometry per
+    candidate (its sequence then has the length a rollout's will); None for text-to-image."""
+    if adapter.max_condition_images == 0:
+        return None
+    buffer = io.BytesIO()
+    Image.fromarray(np.full((geometry.height, geometry.width, 3), 128, dtype=np.uint8)).save(
+        buffer, format="PNG")
+    return [(ImageRef.from_bytes(buffer.getvalue()),)] * batch
 
 
 class EngineCore:
@@ -217,8 +233,9 @@ class EngineCore:
             t0, before = time.perf_counter(), compile_events()
             geometry = Geometry(height, width)
             shape = tuple(self.adapter.latent_shape(geometry))
+            images = _warm_up_images(self.adapter, geometry, batch)
             for prompt in ("warm-up", "a warm-up prompt with rather more words than the first"):
-                cond = self._conditions([prompt] * batch, None, geometry)
+                cond = self._conditions([prompt] * batch, images, geometry)
                 x = torch.randn((batch, *shape), device=self.device)
                 sigma = torch.full((batch,), 0.5, device=self.device)
                 self.adapter.velocity(self.transformer, x, sigma, cond, geometry)

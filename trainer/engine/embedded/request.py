@@ -16,7 +16,10 @@ meaning), which ``sde`` then rejects for step 0; ``sigmas`` absent means the ada
 schedule; sample ids absent means ``"seed:<seed>:<k>"``; ``rollout_return_dit_trajectory`` and
 ``rollout_return_denoising_env`` false (SGLang's defaults; the adapter's requests set both). ``rollout: false`` samples pure ODE and
 returns no SDE steps. A sigma list of N values (SGLang's convention, no trailing 0) is completed
-with 0.0.
+with 0.0. ``num_frames`` absent means 1 (an image). ``extra_sampling_params.condition_images``
+(one list of image entries per candidate) is checked against the family's
+``condition_image_problems``; its images are decoded when the adapter encodes them, where a
+missing or broken one fails the request naming it.
 """
 from __future__ import annotations
 

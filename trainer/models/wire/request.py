@@ -20,8 +20,9 @@ CONDITION_IMAGES_KEY = "condition_images"
 
 
 def sampling_geometry(cfg: SamplingConfig) -> Geometry:
-    """The candidates' geometry under a sampling config (images: num_frames 1)."""
-    return Geometry(cfg.height, cfg.width, cfg.num_frames)
+    """The candidates' geometry under a sampling config: frames from its ``num_frames`` where
+    it has one (a video family's sampling key), else 1 (images)."""
+    return Geometry(cfg.height, cfg.width, getattr(cfg, "num_frames", 1))
 
 
 def _condition_entries(adapter: WireModel, images: Sequence[Sequence[Any]] | None, batch: int,

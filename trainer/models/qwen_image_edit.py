@@ -1,0 +1,209 @@
+"""Qwen-Image-Edit and Qwen-Image-Edit-Plus: Qwen-Image's transformer, VAE and Qwen2.5-VL text
+encoder, conditioned on reference images (task ``edit``).
+
+Everything model-specific is delegated to diffusers' QwenImageEditPipeline /
+QwenImageEditPlusPipeline, built from the loaded parts without a transformer: the prompt
+template with the picture(s) in it and its drop index (``encode_prompt``, which runs the
+processor and the text encoder's vision tower), the VAE encoding of a reference with its
+per-channel normalisation (``_encode_vae_image``; no generator: the latent distribution's
+mode, so a reference always encodes to the same latents), the 2x2 packing, the
+resolution-dependent shift (on the output's packed length, as the pipelines compute it) and
+decoding. As in the pipelines, the references' packed latents are concatenated to the noisy
+latents on the sequence axis, the transformer is told each one's grid (``img_shapes``), and
+the prediction's first tokens (the output's) are the velocity.
+
+Design choices:
+- A reference is resized to the output geometry before the VAE (the pipelines resize it to
+  about 1024x1024 pixels at its aspect ratio): at a training resolution this keeps the joint
+  sequence short, and every candidate's reference latents have one shape, so the conditions
+  of a rollout stay one tensor. The text encoder sees, for Edit, that same resized picture (the
+  Edit pipeline shows it the picture it encodes); for Plus, each reference at
+  ``condition_image_area`` pixels at its own aspect ratio (the Plus pipeline's 384x384 by
+  default).
+- The conditions are Qwen-Image's (``prompt_embeds``, ``prompt_embeds_mask``) plus
+  ``image_latents`` [B, K * L, C * 4]: the K references' packed latents, in order. The
+  rollout records them; the replay feeds exactly those tensors back, so it never re-encodes.
+- Each distinct (prompt, references) is encoded alone: Plus's template lists every picture of
+  a call in every prompt, so a batched call would show each prompt the others' pictures. The
+  engine already encodes a group's shared prompt and references once.
+- Plus: every candidate of a request carries the same number of references (latents of
+  different lengths are not one tensor); the data keeps a run to one count.
+- The CFG negative is the empty prompt with the same references (as the pipelines encode
+  their negative prompt with the image).
+- SGLang does not serve these families (no ``sglang_dit``): the embedded engine does.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from trainer.models.batch import pad_and_cat
+from trainer.models.geometry import Geometry
+from trainer.models.qwen_image import QwenImageAdapter
+
+
+def _edit_pipeline_cls():
+    from diffusers import QwenImageEditPipeline
+
+    return QwenImageEditPipeline
+
+
+def _edit_plus_pipeline_cls():
+    from diffusers import QwenImageEditPlusPipeline
+
+    return QwenImageEditPlusPipeline
+
+
+class QwenImageEditAdapter(QwenImageAdapter):
+    """Adapter of Qwen-Image-Edit (dotpath ``trainer.models.qwen_image_edit.QwenImageEditAdapter``):
+    one reference image per candidate.
+
+    Options: Qwen-Image's (``revision``, ``max_sequence_length``, ``joint_tokens_multiple``).
+    """
+
+    family = "qwen_image_edit"
+    supported_tasks = ("edit",)
+    condition_keys = ("prompt_embeds", "prompt_embeds_mask", "image_latents")
+    max_condition_images = 1
+    display_name = "Qwen-Image-Edit"
+    pipeline_class = staticmethod(_edit_pipeline_cls)
+    sglang_dit = None
+    sglang_conditions = None
+    sglang_implied_masks = None
+
+    # ---- engine side ----------------------------------------------------------------------
+    def load_frozen(self, *, device: str | torch.device, dtype: torch.dtype) -> dict[str, Any]:
+        from diffusers import AutoencoderKLQwenImage
+        from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLProcessor
+
+        vae = self._from_pretrained(AutoencoderKLQwenImage, "vae", dtype, device)
+        text_encoder = self._from_pretrained(Qwen2_5_VLForConditionalGeneration, "text_encoder", dtype, device)
+        tokenizer = self._load_tokenizer("tokenizer")
+        processor = Qwen2VLProcessor.from_pretrained(self.model_path, subfolder="processor",
+                                                     revision=self.revision)
+        self._check_tokenizers({"tokenizer": (tokenizer, text_encoder),
+                                "processor": (processor.tokenizer, text_encoder)})
+        pipeline = self.pipeline_class()(scheduler=self.scheduler, vae=vae, text_encoder=text_encoder,
+                                          tokenizer=tokenizer, processor=processor, transformer=None)
+        return {"pipeline": pipeline, "vae": vae, "text_encoder": text_encoder, "tokenizer": tokenizer,
+                "processor": processor, "device": torch.device(device), "dtype": dtype}
+
+    def encode_prompts(self, frozen: dict[str, Any], prompts: list[str]) -> dict[str, torch.Tensor]:
+        raise ValueError(f"{type(self).__name__} edits reference images: its conditions come from "
+                         "encode_conditions(frozen, prompts, images, geometry)")
+
+    @torch.no_grad()
+    def encode_conditions(self, frozen: dict[str, Any], prompts: list[str],
+                          images: Sequence[Sequence[Any]] | None,
+                          geometry: Geometry) -> dict[str, torch.Tensor]:
+        problems = self.condition_image_problems(images)
+        if problems:
+            raise ValueError(f"{type(self).__name__}: " + "; ".join(problems))
+        rows = [self._encode_one(frozen, prompt, refs, geometry) for prompt, refs in zip(prompts, images)]
+        # text lengths differ between prompts: right-padded, the padding masked (mask 0)
+        return {"prompt_embeds": pad_and_cat([r[0] for r in rows]),
+                "prompt_embeds_mask": pad_and_cat([r[1] for r in rows]),
+                "image_latents": torch.cat([r[2] for r in rows])}
+
+    def _encode_one(self, frozen: dict[str, Any], prompt: str, refs: Sequence[Any],
+                    geometry: Geometry) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One candidate: (prompt embeddings [1, T, D], their mask [1, T], packed reference
+        latents [1, K * L, C * 4])."""
+        pipeline, device = frozen["pipeline"], frozen["device"]
+        pictures = [ref.open() for ref in refs]  # PIL RGB; a bad image raises naming it
+        resized = [pipeline.image_processor.resize(p, geometry.height, geometry.width) for p in pictures]
+        embeds, mask = pipeline.encode_prompt(prompt=[prompt], image=self.prompt_images(pipeline, pictures, resized),
+                                              device=device)
+        if mask is None:  # the pipeline drops an all-ones mask; keep it batch-first for the sidecar
+            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+        latents = [self._reference_latents(frozen, picture, geometry) for picture in resized]
+        return embeds, mask, torch.cat(latents, dim=1)
+
+    def prompt_images(self, pipeline: Any, pictures: list, resized: list) -> Any:
+        """What the text encoder sees: Edit's one reference, as resized for the VAE."""
+        return resized[0]
+
+    def _reference_latents(self, frozen: dict[str, Any], picture: Any,
+                           geometry: Geometry) -> torch.Tensor:
+        """One reference at the output geometry -> its normalised, packed VAE latents [1, L, C * 4]."""
+        pipeline, vae = frozen["pipeline"], frozen["vae"]
+        pixels = pipeline.image_processor.preprocess(picture, geometry.height, geometry.width)
+        pixels = pixels.unsqueeze(2).to(device=frozen["device"], dtype=vae.dtype)  # one frame
+        z = pipeline._encode_vae_image(image=pixels, generator=None)  # [1, C, 1, h, w]
+        return pipeline._pack_latents(z, 1, z.shape[1], z.shape[3], z.shape[4]).to(torch.float32)
+
+    # ---- the forward ------------------------------------------------------------------------
+    def velocity(self, transformer: nn.Module, latents: torch.Tensor, sigma: torch.Tensor,
+                 conditions: dict[str, torch.Tensor], geometry: Geometry) -> torch.Tensor:
+        latents, cond, dtype = self._cast_inputs(transformer, latents, conditions)
+        batch, tokens = latents.shape[:2]
+        references = cond["image_latents"]
+        count = references.shape[1] // tokens  # each reference is at the output geometry
+        sigma = torch.as_tensor(sigma, device=latents.device).reshape(-1).expand(batch)
+        timestep = (sigma.to(torch.float32) * 1000).to(dtype) / 1000
+        _, h, w = self.init_noise_shape(geometry)
+        hidden = torch.cat([latents, references], dim=1)
+        cond = self.pad_text(cond, image_tokens=hidden.shape[1])
+        out = transformer(
+            hidden_states=hidden,
+            timestep=timestep,
+            encoder_hidden_states=cond["prompt_embeds"],
+            encoder_hidden_states_mask=cond["prompt_embeds_mask"],
+            img_shapes=[[(1, h // 2, w // 2)] * (1 + count)] * batch,
+            return_dict=False,
+        )[0]
+        return out[:, :tokens]
+
+    def image_tokens(self, geometry: Geometry) -> int:
+        """The output's tokens and the reference's (one, at the output geometry)."""
+        return 2 * super().image_tokens(geometry)
+
+
+class QwenImageEditPlusAdapter(QwenImageEditAdapter):
+    """Adapter of Qwen-Image-Edit-Plus (``trainer.models.qwen_image_edit.QwenImageEditPlusAdapter``):
+    up to three reference images per candidate, the same number for every candidate of a
+    request, in the order the prompt refers to them ("Picture 1", "Picture 2", ...).
+
+    Options: Qwen-Image's, and ``condition_image_area`` (384 * 384: pixels of each picture the
+    text encoder sees, at the picture's aspect ratio, as the Plus pipeline's default).
+    """
+
+    family = "qwen_image_edit_plus"
+    max_condition_images = 3
+    display_name = "Qwen-Image-Edit-Plus"
+    pipeline_class = staticmethod(_edit_plus_pipeline_cls)
+    extra_options = {**QwenImageEditAdapter.extra_options, "condition_image_area": 384 * 384}
+
+    def __init__(self, model_path: str, **options: Any) -> None:
+        super().__init__(model_path, **options)
+        area = self.options["condition_image_area"]
+        if isinstance(area, bool) or not isinstance(area, int) or area < 28 * 28:
+            raise ValueError(f"{type(self).__name__}: condition_image_area must be an integer of "
+                             f"at least {28 * 28} pixels, got {area!r}")
+        self.condition_image_area = area
+
+    def condition_image_problems(self, images: Sequence[Sequence[Any]] | None) -> list[str]:
+        problems = super().condition_image_problems(images)
+        counts = sorted({len(refs) for refs in images or ()})
+        if len(counts) > 1:
+            problems.append(f"{self.family!r} takes the same number of reference images for every "
+                            f"candidate of a request, got counts {counts}")
+        return problems
+
+    def prompt_images(self, pipeline: Any, pictures: list, resized: list) -> Any:
+        """Every reference at ``condition_image_area`` pixels, its aspect ratio kept (the Plus
+        pipeline's ``calculate_dimensions``)."""
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import calculate_dimensions
+
+        shown = []
+        for picture in pictures:
+            width, height = calculate_dimensions(self.condition_image_area, picture.width / picture.height)
+            shown.append(pipeline.image_processor.resize(picture, height, width))
+        return shown
+
+    def forward_flops(self, geometry: Geometry, *, batch: int, text_tokens: int):
+        """None: the joint sequence grows with the references, whose number the geometry does
+        not say (the MFU of a Plus run is not logged)."""
+        return None
