@@ -173,3 +173,27 @@ def test_preflight_refuses_wan_on_sglang_rollouts_with_the_reason(wan_dir):
                                      'rollout.sglang_urls=["http://127.0.0.1:30000"]'])
     with pytest.raises(ConfigError, match=r"model family 'wan': the SGLang client maps the denoising env"):
         preflight(cfg, world_size=8, check_paths=False)
+
+
+def test_the_engine_warms_up_at_the_videos_frame_count(wan_dir):
+    """The warm-up (the compile before the first rollout) runs the transformer at the run's
+    geometry: for video, its frames, not a single frame."""
+    from trainer.engine.embedded.core import EngineCore
+
+    core = EngineCore.load(adapter_path=ADAPTER, model_path=str(wan_dir["wan2.1"]), adapter_options=OPTIONS,
+                           device="cpu", dtype="fp32", lora=None)
+    seen = []
+    forward = core.adapter.velocity
+    core.adapter.velocity = lambda model, x, *args: seen.append(tuple(x.shape)) or forward(model, x, *args)
+    try:
+        core.warm_up(height=H, width=W, batch=2, frames=F)
+    finally:
+        core.close()
+    assert seen and all(shape == (2, 4, 2, 4, 4) for shape in seen)   # 5 frames: 2 latent frames
+    from trainer.config import load_config
+    from trainer.rollout.service import engine_warmup
+
+    rollout = load_config("wan2.1-t2v", []).rollout
+    assert engine_warmup(rollout, "blocks", torch.device("cpu"))["frames"] == 33   # the recipe's
+    image = load_config("sd3-t2i-lora", []).rollout
+    assert "frames" not in engine_warmup(image, "blocks", torch.device("cpu"))   # images unchanged

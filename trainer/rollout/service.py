@@ -26,7 +26,8 @@ from typing import Any, Callable
 import torch
 
 import ipc
-from trainer.config import DEFAULT_SAMPLING, ModelConfig, RolloutConfig, WeightSyncConfig
+from trainer.config import ModelConfig, RolloutConfig, WeightSyncConfig
+from trainer.config.sampling import SamplingConfig
 from trainer.engine import launch_embedded_engine
 from trainer.models.compile import compile_wanted
 
@@ -48,12 +49,15 @@ def engine_warmup(rollout: RolloutConfig, compile: str, device: torch.device) ->
     engine does not compile, ``model.compile``)."""
     if not compile_wanted(compile, device):
         return None
-    sampling = rollout.sampling
-    return {"height": int(sampling.get("height", DEFAULT_SAMPLING["height"])),
-            "width": int(sampling.get("width", DEFAULT_SAMPLING["width"])),
-            # CFG runs the conditional and the empty-prompt halves as one forward
-            "batch": (rollout.wave_size or 1) * rollout.n_samples_per_prompt
-            * (2 if float(sampling.get("guidance_scale", 1.0)) != 1.0 else 1)}
+    # the resolved config holds a SamplingConfig; a partial table (a dict) takes the defaults
+    sampling = SamplingConfig.from_dict(rollout.sampling, type_rules=False)
+    warmup = {"height": sampling.height, "width": sampling.width,
+              # CFG runs the conditional and the empty-prompt halves as one forward
+              "batch": (rollout.wave_size or 1) * rollout.n_samples_per_prompt
+              * (2 if float(sampling.guidance_scale) != 1.0 else 1)}
+    if sampling.num_frames != 1:  # a video family compiles at its frame count, not at one frame
+        warmup["frames"] = sampling.num_frames
+    return warmup
 
 
 def embedded_starter(model: ModelConfig, rollout: RolloutConfig, weight_sync: WeightSyncConfig,
