@@ -93,8 +93,8 @@ def test_qwen_image_count_equals_a_hand_count_of_one_block():
 
 
 def test_an_uncounted_transformer_class_is_refused_by_name():
-    with pytest.raises(ValueError, match="WanTransformer3DModel"):
-        flops.transformer_forward("WanTransformer3DModel", {}, image_tokens=1, text_tokens=1)
+    with pytest.raises(ValueError, match="CogVideoXTransformer3DModel"):
+        flops.transformer_forward("CogVideoXTransformer3DModel", {}, image_tokens=1, text_tokens=1)
 
 
 @pytest.fixture(scope="module")

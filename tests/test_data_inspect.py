@@ -44,7 +44,7 @@ def test_every_error_class_is_reported_with_its_line(tmp_path, media, capsys):
         rec("a cat on a mat", "t1"),                                   # 1
         "{oops",                                                       # 2 parse
         {"metadata": {"task": "t2i", "sample_id": "t3"}},              # 3 schema: no prompt
-        rec("a dog", "t4", task="t2v"),                                # 4 task
+        rec("a dog", "t4", task="t2a"),                                # 4 task
         rec("two <image> <image>", "t5", images=["good.png"]),         # 5 placeholder
         rec("<image> x", "t6", images=["missing.png"]),                # 6 media
         rec("<image> y", "t7", images=["corrupt.png"]),                # 7 decode
@@ -62,7 +62,7 @@ def test_every_error_class_is_reported_with_its_line(tmp_path, media, capsys):
     expected = [
         f"{train}:2: [parse] invalid JSON",
         f"{train}:3: [schema] missing required key 'prompt'",
-        f"{train}:4: [task] unknown task 't2v'",
+        f"{train}:4: [task] unknown task 't2a'",
         f"{train}:5: [placeholder] 2 <image> placeholder(s) in the prompt but 1 entry in 'images'",
         f"{train}:6: [media] images entry 'missing.png': no file",
         f"{train}:7: [decode] cannot decode image",

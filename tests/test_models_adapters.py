@@ -70,6 +70,8 @@ def test_adapter_resolves_by_family_and_dotpath(family):
     assert issubclass(cls, GenerativeModelAdapter) and cls.family == family
     cls.check_task("t2i")
     with pytest.raises(ValueError, match="GENERATION_TASKS"):
+        cls.check_task("text_to_audio")
+    with pytest.raises(ValueError, match="supports"):  # a task of another family (Wan's video)
         cls.check_task("t2v")
 
 

@@ -5,6 +5,8 @@
   ``images``, ``trainer.media``) to one image. One task for every editing family (Qwen-Image-
   Edit, Qwen-Image-Edit-Plus, FLUX.1 Kontext): what differs between them, such as how many
   reference images they take, is the adapter's (``max_condition_images``), not the task's.
+- ``t2v``: text to video (Wan): no conditioning media; the sampling table's ``num_frames``
+  gives the frames (``trainer.models.geometry``).
 
 A family that brings its own adapter for another task must add the task name here too, so
 that the vocabulary never lists a task without a replay path. ``trainer.preflight`` checks
@@ -13,7 +15,7 @@ that the vocabulary never lists a task without a replay path. ``trainer.prefligh
 """
 from __future__ import annotations
 
-GENERATION_TASKS: tuple[str, ...] = ("t2i", "edit")
+GENERATION_TASKS: tuple[str, ...] = ("t2i", "edit", "t2v")
 # The tasks whose families take conditioning media (reference images: ``trainer.media``); a
 # subset of GENERATION_TASKS. Preflight refuses prompt records that carry images for any
 # other task: a text-to-image family would silently drop them.

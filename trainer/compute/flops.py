@@ -1,4 +1,4 @@
-"""Forward FLOPs of the MMDiT transformers, from their diffusers config alone.
+"""Forward FLOPs of the MMDiT and Wan transformers, from their diffusers config alone.
 
 Counted: every matrix multiply at 2 * in * out per token (linear layers, the patch-embedding
 convolution as the linear it is), and attention's Q K^T and A V at 2 * L * L * inner each per
@@ -107,11 +107,32 @@ def flux(cfg: Mapping[str, Any], image_tokens: int, text_tokens: int) -> FlopCou
     return FlopCount(linear, (double + single) * _attention(tokens, d))
 
 
+def wan(cfg: Mapping[str, Any], image_tokens: int, text_tokens: int) -> FlopCount:
+    """WanTransformer3DModel, per sample, ``image_tokens`` the video tokens: blocks of
+    self-attention over the video tokens, cross-attention from them to the text tokens (k and v
+    projected from the text once per block) and an MLP of width ``ffn_dim``; the text passes a
+    two-layer projection once. Text-to-video only (no image embedder)."""
+    if cfg.get("image_dim") is not None or cfg.get("added_kv_proj_dim") is not None:
+        raise ValueError("Wan's image-conditioned branch (image_dim, added_kv_proj_dim) is not counted")
+    d, layers, ffn = _inner(cfg), int(cfg["num_layers"]), int(cfg["ffn_dim"])
+    patch = 1
+    for p in cfg["patch_size"]:
+        patch *= int(p)
+    out = int(cfg.get("out_channels") or cfg["in_channels"])
+    per_sample = _lin(int(cfg["freq_dim"]), d) + _lin(d, d) + _lin(d, 6 * d)
+    video = (_lin(int(cfg["in_channels"]) * patch, d) + layers * (6 * _lin(d, d) + _lin(d, ffn) + _lin(ffn, d))
+             + _lin(d, patch * out))
+    text = _lin(int(cfg["text_dim"]), d) + _lin(d, d) + layers * 2 * _lin(d, d)
+    attention = layers * (_attention(image_tokens, d) + 2 * (2 * image_tokens * text_tokens * d))
+    return FlopCount(per_sample + video * image_tokens + text * text_tokens, attention)
+
+
 #: diffusers transformer class -> its per-sample count.
 COUNTERS: dict[str, Callable[[Mapping[str, Any], int, int], FlopCount]] = {
     "QwenImageTransformer2DModel": qwen_image,
     "SD3Transformer2DModel": sd3,
     "FluxTransformer2DModel": flux,
+    "WanTransformer3DModel": wan,
 }
 
 

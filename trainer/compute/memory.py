@@ -30,6 +30,15 @@ saves no L x L matrix, as on the GPU):
   normalised values: 4.
 - FLUX single-stream block, per joint token: 22 (with its q/k norms).
 - SD3 dual-attention layer, per image token: a second attention's inputs: 10.
+- Wan block (video tokens only; text enters through cross-attention), per video token: the
+  self-attention's norm, modulated input, q, k, v (with their RMS norms), output and gate, the
+  cross-attention's norm, q and output, the MLP's modulated input: 22, plus the MLP's hidden
+  (GELU input and the output projection's input: 2 x ffn_dim / inner); per text token, the
+  cross-attention's k and v and k's norm: 4. Wan keeps its norms and modulation in fp32
+  (``_keep_in_fp32_modules``, explicit ``.float()``): under a 2-byte compute dtype that adds
+  fp32 copies worth 12 (video) and 2 (text) elements of the compute dtype.
+- Wan's video tokens: latent frames ((frames - 1) / 4 + 1) x the patches of one latent frame.
+  A Wan 2.2 A14B engine also holds its frozen low-noise expert (a second transformer).
 """
 from __future__ import annotations
 
@@ -65,6 +74,25 @@ PUBLISHED: dict[str, dict[str, Any]] = {
         joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
         axes_dims_rope=[16, 56, 56]),
 }
+#: Published configs of the families whose sizes share one transformer class (Wan), by the
+#: model directory's name (diffusers' transformer/config.json of each model card); ``_experts``
+#: 2 is Wan 2.2 A14B's pair, ``_pixels_per_token_side`` its VAE x patch where not 16.
+_WAN_14B = dict(patch_size=[1, 2, 2], num_attention_heads=40, attention_head_dim=128, in_channels=16,
+                out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40,
+                cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6)
+PUBLISHED_BY_MODEL: dict[str, dict[str, Any]] = {
+    "Wan2.1-T2V-1.3B-Diffusers": dict(_WAN_14B, _source="Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+                                      num_attention_heads=12, ffn_dim=8960, num_layers=30),
+    "Wan2.1-T2V-14B-Diffusers": dict(_WAN_14B, _source="Wan-AI/Wan2.1-T2V-14B-Diffusers"),
+    "Wan2.2-T2V-A14B-Diffusers": dict(_WAN_14B, _source="Wan-AI/Wan2.2-T2V-A14B-Diffusers", _experts=2),
+    "Wan2.2-TI2V-5B-Diffusers": dict(_WAN_14B, _source="Wan-AI/Wan2.2-TI2V-5B-Diffusers",
+                                     num_attention_heads=24, ffn_dim=14336, num_layers=30,
+                                     in_channels=48, out_channels=48, _pixels_per_token_side=32),
+}
+#: Wan's VAE: 4 video frames per latent frame after the first.
+WAN_FRAMES_PER_LATENT = 4
+WAN_BLOCK, WAN_TEXT, WAN_FP32_VIDEO, WAN_FP32_TEXT = 22, 4, 12, 2
+
 #: The engine's frozen parts by adapter family: (what, parameters), from the model cards
 #: (Qwen2.5-VL-7B-Instruct 8.29 B; T5-XXL encoder 4.76 B; CLIP-L text 123 M; OpenCLIP bigG
 #: text 695 M; the VAEs' safetensors sizes / 2 bytes).
@@ -74,6 +102,8 @@ FROZEN_PARAMS: dict[str, tuple[tuple[str, float], ...]] = {
                               ("VAE", 0.084e9)),
     "flux": (("CLIP-L + T5-XXL encoders", 0.123e9 + 4.76e9), ("VAE", 0.084e9)),
     "flux_kontext": (("CLIP-L + T5-XXL encoders", 0.123e9 + 4.76e9), ("VAE", 0.084e9)),  # FLUX.1's
+    # UMT5-XXL encoder 5.68 B; the Wan 2.1 VAE (Qwen-Image's is the same architecture)
+    "wan": (("UMT5-XXL text encoder", 5.68e9), ("VAE", 0.127e9)),
 }
 #: Text tokens the transformer sees at most besides the adapter's ``max_sequence_length``
 #: (SD3 prepends the 77 CLIP tokens to the T5 window).
@@ -105,9 +135,27 @@ def model_params(transformer_class: str, cfg: Mapping[str, Any],
     return total, lora
 
 
+def wan_activation_elements(cfg: Mapping[str, Any], *, video_tokens: int, text_tokens: int,
+                            checkpointing: bool, compute_bytes: int = 2) -> int:
+    """Saved activation elements (compute dtype) of one Wan row's forward (module docstring)."""
+    inner = int(cfg["num_attention_heads"]) * int(cfg["attention_head_dim"])
+    upcast = compute_bytes < 4
+    video = WAN_BLOCK + 2 * int(cfg["ffn_dim"]) / inner + (WAN_FP32_VIDEO if upcast else 0)
+    text = WAN_TEXT + (WAN_FP32_TEXT if upcast else 0)
+    per_block = inner * (video * video_tokens + text * text_tokens)
+    layers = int(cfg["num_layers"])
+    if not checkpointing:
+        return int(layers * per_block)
+    return int(inner * video_tokens * layers + per_block)
+
+
 def activation_elements(transformer_class: str, cfg: Mapping[str, Any], *, image_tokens: int,
-                        text_tokens: int, checkpointing: bool) -> int:
-    """Saved activation elements of one row's forward (the model in the module docstring)."""
+                        text_tokens: int, checkpointing: bool, compute_bytes: int = 2) -> int:
+    """Saved activation elements of one row's forward (the model in the module docstring);
+    ``compute_bytes`` matters to Wan only (its fp32 copies)."""
+    if transformer_class == "WanTransformer3DModel":
+        return wan_activation_elements(cfg, video_tokens=image_tokens, text_tokens=text_tokens,
+                                       checkpointing=checkpointing, compute_bytes=compute_bytes)
     inner = int(cfg["num_attention_heads"]) * int(cfg["attention_head_dim"])
     tokens = image_tokens + text_tokens
     qk = QK_NORM if (cfg.get("qk_norm") or transformer_class != "SD3Transformer2DModel") else 0
@@ -175,8 +223,9 @@ class MemoryPlan:
 def plan(*, transformer_class: str, cfg: Mapping[str, Any], image_tokens: int, text_tokens: int,
          lora_targets: tuple[str, ...], lora_rank: int, world: int, micro_batch: int | None,
          trained_steps: int, cfg_factor: int, checkpointing: bool, colocated: bool,
-         source: str, family: str = "", compute_bytes: int = 2) -> MemoryPlan:
-    """The plan of one run (see the module docstring for every term)."""
+         source: str, family: str = "", compute_bytes: int = 2, experts: int = 1) -> MemoryPlan:
+    """The plan of one run (see the module docstring for every term); ``experts`` 2: the engine
+    also holds a frozen second transformer of the same size (Wan 2.2 A14B)."""
     total, adapter = model_params(transformer_class, cfg, lora_targets, lora_rank)
     lora = lora_rank > 0
     shard = max(1, world)
@@ -193,11 +242,13 @@ def plan(*, transformer_class: str, cfg: Mapping[str, Any], image_tokens: int, t
     terms["AdamW m, v fp32 (sharded)"] = 8 * trainable / shard
     if colocated:
         terms["engine transformer bf16"] = 2 * total
+        if experts > 1:
+            terms["engine frozen low-noise expert bf16"] = 2 * total * (experts - 1)
         for what, n in FROZEN_PARAMS.get(family, ()):
             terms[f"engine {what} bf16"] = 2 * n
     per_row = {ac: compute_bytes * activation_elements(
         transformer_class, cfg, image_tokens=image_tokens, text_tokens=text_tokens,
-        checkpointing=ac) for ac in (False, True)}
+        checkpointing=ac, compute_bytes=compute_bytes) for ac in (False, True)}
     rows = micro_batch * trained_steps * cfg_factor if micro_batch else None
     title = (f"{transformer_class} {total / 1e9:.2f} B params ({source}), {image_tokens} image + "
              f"at most {text_tokens} text tokens (the window) per row, {trained_steps} trained "
@@ -216,6 +267,9 @@ def _transformer_config(model_path: str, transformer_class: str) -> tuple[dict, 
     path = Path(model_path) / "transformer" / "config.json"
     if path.is_file():
         return json.loads(path.read_text()), str(path)
+    by_model = PUBLISHED_BY_MODEL.get(Path(model_path).name)
+    if by_model is not None:
+        return by_model, f"published config of {by_model['_source']}; {path} absent"
     if transformer_class not in PUBLISHED:
         raise ValueError(f"no config at {path} and no published config for {transformer_class}")
     cfg = PUBLISHED[transformer_class]
@@ -226,8 +280,8 @@ def plan_for_config(cfg: Any, world: int) -> MemoryPlan | None:
     """The plan of a resolved run config, or None for an adapter that is not a diffusers one
     (no transformer class to count)."""
     from trainer.config.sampling import SamplingConfig
+    from trainer.models.wire.request import sampling_geometry
     from trainer.utils.values import import_dotpath
-    from trainer.models.geometry import Geometry
 
     adapter_cls = import_dotpath(cfg.model.adapter_path)
     transformer_class = getattr(adapter_cls, "transformer_class", "")
@@ -244,10 +298,14 @@ def plan_for_config(cfg: Any, world: int) -> MemoryPlan | None:
     text += EXTRA_TEXT_TOKENS.get(transformer_class, 0)
     try:
         adapter = adapter_cls(model_path, **options)
-        image = adapter.image_tokens(Geometry(sampling.height, sampling.width))
+        image = adapter.image_tokens(sampling_geometry(sampling))
+        experts = 2 if getattr(adapter, "boundary_ratio", None) is not None else 1
     except (OSError, ValueError):  # no model directory here: the published VAE x8 + 2x2 patches
-        side = PIXELS_PER_TOKEN_SIDE
+        side = int(tcfg.get("_pixels_per_token_side", PIXELS_PER_TOKEN_SIDE))
         image = (sampling.height // side) * (sampling.width // side)
+        if transformer_class == "WanTransformer3DModel":
+            image *= (sampling.num_frames - 1) // WAN_FRAMES_PER_LATENT + 1
+        experts = int(tcfg.get("_experts", 1))
     micro = cfg.train.micro_batch_size
     lora_rank = int(cfg.lora.rank) if cfg.fsdp.trainable_mode == "lora" else 0
     return plan(transformer_class=transformer_class, cfg=tcfg, image_tokens=image, text_tokens=text,
@@ -258,7 +316,7 @@ def plan_for_config(cfg: Any, world: int) -> MemoryPlan | None:
                 checkpointing=bool(cfg.fsdp.activation_checkpointing),
                 colocated=cfg.rollout.engine == "embedded", source=source,
                 family=getattr(adapter_cls, "family", ""),
-                compute_bytes=2 if cfg.fsdp.param_dtype in ("bf16", "fp16") else 4)
+                compute_bytes=2 if cfg.fsdp.param_dtype in ("bf16", "fp16") else 4, experts=experts)
 
 
 def print_memory_plan(cfg: Any, world: int) -> None:

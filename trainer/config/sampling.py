@@ -92,6 +92,7 @@ class SamplingConfig:
 
     height: int = 384
     width: int = 384
+    num_frames: int = 1  # video families (Wan): frames per candidate; 1 is an image
     num_inference_steps: int = 12
     guidance_scale: float = 1.0  # 1.0: no CFG; > 1: cond + uncond forwards (trainer.models.guidance)
     eta: float = 0.7
@@ -300,7 +301,7 @@ class SamplingConfig:
 # ---- value checks ---------------------------------------------------------------------------
 def _check_types(values: dict[str, Any], problems: list[str]) -> None:
     """Type/range problems; converts lists to tuples in ``values`` in place."""
-    for key in ("height", "width", "num_inference_steps"):
+    for key in ("height", "width", "num_frames", "num_inference_steps"):
         if key in values and (not is_int(values[key]) or values[key] < 1):
             problems.append(f"{key} must be a positive integer, got {values[key]!r}")
     if "num_sde_steps" in values and (not is_int(values["num_sde_steps"]) or values["num_sde_steps"] < 0):

@@ -25,10 +25,7 @@ import os
 from typing import Any, Iterable
 
 from trainer.media import is_inline
-
-# Mirrors trainer.models.base.GENERATION_TASKS (a test keeps them equal); not imported from
-# there because that module imports torch.
-TASKS: tuple[str, ...] = ("t2i",)
+from trainer.tasks import GENERATION_TASKS as TASKS  # torch-free: the data tools import this
 MEDIA_PLACEHOLDERS: dict[str, str] = {"images": "<image>", "videos": "<video>"}
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 

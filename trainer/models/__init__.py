@@ -15,6 +15,7 @@ ADAPTERS: dict[str, str] = {
     "sd3": "trainer.models.sd3.SD3Adapter",
     "flux": "trainer.models.flux.FluxAdapter",
     "flux_kontext": "trainer.models.flux_kontext.FluxKontextAdapter",
+    "wan": "trainer.models.wan.WanAdapter",
     "toy": "trainer.toy.adapter.ToyAdapter",
 }
 

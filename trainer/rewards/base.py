@@ -81,8 +81,9 @@ def check_score_inputs(images: Any, prompts: Sequence[str], metadata: Sequence[A
     else:
         if images.dtype != torch.uint8:
             problems.append(f"images must be uint8, got {images.dtype}")
-        if images.dim() != 4 or images.shape[-1] != 3:
-            problems.append(f"images must be [B, H, W, 3], got shape {list(images.shape)}")
+        if images.dim() not in (4, 5) or images.shape[-1] != 3:  # 5: a video [B, F, H, W, 3]
+            problems.append(f"images must be [B, H, W, 3] or a video [B, F, H, W, 3], got shape "
+                            f"{list(images.shape)}")
         else:
             batch = images.shape[0]
     if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):

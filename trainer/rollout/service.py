@@ -49,10 +49,13 @@ def engine_warmup(rollout: RolloutConfig, compile: str, device: torch.device) ->
     if not compile_wanted(compile, device):
         return None
     sampling = rollout.sampling
-    return {"height": int(sampling.height), "width": int(sampling.width),
-            # CFG runs the conditional and the empty-prompt halves as one forward
-            "batch": (rollout.wave_size or 1) * rollout.n_samples_per_prompt
-            * (2 if float(sampling.guidance_scale) != 1.0 else 1)}
+    warmup = {"height": int(sampling.height), "width": int(sampling.width),
+              # CFG runs the conditional and the empty-prompt halves as one forward
+              "batch": (rollout.wave_size or 1) * rollout.n_samples_per_prompt
+              * (2 if float(sampling.guidance_scale) != 1.0 else 1)}
+    if sampling.num_frames != 1:  # a video family compiles at its frame count, not at one frame
+        warmup["frames"] = int(sampling.num_frames)
+    return warmup
 
 
 def embedded_starter(model: ModelConfig, rollout: RolloutConfig, weight_sync: WeightSyncConfig,

@@ -223,7 +223,7 @@ class EngineCore:
             self.merger.merge()
         self._merge_pending = False
 
-    def warm_up(self, *, height: int, width: int, batch: int) -> dict[str, Any]:
+    def warm_up(self, *, height: int, width: int, batch: int, frames: int = 1) -> dict[str, Any]:
         """Run the transformer at the configured geometry before the first request, so the
         first rollout does not pay the compile. Two prompt lengths: where the adapter marks
         the text dimension dynamic the second compiles nothing; where it marks nothing, torch
@@ -231,7 +231,7 @@ class EngineCore:
         with self._lock, torch.no_grad():
             self._serve_merged()
             t0, before = time.perf_counter(), compile_events()
-            geometry = Geometry(height, width)
+            geometry = Geometry(height, width, frames)
             shape = tuple(self.adapter.latent_shape(geometry))
             images = _warm_up_images(self.adapter, geometry, batch)
             for prompt in ("warm-up", "a warm-up prompt with rather more words than the first"):

@@ -76,7 +76,7 @@ def launch_embedded_engine(*, adapter_path: str, model_path: str, adapter_option
     CPU runs) instead of spawning one. ``call_timeout_floor_s`` / ``call_timeout_per_image_s``:
     the deadline of every call of a spawned engine, floor + per image requested (None: none).
     ``compile``: the transformer's ``model.compile`` setting; ``warmup``: {"height", "width",
-    "batch"} to run (and compile) before the first request. ``share_trunk``: a group sharing x_T
+    "batch"[, "frames"]} to run (and compile) before the first request. ``share_trunk``: a group sharing x_T
     runs its ODE steps before the first SDE step once (trainer.engine.embedded.trunk; the
     Fast / MixGRPO algorithms turn it on). ``flash_ratio``: MixGRPO-Flash, the steps after a
     request's last SDE step taken by DPM-Solver++(2M) on a schedule compressed by this ratio
