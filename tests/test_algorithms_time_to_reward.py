@@ -67,7 +67,8 @@ def test_rows_per_variant_and_per_algorithm_carry_the_spread_over_the_seeds(tmp_
     assert not any(case.startswith("toy-broken") for case, _ in rows)
     assert float(rows["toy-nft_s0", "rollouts_to_gain_0.1"]["value"]) == 10
     assert float(rows["toy-nft_s1", "wall_s_to_gain_0.1"]["value"]) == 34.0
-    assert float(rows["toy-nft_s1", "eval_count_change_at_gain_0.1"]["value"]) == pytest.approx(-0.1)
+    count_change = float(rows["toy-nft_s1", "eval_count_change_at_gain_0.1"]["value"])
+    assert count_change == pytest.approx(-0.1)
     assert ("toy-nft_s2", "rollouts_to_gain_0.1") not in rows
     assert float(rows["toy-nft_s2", "eval_reward_at_10"]["value"]) == 0.52  # the inner curve
     agg = "toy-nft-3seeds"
