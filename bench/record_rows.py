@@ -5,6 +5,7 @@ bench/results.csv (bench/results.py).
 """
 from __future__ import annotations
 
+import statistics
 import sys
 from pathlib import Path
 
@@ -114,3 +115,98 @@ def record_toy(results: list[dict], args) -> None:
     if rec.rows:
         rec.write()
 
+
+
+def time_to_gain(evals: list[dict], gain: float) -> dict | None:
+    """The first eval whose mean of the components is ``gain`` or more above the first eval's:
+    its rollout, the training and total seconds spent to it, and each component's change
+    there (None when no eval reached it)."""
+    if not evals:
+        return None
+    first = evals[0]
+    for point in evals[1:]:
+        # the curves hold 5 decimals: 0.6 - 0.5 must count as a gain of 0.1
+        if round(point["reward_mean"] - first["reward_mean"], 6) >= gain:
+            changes = {k[:-len("_mean")]: point[k] - first[k] for k in first
+                       if k.endswith("_mean") and k != "reward_mean" and k in point}
+            return {"rollout": point["rollout"], "train_s": point.get("train_s"),
+                    "wall_s": point.get("wall_s"), "changes": changes}
+    return None
+
+
+def algorithm_of(name: str) -> str:
+    """``flowgrpo_s0`` -> ``flowgrpo``: the seeds of one algorithm's settings share a name."""
+    stem, _, seed = name.rpartition("_s")
+    return stem if stem and seed.isdigit() else name
+
+
+def _group_by_algorithm(results: list[dict]) -> dict[str, list[dict]]:
+    groups: dict[str, list[dict]] = {}
+    for r in results:
+        if r.get("returncode") == 0 and r.get("evals"):
+            groups.setdefault(algorithm_of(r["name"]), []).append(r)
+    return groups
+
+
+def record_time_to_reward(results: list[dict], args, gain: float) -> None:
+    """bench_toy_learning.py --stop-after-gain: per variant, the rollouts, training seconds and
+    total seconds to the first eval ``gain`` above its first, each component's change there,
+    and the eval curve's inner points (record_toy holds the first and last); per algorithm
+    (``<recipe>-<algo>-<n>seeds``), how many seeds reached it and, over those, the median with
+    min / max of each of those figures. A component's min change below 0 is a seed where it
+    fell."""
+    rec = Recorder("bench_toy_learning", device=device_name(args.device))
+    tag = f"{gain:g}"
+    for algo, runs in _group_by_algorithm(results).items():
+        hits = []
+        for r in runs:
+            case = f"{args.recipe}-{r['name']}"
+            for point in r["evals"][1:-1]:
+                rec.add(case, f"eval_reward_at_{point['rollout']}", point["reward_mean"], "reward")
+            hit = time_to_gain(r["evals"], gain)
+            if hit is None:
+                continue
+            hits.append(hit)
+            rec.add(case, f"rollouts_to_gain_{tag}", hit["rollout"], "rollouts")
+            rec.add(case, f"train_s_to_gain_{tag}", hit["train_s"], "s")
+            rec.add(case, f"wall_s_to_gain_{tag}", hit["wall_s"], "s")
+            for comp, change in hit["changes"].items():
+                rec.add(case, f"eval_{comp}_change_at_gain_{tag}", change, "reward")
+        case = f"{args.recipe}-{algo}-{len(runs)}seeds"
+        rec.add(case, f"seeds_reaching_gain_{tag}", len(hits), "seeds")
+        for metric, unit, key in (("rollouts", "rollouts", "rollout"), ("train_s", "s", "train_s"),
+                                  ("wall_s", "s", "wall_s")):
+            values = [h[key] for h in hits if h[key] is not None]
+            if values:
+                rec.add(case, f"{metric}_to_gain_{tag}", statistics.median(values), unit,
+                        samples=values)
+        for comp in (hits[0]["changes"] if hits else {}):
+            values = [h["changes"][comp] for h in hits]
+            rec.add(case, f"eval_{comp}_change_at_gain_{tag}", statistics.median(values),
+                    "reward", samples=values)
+    if rec.rows:
+        rec.write()
+
+
+def time_to_reward_table(results: list[dict], gain: float) -> list[str]:
+    """The per-algorithm figures as a markdown table (median [min, max] over the seeds that
+    reached the gain), for the README."""
+    lines = [f"| algorithm | seeds reaching +{gain:g} | rollouts to it | s to it (all) | "
+             "s to it (training only) | component changes there |", "|---|---|---|---|---|---|"]
+
+    def cell(values: list[float], fmt: str) -> str:
+        if not values:
+            return "-"
+        return (f"{statistics.median(values):{fmt}} [{min(values):{fmt}}, {max(values):{fmt}}]")
+
+    for algo, runs in _group_by_algorithm(results).items():
+        hits = [h for h in (time_to_gain(r["evals"], gain) for r in runs) if h is not None]
+        changes = ", ".join(
+            f"{comp} {cell([h['changes'][comp] for h in hits], '+.3f')}"
+            for comp in (hits[0]["changes"] if hits else {}))
+        lines.append(f"| {algo} | {len(hits)} of {len(runs)} | "
+                     f"{cell([h['rollout'] for h in hits], '.0f')} | "
+                     f"{cell([h['wall_s'] for h in hits if h['wall_s'] is not None], '.0f')} | "
+                     f"{cell([h['train_s'] for h in hits if h['train_s'] is not None], '.0f')} | "
+                     f"{changes or '-'} |")
+    return lines

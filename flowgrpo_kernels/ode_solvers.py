@@ -15,6 +15,14 @@ The final step to ``sigma = 0`` is first order (``lambda = +inf``: ``x_0 = D_s``
 SDE step ``k`` of an ``N``-step sampler, ``n = max(int((N - k) * ratio), 2)`` points from the
 unshifted time ``1 - (k + 1) / N`` to 0, each passed through the time shift
 ``shift * t / (1 + (shift - 1) t)``. ``flash_*_reference`` are the float64 twins.
+
+The engine is handed the model's sigmas, not its shift. Every time shift of this form (the
+static ``shift``, and diffusers' dynamic ``exp(mu)`` with its exponential form) adds a constant
+to the logit: ``sigma / (1 - sigma) = shift * t / (1 - t)``, with the unshifted time ``t``
+linear in the step index. ``fit_time_shift`` recovers ``shift`` and that line from the
+schedule, so ``engine_flash_tail`` can take MixGRPO's points in unshifted time and shift them
+again, as the reference does. A schedule this form does not describe (custom sigmas, a
+terminal stretch) gets ``compress_tail``'s interpolation between its own points instead.
 """
 from __future__ import annotations
 
@@ -98,7 +106,8 @@ def compress_tail(tail: list[float], *, steps_after: int, ratio: float) -> list[
     the window to the final 0), each sigma interpolated linearly between its neighbours.
     ``steps_after`` is MixGRPO's ``N - k``. On a schedule linear in the step index this is
     ``flash_tail_sigmas``; on a shifted one it interpolates between the schedule's own points
-    instead of re-applying the shift (the model's shift is not known here)."""
+    instead of re-applying the shift: ``engine_flash_tail``'s fallback for a schedule whose
+    shift ``fit_time_shift`` cannot recover."""
     if len(tail) < 2 or tail[-1] != 0.0 or not 0 < ratio <= 1:
         raise ValueError(f"compress_tail: need a tail ending at 0 and 0 < ratio <= 1, got "
                          f"{tail}, {ratio}")
@@ -112,3 +121,50 @@ def compress_tail(tail: list[float], *, steps_after: int, ratio: float) -> list[
         out.append(tail[lo] * (1.0 - frac) + tail[lo + 1] * frac)
     out[-1] = 0.0
     return out
+
+
+# a schedule is taken as shifted-linear when the fit reproduces every sigma this closely (the
+# schedules arrive in fp32: rounding leaves ~1e-7)
+SHIFT_FIT_TOLERANCE = 1e-5
+
+
+def fit_time_shift(sigmas: list[float]) -> tuple[float, float] | None:
+    """``(shift, c)`` with ``sigma_i = time_shift(shift, 1 - c i)`` for every nonzero sigma
+    of ``sigmas`` (from 1 down to a final 0), or None when no such pair reproduces them within
+    SHIFT_FIT_TOLERANCE. ``sigma (1 - t) = shift t (1 - sigma)`` with ``t = 1 - c i`` is,
+    divided by ``shift``, linear in ``(c / shift, c)``: a least-squares fit in float64
+    over the points after the first (which every shift maps to 1)."""
+    values = [float(v) for v in sigmas]
+    points = [(i, v) for i, v in enumerate(values) if v > 0.0]
+    if len(points) < 3 or values[0] != 1.0 or any(not 0.0 < v < 1.0 for _, v in points[1:]):
+        return None
+    # sigma (1 - t) = shift t (1 - sigma), t = 1 - c i, divided by shift:
+    # (c / shift) i sigma + c i (1 - sigma) = 1 - sigma, linear in (c / shift, c)
+    rows = torch.tensor([[i * v, i * (1.0 - v)] for i, v in points[1:]], dtype=torch.float64)
+    rhs = torch.tensor([[1.0 - v] for _, v in points[1:]], dtype=torch.float64)
+    alpha, c = torch.linalg.lstsq(rows, rhs).solution.flatten().tolist()
+    if alpha <= 0.0 or c <= 0.0:
+        return None
+    shift = c / alpha
+    if any(abs(time_shift(shift, 1.0 - c * i) - v) > SHIFT_FIT_TOLERANCE for i, v in points):
+        return None
+    return shift, c
+
+
+def engine_flash_tail(sigmas: list[float], first: int, ratio: float) -> list[float]:
+    """The engine's Flash schedule from ``sigmas[first]`` (the first step after the window) of
+    the model's ``N + 1`` sigmas: MixGRPO's ``max(int((N - k) * ratio), 2)`` points, ``k =
+    first - 1``, spread evenly in unshifted time from that step's to 0 and shifted with the
+    schedule's own shift (``fit_time_shift``); ``compress_tail`` where no shift fits."""
+    values = [float(v) for v in sigmas]
+    fit = fit_time_shift(values)
+    if fit is None:
+        return compress_tail(values[first:], steps_after=len(values) - first, ratio=ratio)
+    if not 0 < first < len(values) - 1 or not 0 < ratio <= 1:
+        raise ValueError(f"engine_flash_tail: need 0 < first < {len(values) - 1} and "
+                         f"0 < ratio <= 1, got {first}, {ratio}")
+    shift, _ = fit
+    points = max(int((len(values) - first) * ratio), 2)
+    sigma = values[first]
+    start = sigma / (shift - (shift - 1.0) * sigma)  # the inverse of time_shift
+    return [time_shift(shift, start * (1.0 - j / (points - 1))) for j in range(points)]

@@ -257,3 +257,51 @@ def test_compressed_tail_is_the_flash_schedule_on_a_linear_schedule():
     ref = flash_tail_sigmas(num_steps=n, last_sde_step=k, ratio=0.4, shift=1.0)
     assert ours == pytest.approx(ref, abs=1e-12)
     assert compress_tail([0.5, 0.25, 0.0], steps_after=3, ratio=0.1) == [0.5, 0.0]
+
+
+@pytest.mark.parametrize("shift", [1.0, 3.0, 0.5])
+@pytest.mark.parametrize("last_sde_step", [0, 3, 8])
+def test_engine_flash_tail_is_the_reference_schedule_on_a_shifted_one(shift, last_sde_step):
+    from flowgrpo_kernels.ode_solvers import engine_flash_tail, time_shift
+
+    n = 25
+    schedule = [time_shift(shift, 1.0 - i / n) for i in range(n + 1)]  # MixGRPO's sampler
+    ours = engine_flash_tail(schedule, last_sde_step + 1, 0.4)
+    ref = flash_tail_sigmas(num_steps=n, last_sde_step=last_sde_step, ratio=0.4, shift=shift)
+    assert ours == pytest.approx(ref, abs=1e-12)
+    if shift != 1.0 and last_sde_step == 3:  # interpolating the shifted sigmas misses it
+        from flowgrpo_kernels.ode_solvers import compress_tail
+        ref = flash_tail_sigmas(num_steps=n, last_sde_step=3, ratio=0.5, shift=shift)
+        assert engine_flash_tail(schedule, 4, 0.5) == pytest.approx(ref, abs=1e-12)
+        interpolated = compress_tail(schedule[4:], steps_after=n - 3, ratio=0.5)
+        assert max(abs(a - b) for a, b in zip(interpolated, ref)) > 1e-4
+
+
+@pytest.mark.parametrize("config, mu, shift", [
+    ({"shift": 3.0}, None, 3.0), ({"shift": 1.0}, None, 1.0),
+    ({"use_dynamic_shifting": True}, 0.8, math.exp(0.8))])
+def test_the_shift_is_recovered_from_diffusers_own_schedules(config, mu, shift):
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from flowgrpo_kernels.ode_solvers import engine_flash_tail, fit_time_shift, time_shift
+
+    scheduler = FlowMatchEulerDiscreteScheduler(**config)
+    scheduler.set_timesteps(10, **({} if mu is None else {"mu": mu}))
+    sigmas = scheduler.sigmas.tolist()
+    fitted, _ = fit_time_shift(sigmas)
+    assert fitted == pytest.approx(shift, rel=1e-5)
+    tail = engine_flash_tail(sigmas, 4, 0.5)   # k = 3: max(int(7 * 0.5), 2) = 3 points
+    assert len(tail) == 3 and tail[0] == pytest.approx(sigmas[4], abs=1e-6) and tail[-1] == 0.0
+    start = sigmas[4] / (shift - (shift - 1) * sigmas[4])
+    assert tail[1] == pytest.approx(time_shift(shift, start / 2), rel=1e-5)
+
+
+def test_a_schedule_no_shift_describes_keeps_the_interpolated_tail():
+    from flowgrpo_kernels.ode_solvers import compress_tail, engine_flash_tail, fit_time_shift
+
+    n = 12
+    cosine = [math.cos(0.5 * math.pi * i / n) for i in range(n + 1)]
+    cosine[-1] = 0.0
+    assert fit_time_shift(cosine) is None
+    assert engine_flash_tail(cosine, 5, 0.4) == compress_tail(cosine[5:], steps_after=n - 4,
+                                                              ratio=0.4)

@@ -1,4 +1,5 @@
-"""Where it is cheap: the new algorithms raise a learnable reward on the toy model.
+"""Where it is cheap: the new algorithms (and GRPO-Guard on Flow-GRPO) raise a learnable
+reward on the toy model.
 
 The same measurement as test_train_learns.py (the dense "redness" reward, eval under three
 generation seeds before and after, gain against the seeds' own spread), with the training
@@ -28,6 +29,13 @@ CASES = {
                       'rollout.sampling=' + json.dumps({"init_same_noise": True,
                                                         "sigma_one": "refuse",
                                                         "sde_pool": [1, 2, 3, 4]})],
+    # a three-step window from step 0 (clamp_to_next, the toy's) that moves once, to 1-3
+    "mixgrpo": ["train.algorithm=mixgrpo", "train.lr=1e-4", "data.eval_mode=ode",
+                "train.mix_window_size=3", "train.mix_shift_interval=4"],
+    # test_train_learns.py's Flow-GRPO settings with the guard's re-centred, scaled ratio
+    "grpo_guard": ["train.grpo_guard=true", "train.lr=1e-4", "data.eval_mode=sde",
+                   'rollout.sampling=' + json.dumps({"sde_pool": [1, 2, 3, 4], "num_sde_steps": 2,
+                                                     "sigma_one": "refuse"})],
 }
 
 

@@ -140,7 +140,7 @@ def test_trunk_with_cfg_matches_the_unshared_engine(engine, model_dir):
 
 
 def test_flash_takes_the_steps_after_the_window_with_the_solver_on_a_compressed_tail(model_dir):
-    from flowgrpo_kernels.ode_solvers import compress_tail, solve_tail
+    from flowgrpo_kernels.ode_solvers import engine_flash_tail, solve_tail
 
     adapter = FixtureAdapter(str(model_dir))
     sde = [1, 2]
@@ -169,8 +169,7 @@ def test_flash_takes_the_steps_after_the_window_with_the_solver_on_a_compressed_
             head = denoise(v, adapter.initial_latents(IDS, Geometry(32, 32), seed=seed), sigmas[:4], sde,
                            eta=0.7, sde_type="sde",
                            noise_fn=lambda i: adapter.step_noise(IDS, i, shape, seed=seed))
-            final, calls = solve_tail(head.final, v, compress_tail(sigmas[3:], steps_after=3,
-                                                                   ratio=0.5))
+            final, calls = solve_tail(head.final, v, engine_flash_tail(sigmas, 3, 0.5))
     finally:
         core.adapter.__dict__.pop("velocity", None)
         client.close()

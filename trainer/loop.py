@@ -30,7 +30,7 @@ from trainer.checkpoint.layout import ADAPTER_CONTRACT, WEIGHT_SYNC_MANIFEST
 from trainer.checkpoint.save import checkpoint_root
 from trainer.algorithms import algorithm_noise_steps, training_sampling
 from trainer.actor.update import train_on
-from trainer.algorithms.nft_step import nft_train_on
+from trainer.algorithms.nft_step import OldPolicyPart, nft_train_on
 from trainer.checkpoint.trained import worth_saving
 from trainer.config import Config, write_resolved
 from trainer.ema import build_ema
@@ -95,6 +95,8 @@ def build_checkpointer(cfg: Config, *, actor: Actor, state, adapter, model_path:
                                         adapter)
         return {WEIGHT_SYNC_MANIFEST: (manifest, None), ADAPTER_CONTRACT: (contract(), 2)}
     parts = {"fsdp": actor} if actor.ema is None else {"fsdp": actor, "ema": actor.ema}
+    if cfg.train.algorithm == "diffusionnft":  # its old policy resumes as it was saved
+        parts["nft_old"] = OldPolicyPart(actor)
     return Checkpointer(root=checkpoint_root(ck.save, cfg.logging.run_dir),
                         task=cfg.model.task, parts=parts, state=state, record=record,
                         sidecars=sidecars, on_failure=state.record_checkpoint_failure,

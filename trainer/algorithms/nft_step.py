@@ -14,7 +14,8 @@ The old policy is a copy of the trainable parameters (``OldPolicy``), swapped in
 for its forward. After each rollout's updates it moves toward the current weights:
 ``old <- d old + (1 - d) current`` with ``d = old_policy_decay(optimizer steps taken)``
 (``train.nft_old_decay_*``: the reference's ``decay_type``). It starts equal to the initial
-weights, and a resumed run starts it again from the loaded weights (it is not checkpointed).
+weights; checkpoints save it (``OldPolicyPart``, the ``nft_old`` part) and a resume restores
+it as saved.
 The noise and the permutations come from a generator seeded with ``(train.seed, rollout_id)``.
 """
 from __future__ import annotations
@@ -60,6 +61,34 @@ class OldPolicy:
         """``old <- decay * old + (1 - decay) * current``."""
         for n, p in self._trainable():
             self.params[n].mul_(decay).add_(p.detach(), alpha=1.0 - decay)
+
+
+class OldPolicyPart:
+    """The old policy as a checkpoint part (``nft_old``): saved with the actor's shards and
+    restored at resume, as the reference keeps it for the whole run as its "old" adapter. The
+    copy is made here when the checkpoint asks for it first (a save or a load before the first
+    update); a load then overwrites it."""
+
+    def __init__(self, actor) -> None:
+        self.actor = actor
+
+    def _old(self) -> OldPolicy:
+        if self.actor.nft_old is None:
+            self.actor.nft_old = OldPolicy(self.actor.model)
+        return self.actor.nft_old
+
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {"params": self._old().params}  # DCP writes and fills these tensors in place
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        params = self._old().params
+        missing = sorted(set(params) - set(state["params"]))
+        if missing:
+            raise KeyError(f"the checkpoint's old policy lacks {missing[:5]}")
+        for name, tensor in params.items():
+            if state["params"][name] is not tensor:
+                tensor.copy_(state["params"][name])
 
 
 def _velocity(actor, mb, x: torch.Tensor, t: torch.Tensor, conditions) -> torch.Tensor:

@@ -40,7 +40,7 @@ from trainer.utils.dtypes import RUN_DTYPES, TORCH_DTYPES
 from trainer.engine.embedded.lora_merge import LoraMerger
 from trainer.engine.embedded.request import GenerateSpec, parse_generate_request
 from trainer.engine.embedded.sampler import denoise
-from flowgrpo_kernels.ode_solvers import compress_tail, solve_tail
+from flowgrpo_kernels.ode_solvers import engine_flash_tail, solve_tail
 from trainer.engine.embedded.trunk import plan_trunk, run_trunk, select_rows
 from trainer.models.base import GenerativeModelAdapter
 from trainer.media import ImageRef
@@ -304,8 +304,7 @@ class EngineCore:
     def _flash_tail(self, x: torch.Tensor, velocity, sigmas: list[float],
                     first: int) -> torch.Tensor:
         """MixGRPO-Flash's ODE tail from ``sigmas[first]`` (flowgrpo_kernels.ode_solvers)."""
-        tail = compress_tail([float(v) for v in sigmas[first:]],
-                             steps_after=len(sigmas) - first, ratio=self.flash_ratio)
+        tail = engine_flash_tail([float(v) for v in sigmas], first, self.flash_ratio)
         rows = x.shape[0]
         x, _ = solve_tail(x, lambda z, sigma: velocity(
             z, torch.full((rows,), sigma, dtype=torch.float32, device=z.device)), tail)
