@@ -1,0 +1,152 @@
+"""Sequence parallelism (``fsdp.sequence_parallel``) at two gloo ranks equals one rank.
+
+Each spawned rank builds the same transformer twice: once plain (the one-rank run) and once
+split over the two-rank sequence group by ``trainer.parallel`` (diffusers' Ulysses context
+parallelism, FSDP2 sharding every parameter over both ranks). Both replay the same SDE
+transition: the velocity goes through the reference log-prob of ``flowgrpo_kernels`` and a
+clipped-free loss (the mean log-prob times an advantage) is backpropagated. The log-probs and
+every parameter's full gradient must agree to fp32 rounding. With two ranks the mesh is data 1 x
+sequence 2: FSDP2's data dimension is composed but of size one.
+
+The tiny Wan transformer is diffusers' ``WanTransformer3DModel`` built from a small config (the
+Wan adapter is not part of this tree); the tiny Qwen-Image is the test model directory loaded
+through the Qwen-Image adapter's own loading code.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from dist_fixtures import run_on_gloo_ranks
+from flowgrpo_kernels.sde_reference import sde_log_prob_ref
+from trainer.parallel.rules import model_problems, world_problems
+from trainer.parallel.sequence import (apply_sequence_parallel, build_mesh,
+                                       shard_over_data_and_sequence)
+
+SIGMA, SIGMA_NEXT, ETA = 0.7, 0.6, 0.8
+
+
+def _replay(model, inputs: dict, x: torch.Tensor, x_next: torch.Tensor, advantages):
+    """Log-probs of the transition x -> x_next under the model's velocity, and the loss's
+    backward into the model's parameters."""
+    v = model(**inputs, return_dict=False)[0]
+    log_prob = sde_log_prob_ref(x, v, x_next, SIGMA, SIGMA_NEXT, eta=ETA, sde_type="sde")
+    (-(advantages * log_prob).mean()).backward()
+    return log_prob.detach()
+
+
+def _full_grads(model) -> dict[str, torch.Tensor]:
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        if g is None:  # a parameter this forward does not use (same on both sides)
+            continue
+        grads[name] = (g.full_tensor() if isinstance(g, DTensor) else g).clone()
+    return grads
+
+
+def _compare_one_and_two_ranks(build, make_inputs) -> None:
+    """On each of the two ranks: the plain model's replay against the split one's."""
+    one = build()
+    inputs, x, x_next, adv = make_inputs(one)
+    log_prob_one = _replay(one, inputs, x, x_next, adv)
+    grads_one = _full_grads(one)
+
+    two = build()
+    pm = build_mesh(2)
+    assert (pm.data_degree, pm.sequence_degree) == (1, 2)
+    apply_sequence_parallel(two, pm)
+    blocks = getattr(two, "blocks", None) or two.transformer_blocks
+    shard_over_data_and_sequence(two, list(blocks), pm)
+    log_prob_two = _replay(two, inputs, x, x_next, adv)
+    grads_two = _full_grads(two)
+
+    torch.testing.assert_close(log_prob_two, log_prob_one, rtol=1e-5, atol=1e-6)
+    assert grads_two.keys() == grads_one.keys() and grads_one
+    for name, g in grads_one.items():
+        torch.testing.assert_close(grads_two[name], g, rtol=1e-4, atol=1e-6, msg=name)
+    # every rank of the group gets the same log-probs: the loss is not split
+    gathered = [torch.empty_like(log_prob_two) for _ in range(2)]
+    dist.all_gather(gathered, log_prob_two)
+    assert torch.equal(gathered[0], gathered[1])
+
+
+def _tiny_wan():
+    from diffusers import WanTransformer3DModel
+    torch.manual_seed(0)
+    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8,
+                                 in_channels=4, out_channels=4, text_dim=16, freq_dim=16,
+                                 ffn_dim=32, num_layers=2, rope_max_seq_len=32)
+
+
+def _wan_inputs(model, frames: int = 3, side: int = 4):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 4, frames, side, side, generator=g)
+    inputs = dict(hidden_states=x, timestep=torch.tensor([700, 700]),
+                  encoder_hidden_states=torch.randn(2, 5, 16, generator=g))
+    return inputs, x, x + 0.1 * torch.randn(x.shape, generator=g), torch.tensor([1.0, -0.5])
+
+
+def _wan_check() -> None:
+    _compare_one_and_two_ranks(_tiny_wan, _wan_inputs)
+
+
+def _wan_odd_tokens_check() -> None:
+    model = _tiny_wan()
+    apply_sequence_parallel(model, build_mesh(2))
+    inputs, *_ = _wan_inputs(model, frames=3, side=2)  # 3 x 1 x 1 = 3 tokens
+    with pytest.raises(ValueError, match="image tokens length 3"):
+        model(**inputs, return_dict=False)
+
+
+def test_a_tiny_wan_split_over_two_gloo_ranks_replays_like_one_rank():
+    run_on_gloo_ranks(_wan_check)
+
+
+def test_a_forward_whose_tokens_the_degree_does_not_divide_is_refused_by_name():
+    run_on_gloo_ranks(_wan_odd_tokens_check)
+
+
+def _qwen_check(model_dir: str) -> None:
+    from trainer.models.qwen_image import QwenImageAdapter
+
+    def build():
+        model = QwenImageAdapter(model_dir).load_train_model().float()
+        model.requires_grad_(True)
+        return model
+
+    def make_inputs(model):
+        g = torch.Generator().manual_seed(1)
+        batch, text, side = 2, 6, 4
+        mask = torch.ones(batch, text, dtype=torch.long)
+        x = torch.randn(batch, side * side, model.config.in_channels, generator=g)
+        inputs = dict(hidden_states=x, timestep=torch.tensor([0.7, 0.7]),
+                      encoder_hidden_states=torch.randn(batch, text,
+                                                        model.config.joint_attention_dim,
+                                                        generator=g),
+                      encoder_hidden_states_mask=mask, img_shapes=[[(1, side, side)]] * batch)
+        v_shape = (batch, side * side, model.config.out_channels * 4)
+        x = torch.randn(v_shape, generator=g)
+        return inputs, x, x + 0.1 * torch.randn(v_shape, generator=g), torch.tensor([0.5, -1.0])
+
+    _compare_one_and_two_ranks(build, make_inputs)
+
+
+def test_a_tiny_qwen_image_split_over_two_gloo_ranks_replays_like_one_rank(tiny_model_dir):
+    run_on_gloo_ranks(functools.partial(_qwen_check, str(tiny_model_dir("qwen_image"))))
+
+
+def test_the_rules_name_every_problem_at_once():
+    assert world_problems(1, 3) == []
+    assert world_problems(2, 4) == []
+    assert "divide the world size 3" in world_problems(2, 3)[0]
+    assert ">= 1" in world_problems(0, 4)[0]
+    problems = model_problems(4, model="Wan", heads=6,
+                              sequences={"image tokens": 30, "text tokens": 8})
+    assert len(problems) == 2
+    assert "6 attention heads" in problems[0] and "ring attention" in problems[0]
+    assert "image tokens length 30" in problems[1]
