@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from ..patches import diffusers_qwen_fast_paths as qwen_fast_paths
 from ..patches.diffusers_cpu_context_parallel import cpu_device_count
 from .rules import model_problems, world_problems
 
@@ -116,9 +117,12 @@ def apply_sequence_parallel(transformer: nn.Module, pm: ParallelMesh) -> nn.Modu
         raise ValueError("sequence parallelism cannot be applied: " + "; ".join(problems))
     from diffusers import ContextParallelConfig  # diffusers only where the split is used
 
+    plan = transformer._cp_plan
+    if family_class(transformer) == "QwenImageTransformer2DModel":
+        plan = qwen_fast_paths.context_parallel_plan(plan)
     with cpu_device_count():
         transformer.enable_parallelism(
-            config=ContextParallelConfig(ulysses_degree=degree, mesh=pm.mesh))
+            config=ContextParallelConfig(ulysses_degree=degree, mesh=pm.mesh), cp_plan=plan)
     transformer.register_forward_pre_hook(_check_forward(degree), with_kwargs=True, prepend=True)
     return transformer
 
