@@ -150,3 +150,18 @@ def test_the_rules_name_every_problem_at_once():
     assert len(problems) == 2
     assert "6 attention heads" in problems[0] and "ring attention" in problems[0]
     assert "image tokens length 30" in problems[1]
+
+
+def test_preflight_names_a_degree_the_world_does_not_divide_and_refuses_it_in_a_run():
+    from trainer.config import ConfigError, load_config
+    from trainer.preflight import preflight
+
+    cfg = load_config("tiny", ["fsdp.sequence_parallel=2"])
+    with pytest.raises(ConfigError) as odd:
+        preflight(cfg, world_size=3)
+    assert "divide the world size 3" in str(odd.value)
+    assert "--fsdp-sequence-parallel" in str(odd.value)
+    with pytest.raises(ConfigError) as even:
+        preflight(cfg, world_size=2)
+    assert "same samples to replay" in str(even.value)
+    assert preflight(load_config("tiny", ["fsdp.sequence_parallel=1"]), world_size=2) == []
