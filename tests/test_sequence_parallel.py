@@ -30,12 +30,13 @@ from trainer.parallel.sequence import (apply_sequence_parallel, build_mesh,
 SIGMA, SIGMA_NEXT, ETA = 0.7, 0.6, 0.8
 
 
-def _replay(model, inputs: dict, x: torch.Tensor, x_next: torch.Tensor, advantages):
+def _replay(model, inputs: dict, x: torch.Tensor, x_next: torch.Tensor, advantages,
+            scale: float = 1.0):
     """Log-probs of the transition x -> x_next under the model's velocity, and the loss's
     backward into the model's parameters."""
     v = model(**inputs, return_dict=False)[0]
     log_prob = sde_log_prob_ref(x, v, x_next, SIGMA, SIGMA_NEXT, eta=ETA, sde_type="sde")
-    (-(advantages * log_prob).mean()).backward()
+    (-scale * (advantages * log_prob).mean()).backward()
     return log_prob.detach()
 
 
@@ -49,30 +50,33 @@ def _full_grads(model) -> dict[str, torch.Tensor]:
     return grads
 
 
-def _compare_one_and_two_ranks(build, make_inputs) -> None:
-    """On each of the two ranks: the plain model's replay against the split one's."""
+def _compare_with_one_rank(build, make_inputs, sequence_degree: int = 2) -> None:
+    """On each rank: the split model's replay of its data group's samples against one plain
+    model replaying every data group's samples (the gradient of the mean of the groups'
+    losses, which is what FSDP2's mean over data groups computes)."""
+    two = build()
+    pm = build_mesh(sequence_degree)
+    assert pm.data_degree * pm.sequence_degree == dist.get_world_size()
+    data_rank = pm.mesh.get_local_rank("data")
+
     one = build()
-    inputs, x, x_next, adv = make_inputs(one)
-    log_prob_one = _replay(one, inputs, x, x_next, adv)
+    log_prob_one = None
+    for group in range(pm.data_degree):
+        inputs, x, x_next, adv = make_inputs(one, seed=group)
+        log_prob = _replay(one, inputs, x, x_next, adv, scale=1 / pm.data_degree)
+        log_prob_one = log_prob if group == data_rank else log_prob_one
     grads_one = _full_grads(one)
 
-    two = build()
-    pm = build_mesh(2)
-    assert (pm.data_degree, pm.sequence_degree) == (1, 2)
     apply_sequence_parallel(two, pm)
     blocks = getattr(two, "blocks", None) or two.transformer_blocks
     shard_over_data_and_sequence(two, list(blocks), pm)
-    log_prob_two = _replay(two, inputs, x, x_next, adv)
+    log_prob_two = _replay(two, *make_inputs(two, seed=data_rank))
     grads_two = _full_grads(two)
 
     torch.testing.assert_close(log_prob_two, log_prob_one, rtol=1e-5, atol=1e-6)
     assert grads_two.keys() == grads_one.keys() and grads_one
     for name, g in grads_one.items():
         torch.testing.assert_close(grads_two[name], g, rtol=1e-4, atol=1e-6, msg=name)
-    # every rank of the group gets the same log-probs: the loss is not split
-    gathered = [torch.empty_like(log_prob_two) for _ in range(2)]
-    dist.all_gather(gathered, log_prob_two)
-    assert torch.equal(gathered[0], gathered[1])
 
 
 def _tiny_wan():
@@ -83,8 +87,8 @@ def _tiny_wan():
                                  ffn_dim=32, num_layers=2, rope_max_seq_len=32)
 
 
-def _wan_inputs(model, frames: int = 3, side: int = 4):
-    g = torch.Generator().manual_seed(1)
+def _wan_inputs(model, seed: int = 0, frames: int = 3, side: int = 4):
+    g = torch.Generator().manual_seed(1 + seed)
     x = torch.randn(2, 4, frames, side, side, generator=g)
     inputs = dict(hidden_states=x, timestep=torch.tensor([700, 700]),
                   encoder_hidden_states=torch.randn(2, 5, 16, generator=g))
@@ -92,7 +96,7 @@ def _wan_inputs(model, frames: int = 3, side: int = 4):
 
 
 def _wan_check() -> None:
-    _compare_one_and_two_ranks(_tiny_wan, _wan_inputs)
+    _compare_with_one_rank(_tiny_wan, _wan_inputs)
 
 
 def _wan_odd_tokens_check() -> None:
@@ -107,6 +111,12 @@ def test_a_tiny_wan_split_over_two_gloo_ranks_replays_like_one_rank():
     run_on_gloo_ranks(_wan_check)
 
 
+def test_two_data_groups_of_two_sequence_ranks_train_like_one_rank_on_both_groups():
+    """Four gloo ranks, data 2 x sequence 2: FSDP2's reduce sums over the sequence group and
+    averages over the data groups."""
+    run_on_gloo_ranks(_wan_check, world=4)
+
+
 def test_a_forward_whose_tokens_the_degree_does_not_divide_is_refused_by_name():
     run_on_gloo_ranks(_wan_odd_tokens_check)
 
@@ -119,8 +129,8 @@ def _qwen_check(model_dir: str) -> None:
         model.requires_grad_(True)
         return model
 
-    def make_inputs(model):
-        g = torch.Generator().manual_seed(1)
+    def make_inputs(model, seed: int = 0):
+        g = torch.Generator().manual_seed(1 + seed)
         batch, text, side = 2, 6, 4
         mask = torch.ones(batch, text, dtype=torch.long)
         x = torch.randn(batch, side * side, model.config.in_channels, generator=g)
@@ -133,7 +143,7 @@ def _qwen_check(model_dir: str) -> None:
         x = torch.randn(v_shape, generator=g)
         return inputs, x, x + 0.1 * torch.randn(v_shape, generator=g), torch.tensor([0.5, -1.0])
 
-    _compare_one_and_two_ranks(build, make_inputs)
+    _compare_with_one_rank(build, make_inputs)
 
 
 def test_a_tiny_qwen_image_split_over_two_gloo_ranks_replays_like_one_rank(tiny_model_dir):
