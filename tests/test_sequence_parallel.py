@@ -100,6 +100,10 @@ def _wan_check() -> None:
 
 
 def _wan_odd_tokens_check() -> None:
+    from diffusers import ContextParallelConfig
+    if torch.accelerator.device_count() == 0:  # the original setup, which the CPU patch is for
+        with pytest.raises(ZeroDivisionError):
+            _tiny_wan().enable_parallelism(config=ContextParallelConfig(ulysses_degree=2))
     model = _tiny_wan()
     apply_sequence_parallel(model, build_mesh(2))
     inputs, *_ = _wan_inputs(model, frames=3, side=2)  # 3 x 1 x 1 = 3 tokens
@@ -118,6 +122,8 @@ def test_two_data_groups_of_two_sequence_ranks_train_like_one_rank_on_both_group
 
 
 def test_a_forward_whose_tokens_the_degree_does_not_divide_is_refused_by_name():
+    """Also: without the CPU patch diffusers' own setup fails on a host without an
+    accelerator, which is why the patch exists."""
     run_on_gloo_ranks(_wan_odd_tokens_check)
 
 
@@ -175,3 +181,22 @@ def test_preflight_names_a_degree_the_world_does_not_divide_and_refuses_it_in_a_
         preflight(cfg, world_size=2)
     assert "same samples to replay" in str(even.value)
     assert preflight(load_config("tiny", ["fsdp.sequence_parallel=1"]), world_size=2) == []
+
+
+def test_the_cpu_patch_changes_the_count_only_inside_its_block():
+    from trainer.patches.diffusers_cpu_context_parallel import cpu_device_count
+
+    before = torch.accelerator.device_count()
+    with cpu_device_count():
+        assert torch.accelerator.device_count() == max(before, 1)
+    assert torch.accelerator.device_count() == before
+
+
+def test_degree_one_leaves_the_transformer_untouched(tmp_path):
+    from dist_fixtures import one_rank_group
+
+    with one_rank_group(tmp_path):
+        model = _tiny_wan()
+        hooks = dict(model._forward_pre_hooks)
+        assert apply_sequence_parallel(model, build_mesh(1)) is model
+        assert model._parallel_config is None and dict(model._forward_pre_hooks) == hooks

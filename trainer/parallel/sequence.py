@@ -107,8 +107,11 @@ def _check_forward(degree: int):
 def apply_sequence_parallel(transformer: nn.Module, pm: ParallelMesh) -> nn.Module:
     """Split ``transformer``'s sequence over ``pm``'s sequence groups (diffusers' Ulysses).
     Refuses, naming every problem, a head count the degree does not divide; each forward
-    checks its sequence lengths the same way before anything is split."""
+    checks its sequence lengths the same way before anything is split. Degree 1 changes
+    nothing."""
     degree = pm.sequence_degree
+    if degree == 1:  # off: the transformer stays exactly as it was
+        return transformer
     problems = model_problems(degree, model=family_class(transformer),
                               heads=attention_heads(transformer), sequences={})
     if getattr(transformer, "_cp_plan", None) is None:
