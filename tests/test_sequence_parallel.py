@@ -139,6 +139,7 @@ def _qwen_check(model_dir: str) -> None:
         g = torch.Generator().manual_seed(1 + seed)
         batch, text, side = 2, 6, 4
         mask = torch.ones(batch, text, dtype=torch.long)
+        mask[1, 4:] = 0  # a shorter prompt, padded: the mask is split with the text
         x = torch.randn(batch, side * side, model.config.in_channels, generator=g)
         inputs = dict(hidden_states=x, timestep=torch.tensor([0.7, 0.7]),
                       encoder_hidden_states=torch.randn(batch, text,
