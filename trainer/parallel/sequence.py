@@ -24,13 +24,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from diffusers import ContextParallelConfig
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from ..patches import diffusers_qwen_fast_paths as qwen_fast_paths
-from ..patches.diffusers_cpu_context_parallel import cpu_device_count
-from .rules import model_problems, world_problems
+from trainer.patches import diffusers_qwen_fast_paths as qwen_fast_paths
+from trainer.patches.diffusers_cpu_context_parallel import cpu_device_count
+from trainer.parallel.rules import model_problems, world_problems
 
 # diffusers reads the context-parallel mesh by these two names; ring stays size 1 (see rules.py)
 _DIMS = ("data", "ring", "ulysses")
@@ -48,9 +49,12 @@ class ParallelMesh:
         return self.mesh[_DIMS]._flatten("data_sequence")
 
 
-def build_mesh(sequence_degree: int, device_type: str = "cpu") -> ParallelMesh:
+def build_mesh(sequence_degree: int, device_type: str | None = None) -> ParallelMesh:
     """The mesh of the current process group with sequence groups of ``sequence_degree``
-    (neighbouring ranks, which share a node when the degree divides the ranks per node)."""
+    (neighbouring ranks, which share a node when the degree divides the ranks per node), on
+    ``device_type`` (None: cuda where there is one, else cpu)."""
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
     world = dist.get_world_size()
     problems = world_problems(sequence_degree, world)
     if problems:
@@ -118,8 +122,6 @@ def apply_sequence_parallel(transformer: nn.Module, pm: ParallelMesh) -> nn.Modu
         problems.append(f"{type(transformer).__name__} has no context-parallel plan in diffusers")
     if problems:
         raise ValueError("sequence parallelism cannot be applied: " + "; ".join(problems))
-    from diffusers import ContextParallelConfig  # diffusers only where the split is used
-
     plan = transformer._cp_plan
     if family_class(transformer) == "QwenImageTransformer2DModel":
         plan = qwen_fast_paths.context_parallel_plan(plan)
