@@ -23,6 +23,8 @@ from torch.distributed.tensor import DTensor
 
 from dist_fixtures import run_on_gloo_ranks
 from flowgrpo_kernels.sde_reference import sde_log_prob_ref
+from trainer.actor.model import apply_fsdp
+from trainer.config import FSDPConfig, LoRAConfig
 from trainer.parallel.rules import model_problems, world_problems
 from trainer.parallel.sequence import (apply_sequence_parallel, build_mesh,
                                        shard_over_data_and_sequence)
@@ -50,26 +52,38 @@ def _full_grads(model) -> dict[str, torch.Tensor]:
     return grads
 
 
-def _compare_with_one_rank(build, make_inputs, sequence_degree: int = 2) -> None:
+def _split_and_shard(model, sequence_degree: int):
+    pm = build_mesh(sequence_degree)
+    apply_sequence_parallel(model, pm)
+    blocks = getattr(model, "blocks", None) or model.transformer_blocks
+    shard_over_data_and_sequence(model, list(blocks), pm)
+
+
+def _actor_apply_fsdp(model, sequence_degree: int):
+    """The actor's own FSDP2 entry with the option on (fp32 compute and reduce, so that the
+    comparison stays at fp32 rounding)."""
+    fsdp = FSDPConfig(param_dtype="fp32", reduce_dtype="fp32", sequence_parallel=sequence_degree)
+    apply_fsdp(model, list(model.blocks), fsdp, LoRAConfig())
+
+
+def _compare_with_one_rank(build, make_inputs, sequence_degree: int = 2,
+                           split=_split_and_shard) -> None:
     """On each rank: the split model's replay of its data group's samples against one plain
     model replaying every data group's samples (the gradient of the mean of the groups'
     losses, which is what FSDP2's mean over data groups computes)."""
     two = build()
-    pm = build_mesh(sequence_degree)
-    assert pm.data_degree * pm.sequence_degree == dist.get_world_size()
-    data_rank = pm.mesh.get_local_rank("data")
+    data_degree = dist.get_world_size() // sequence_degree
+    data_rank = dist.get_rank() // sequence_degree  # sequence groups are neighbouring ranks
 
     one = build()
     log_prob_one = None
-    for group in range(pm.data_degree):
+    for group in range(data_degree):
         inputs, x, x_next, adv = make_inputs(one, seed=group)
-        log_prob = _replay(one, inputs, x, x_next, adv, scale=1 / pm.data_degree)
+        log_prob = _replay(one, inputs, x, x_next, adv, scale=1 / data_degree)
         log_prob_one = log_prob if group == data_rank else log_prob_one
     grads_one = _full_grads(one)
 
-    apply_sequence_parallel(two, pm)
-    blocks = getattr(two, "blocks", None) or two.transformer_blocks
-    shard_over_data_and_sequence(two, list(blocks), pm)
+    split(two, sequence_degree)
     log_prob_two = _replay(two, *make_inputs(two, seed=data_rank))
     grads_two = _full_grads(two)
 
@@ -99,6 +113,10 @@ def _wan_check() -> None:
     _compare_with_one_rank(_tiny_wan, _wan_inputs)
 
 
+def _wan_actor_check() -> None:
+    _compare_with_one_rank(_tiny_wan, _wan_inputs, split=_actor_apply_fsdp)
+
+
 def _wan_odd_tokens_check() -> None:
     from diffusers import ContextParallelConfig
     if torch.accelerator.device_count() == 0:  # the original setup, which the CPU patch is for
@@ -119,6 +137,10 @@ def test_two_data_groups_of_two_sequence_ranks_train_like_one_rank_on_both_group
     """Four gloo ranks, data 2 x sequence 2: FSDP2's reduce sums over the sequence group and
     averages over the data groups."""
     run_on_gloo_ranks(_wan_check, world=4)
+
+
+def test_the_actors_fsdp2_entry_splits_the_sequence_when_the_option_is_on():
+    run_on_gloo_ranks(_wan_actor_check)
 
 
 def test_a_forward_whose_tokens_the_degree_does_not_divide_is_refused_by_name():
