@@ -223,3 +223,16 @@ def test_degree_one_leaves_the_transformer_untouched(tmp_path):
         hooks = dict(model._forward_pre_hooks)
         assert apply_sequence_parallel(model, build_mesh(1)) is model
         assert model._parallel_config is None and dict(model._forward_pre_hooks) == hooks
+
+
+def test_preflight_reads_the_heads_of_the_transformer_it_will_split(tiny_model_dir):
+    from trainer.config import ConfigError, load_config
+    from trainer.preflight import preflight
+
+    model = tiny_model_dir("qwen_image")  # two attention heads
+    cfg = load_config("tiny", ["fsdp.sequence_parallel=4", f"model.model_path={model}"])
+    with pytest.raises(ConfigError) as info:
+        preflight(cfg, world_size=4)
+    problems = info.value.problems
+    assert any("2 attention heads" in p for p in problems)
+    assert any("same samples to replay" in p for p in problems)  # named in the same error

@@ -44,6 +44,7 @@ Design choices:
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import re
@@ -53,7 +54,7 @@ from typing import Any, Callable
 from trainer.config import Config, ConfigError
 from trainer.config.hub import download_hint
 from trainer.config.sampling import KL_FORMS, SamplingConfig, fraction_window  # noqa: F401 (re-exported)
-from trainer.parallel.rules import KEY, world_problems
+from trainer.parallel.rules import KEY, model_problems, world_problems
 from trainer.preflight.algorithm_rules import check_algorithm, check_reference_options
 from trainer.preflight.checker import Checker, check_finite_numbers, flagged
 from trainer.preflight.data_rules import (EVAL_MODES, check_data, check_logging,  # noqa: F401 (re-export)
@@ -158,11 +159,26 @@ def _check_trainable(c: Checker) -> None:
                     f"the LoRA flags ({derived!r}: {why}); leave it unset")
 
 
+def _transformer_heads(c: Checker) -> int | None:
+    """The attention heads of the diffusers transformer under model.model_path, where its
+    config can be read (the sequence split needs the degree to divide them)."""
+    config = Path(c.cfg.model.model_path) / "transformer" / "config.json"
+    if not c.check_paths or not config.is_file():
+        return None
+    heads = json.loads(config.read_text()).get("num_attention_heads")
+    return heads if is_int(heads) else None
+
+
 def _check_sequence_parallel(c: Checker) -> None:
     degree = c.cfg.fsdp.sequence_parallel
     problems = world_problems(degree, c.world_size if c.world_size is not None else degree)
     for problem in problems:
         c.error(problem.replace(KEY, flagged(KEY), 1))
+    heads = _transformer_heads(c) if not problems and degree > 1 else None
+    if heads is not None:
+        for problem in model_problems(degree, model="the transformer at model.model_path",
+                                      heads=heads, sequences={}):
+            c.error(problem.replace(KEY, flagged(KEY), 1))
     if not problems and degree > 1:
         # trainer.parallel splits the transformer and composes it with FSDP2 (tested against one
         # rank), but the rollout still hands every rank its own groups, where a sequence group
