@@ -20,6 +20,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     apply_activation_checkpointing as _apply_ac, checkpoint_wrapper)
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from trainer.parallel.sequence import (apply_sequence_parallel, build_mesh,
+                                       shard_over_data_and_sequence)
 from trainer.patches.fsdp_grad_copy_in import install as install_flat_copy_in
 from trainer.patches.fsdp_one_rank_unshard import install as install_flat_unshard
 from trainer.config import FSDPConfig, LoRAConfig, TrainConfig
@@ -134,7 +136,14 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], fsdp: FSDPConfig,
         kwargs["offload_policy"] = CPUOffloadPolicy()
     install_flat_copy_in()  # one rank: gradients copied flat, not through _chunk_cat (slow)
     install_flat_unshard()  # one rank: parameters cast in one foreach copy, not one by one
-    for block in blocks if block_units(fsdp, lora) else []:
+    units = blocks if block_units(fsdp, lora) else []
+    if fsdp.sequence_parallel > 1:
+        # the transformer's tokens split over sequence groups; FSDP2 then shards over data x
+        # sequence and sums gradients over each sequence group (docs/fsdp2.md)
+        mesh = build_mesh(fsdp.sequence_parallel)
+        apply_sequence_parallel(inner_model(model), mesh)
+        return shard_over_data_and_sequence(model, units, mesh, **kwargs)
+    for block in units:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model

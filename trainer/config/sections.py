@@ -302,6 +302,11 @@ class FSDPConfig:
         "When offload_train brings the actor back, copy the optimizer state on a side stream "
         "while the first update's forwards and backwards run (its first step waits for it); "
         "off: everything is copied back before training starts.")
+    sequence_parallel: int = _f(
+        1, "--fsdp-sequence-parallel",
+        "Ranks that split one transformer forward's sequence between them (Ulysses, through "
+        "diffusers' context parallelism; FSDP2 then shards over data x sequence). 1 = off. "
+        "Must divide the world size and the transformer's attention heads. See docs/fsdp2.md.")
     debug_fingerprint: bool = _f(False, "--fsdp-debug-fingerprint",
                                  "Log weight fingerprints around each optimizer step.")
 

@@ -22,6 +22,8 @@ kernels and their log-probs stay comparable.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 _STOCK = "_stock_fast_path_originals"
@@ -87,8 +89,8 @@ def install_fast_paths(install: bool = True) -> None:
     """Point diffusers' Qwen-Image transformer at the fast paths (``install=False``: at
     diffusers' own). Both rotary halves change together: a stock rotation given (cos, sin)
     pairs would be wrong, so they are never installed apart. diffusers' context-parallel plan
-    for the position embedding expects its complex [S, D/2] output; the trainer does not use
-    diffusers' context parallelism, so that plan never applies here."""
+    for the position embedding expects its complex [S, D/2] output: sequence parallelism takes
+    its plan through ``context_parallel_plan``, which follows what is installed."""
     module = _module()
     points = _patch_points(module)
     if not hasattr(module, _STOCK):
@@ -97,3 +99,15 @@ def install_fast_paths(install: bool = True) -> None:
     stock = getattr(module, _STOCK)
     for name, (owner, attr, fast) in points.items():
         setattr(owner, attr, fast if install else stock[name])
+
+
+def context_parallel_plan(plan: dict) -> dict:
+    """diffusers' context-parallel plan for the Qwen-Image transformer, with the position
+    embedding's outputs split as the installed rotary hands them out: while the fast paths are
+    installed they are [S, D/2, 2] real pairs, not complex [S, D/2], and diffusers leaves an
+    input of another rank than the plan's unsplit (which breaks the rotation)."""
+    if _module().QwenEmbedRope.forward is not _real_pair_rope_forward:
+        return plan
+    pairs = {index: dataclasses.replace(split, expected_dims=split.expected_dims + 1)
+             for index, split in plan["pos_embed"].items()}
+    return {**plan, "pos_embed": pairs}

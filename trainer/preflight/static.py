@@ -44,6 +44,7 @@ Design choices:
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import re
@@ -53,6 +54,7 @@ from typing import Any, Callable
 from trainer.config import Config, ConfigError
 from trainer.config.hub import download_hint
 from trainer.config.sampling import KL_FORMS, SamplingConfig, fraction_window  # noqa: F401 (re-exported)
+from trainer.parallel.rules import KEY, model_problems, world_problems
 from trainer.preflight.algorithm_rules import check_algorithm, check_reference_options
 from trainer.preflight.checker import Checker, check_finite_numbers, flagged
 from trainer.preflight.data_rules import (EVAL_MODES, check_data, check_logging,  # noqa: F401 (re-export)
@@ -155,6 +157,34 @@ def _check_trainable(c: Checker) -> None:
                    f"LoRA with lora.adapter_mode={lora.adapter_mode} syncs {derived!r}")
             c.error(f"{flagged('weight_sync.mode')}={ws.mode!r} contradicts the mode derived from "
                     f"the LoRA flags ({derived!r}: {why}); leave it unset")
+
+
+def _transformer_heads(c: Checker) -> int | None:
+    """The attention heads of the diffusers transformer under model.model_path, where its
+    config can be read (the sequence split needs the degree to divide them)."""
+    config = Path(c.cfg.model.model_path) / "transformer" / "config.json"
+    if not c.check_paths or not config.is_file():
+        return None
+    heads = json.loads(config.read_text()).get("num_attention_heads")
+    return heads if is_int(heads) else None
+
+
+def _check_sequence_parallel(c: Checker) -> None:
+    degree = c.cfg.fsdp.sequence_parallel
+    problems = world_problems(degree, c.world_size if c.world_size is not None else degree)
+    for problem in problems:
+        c.error(problem.replace(KEY, flagged(KEY), 1))
+    heads = _transformer_heads(c) if not problems and degree > 1 else None
+    if heads is not None:
+        for problem in model_problems(degree, model="the transformer at model.model_path",
+                                      heads=heads, sequences={}):
+            c.error(problem.replace(KEY, flagged(KEY), 1))
+    if not problems and degree > 1:
+        # trainer.parallel splits the transformer and composes it with FSDP2 (tested against one
+        # rank), but the rollout still hands every rank its own groups, where a sequence group
+        # must replay the same samples: refused until the loop gives it them
+        c.error(f"{flagged(KEY)}={degree}: the training loop does not yet give the ranks of a "
+                f"sequence group the same samples to replay; only 1 is supported in a run")
 
 
 def _check_sampling(c: Checker) -> None:
@@ -368,8 +398,8 @@ def _check_reward(c: Checker) -> None:
 
 
 RULES: tuple[Callable[[Checker], None], ...] = (
-    _check_model, _check_trainable, _check_sampling, _check_geometry, _check_optim,
-    _check_dtypes, _check_launch, _check_reward, check_data, check_logging,
+    _check_model, _check_trainable, _check_sequence_parallel, _check_sampling, _check_geometry,
+    _check_optim, _check_dtypes, _check_launch, _check_reward, check_data, check_logging,
     check_reliability, check_algorithm, check_reference_options, check_finite_numbers)
 
 

@@ -1,0 +1,150 @@
+"""Sequence parallelism for the actor's transformer, composed with FSDP2.
+
+The ranks form a (data x sequence) mesh. The ranks of one sequence group hold the same samples;
+each runs the transformer on a slice of the image/video tokens, and around every attention an
+all-to-all swaps the token split for a head split (Ulysses), so attention sees the whole
+sequence. The split, the all-to-alls and the gather of the output are diffusers' context
+parallelism (``enable_parallelism`` with the family's ``_cp_plan``): we write none of it by
+hand. The output is gathered whole on every rank of the group, so the log-prob and loss are
+computed as without the split.
+
+Gradients: the gather's backward hands each rank only its own slice, so a parameter's gradient
+on one rank is its share of the whole; the full gradient is the sum over the sequence group.
+FSDP2 therefore shards over every rank (data x sequence flattened, as torchtitan shards over its
+dp x cp mesh) and divides the reduced gradient by the data degree alone: a sum over the sequence
+group and the usual mean over the data groups.
+
+On a host without an accelerator diffusers' setup needs ``patches.diffusers_cpu_context_parallel``
+(it divides by the accelerator count); gloo carries the all-to-alls on CPU.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from diffusers import ContextParallelConfig
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from trainer.patches import diffusers_qwen_fast_paths as qwen_fast_paths
+from trainer.patches.diffusers_cpu_context_parallel import cpu_device_count
+from trainer.parallel.rules import model_problems, world_problems
+
+# diffusers reads the context-parallel mesh by these two names; ring stays size 1 (see rules.py)
+_DIMS = ("data", "ring", "ulysses")
+
+
+@dataclass(frozen=True)
+class ParallelMesh:
+    """The (data x sequence) mesh of a run. ``mesh`` carries diffusers' dimension names."""
+    mesh: DeviceMesh
+    data_degree: int
+    sequence_degree: int
+
+    def fsdp_mesh(self) -> DeviceMesh:
+        """Every rank in one dimension: FSDP2 shards parameters over data and sequence alike."""
+        return self.mesh[_DIMS]._flatten("data_sequence")
+
+
+def build_mesh(sequence_degree: int, device_type: str | None = None) -> ParallelMesh:
+    """The mesh of the current process group with sequence groups of ``sequence_degree``
+    (neighbouring ranks, which share a node when the degree divides the ranks per node), on
+    ``device_type`` (None: cuda where there is one, else cpu)."""
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    world = dist.get_world_size()
+    problems = world_problems(sequence_degree, world)
+    if problems:
+        raise ValueError("sequence parallelism cannot be set up: " + "; ".join(problems))
+    data = world // sequence_degree
+    mesh = init_device_mesh(device_type, (data, 1, sequence_degree), mesh_dim_names=_DIMS)
+    return ParallelMesh(mesh, data, sequence_degree)
+
+
+_FAMILIES = ("WanTransformer3DModel", "QwenImageTransformer2DModel")
+
+
+def family_class(transformer: nn.Module) -> str:
+    """The diffusers class of ``transformer`` (FSDP2 renames the class it wraps), or its own
+    name when it is none of the supported ones."""
+    for cls in type(transformer).__mro__:
+        if cls.__name__ in _FAMILIES:
+            return cls.__name__
+    return type(transformer).__name__
+
+
+def attention_heads(transformer: nn.Module) -> int:
+    return int(transformer.config.num_attention_heads)
+
+
+def split_lengths(transformer: nn.Module, args: tuple, kwargs: dict) -> dict[str, int]:
+    """The token counts the family's context-parallel plan splits, for one forward's inputs
+    (diffusers' transformers take ``hidden_states`` first, ``encoder_hidden_states`` second)."""
+    name = family_class(transformer)
+    hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+    if name == "WanTransformer3DModel":
+        p_t, p_h, p_w = transformer.config.patch_size
+        _, _, t, h, w = hidden.shape
+        return {"image tokens": (t // p_t) * (h // p_h) * (w // p_w)}
+    if name == "QwenImageTransformer2DModel":
+        return {"image tokens": hidden.shape[1],
+                "text tokens": (kwargs["encoder_hidden_states"] if "encoder_hidden_states" in kwargs
+                                else args[1]).shape[1]}
+    raise ValueError(f"sequence parallelism does not know which sequences {name} splits; "
+                     f"supported: Wan (WanTransformer3DModel) and Qwen-Image")
+
+
+def _check_forward(degree: int):
+    def check(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        problems = model_problems(degree, model=family_class(module),
+                                  heads=attention_heads(module),
+                                  sequences=split_lengths(module, args, kwargs))
+        if problems:
+            raise ValueError("this forward cannot be split over the sequence group: "
+                             + "; ".join(problems))
+    return check
+
+
+def apply_sequence_parallel(transformer: nn.Module, pm: ParallelMesh) -> nn.Module:
+    """Split ``transformer``'s sequence over ``pm``'s sequence groups (diffusers' Ulysses).
+    Refuses, naming every problem, a head count the degree does not divide; each forward
+    checks its sequence lengths the same way before anything is split. Degree 1 changes
+    nothing."""
+    degree = pm.sequence_degree
+    if degree == 1:  # off: the transformer stays exactly as it was
+        return transformer
+    problems = model_problems(degree, model=family_class(transformer),
+                              heads=attention_heads(transformer), sequences={})
+    if getattr(transformer, "_cp_plan", None) is None:
+        problems.append(f"{type(transformer).__name__} has no context-parallel plan in diffusers")
+    if problems:
+        raise ValueError("sequence parallelism cannot be applied: " + "; ".join(problems))
+    plan = transformer._cp_plan
+    if family_class(transformer) == "QwenImageTransformer2DModel":
+        plan = qwen_fast_paths.context_parallel_plan(plan)
+    with cpu_device_count():
+        transformer.enable_parallelism(
+            config=ContextParallelConfig(ulysses_degree=degree, mesh=pm.mesh), cp_plan=plan)
+    transformer.register_forward_pre_hook(_check_forward(degree), with_kwargs=True, prepend=True)
+    return transformer
+
+
+def shard_over_data_and_sequence(model: nn.Module, blocks: Iterable[nn.Module], pm: ParallelMesh,
+                                 **fsdp_kwargs) -> nn.Module:
+    """FSDP2 over every rank of ``pm``: a unit per block, then the root, each reducing the
+    gradient as a sum over the sequence group and a mean over the data groups."""
+    mesh = pm.fsdp_mesh()
+    # gloo has no PREMUL_SUM, which FSDP2 uses for a custom divide factor: there it sums and
+    # divides in separate kernels instead (same values)
+    sum_then_divide = dist.get_backend(mesh.get_group()) == "gloo"
+    for block in blocks:
+        fully_shard(block, mesh=mesh, **fsdp_kwargs)
+    fully_shard(model, mesh=mesh, **fsdp_kwargs)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(float(pm.data_degree))
+            module.set_force_sum_reduction_for_comms(sum_then_divide)
+    return model
