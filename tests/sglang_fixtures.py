@@ -519,6 +519,10 @@ def policy_copy(trainer, adapter):
     """Our diffusers transformer holding the trainer's current weights (a replay model)."""
     names = trainer._engine_names()
     model = adapter.load_train_model().eval()
-    model.load_state_dict({names[n]: p.detach().clone() for n, p in
-                           trainer.model.named_parameters()})
+    # parameters only: buffers (SD3's fixed position table) are not trained and stay loaded
+    missing, unexpected = model.load_state_dict(
+        {names[n]: p.detach().clone() for n, p in trainer.model.named_parameters()},
+        strict=False)
+    buffers = {n for n, _ in model.named_buffers()}
+    assert not unexpected and set(missing) <= buffers, (missing, unexpected)
     return model
