@@ -121,3 +121,42 @@ def test_training_run_samples_every_rollout_from_the_weights_it_synced(server, t
             assert_served_and_sampled_from(trainer, adapter, server, old, new, step)
     finally:
         trainer.close()
+
+
+@pytest.fixture(scope="module", params=["sd3", "flux"])
+def extension_server(request, tiny_model_dir):
+    with serve_sglang(tiny_model_dir(request.param), extension=True) as srv:
+        yield srv
+
+
+def test_training_run_through_the_extension_samples_from_the_weights_it_synced(
+        extension_server, tmp_path):
+    """With the trainer's extension: the driver's sigmas and x_T (packed as the family packs
+    its latents) and our sampler run inside SGLang's native pipeline, every step's weights go
+    through our ipc/ transport into the native DiT (no SGLang weight route is called), and the
+    next rollout is sampled by them."""
+    from trainer.config import load_config
+    from trainer.engine.sglang.transport import SGLangTransport
+    from trainer.loop import Trainer
+    from trainer.preflight import preflight
+
+    server, adapter = extension_server, extension_server.adapter
+    overrides = trainer_overrides(adapter.model_path, server.url, tmp_path,
+                                  sampling={"driver_sigmas": True, "driver_xt": True})
+    cfg = load_config("tiny", overrides + ["rollout.sglang_extension=true",
+                                           "train.num_rollouts=3", "train.lr=2e-2"])
+    preflight(cfg, world_size=1, device="cpu")
+    weight_routes = len(server.weight_requests)
+    trainer = Trainer(cfg, rank=0, world=1, device="cpu")
+    try:
+        assert isinstance(trainer.sender, SGLangTransport)
+        for step in range(2):
+            old = policy_copy(trainer, adapter)
+            metrics = trainer.train_step(step)
+            new = policy_copy(trainer, adapter)
+            assert trainer.policy_version == trainer.engine.committed_version == step + 1
+            assert metrics["train/weight_sync_tensors"] > 0
+            assert_served_and_sampled_from(trainer, adapter, server, old, new, step)
+        assert server.weight_requests[weight_routes:] == []
+    finally:
+        trainer.close()

@@ -46,6 +46,9 @@ class SD3Adapter(DiffusersAdapter):
                   "SD3Transformer2DModel")
     sglang_conditions = {"prompt_embeds": ("pos_cond_kwargs", "encoder_hidden_states"),
                          "pooled_prompt_embeds": ("pos_cond_kwargs", "pooled_projections")}
+    # diffusers keeps the sin-cos position table as a buffer (never trained or sent); SGLang's
+    # native DiT holds it as a parameter, which the extension's receiver leaves out of syncs
+    sglang_fixed_parameters = ("pos_embed.pos_embed",)
 
     # ---- geometry -----------------------------------------------------------------------
     @property
