@@ -160,3 +160,43 @@ def test_training_run_through_the_extension_samples_from_the_weights_it_synced(
         assert server.weight_requests[weight_routes:] == []
     finally:
         trainer.close()
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_lora_adapter_mode_through_lora_merge(family, tiny_model_dir, tmp_path):
+    """LoRA adapter sync mode on the stock path: the step's adapter goes through SGLang's
+    ``lora_merge`` into the native DiT and is checker-verified; the next rollout replays under
+    the trainer's merged model, not the base one."""
+    from trainer.actor.replay import replay_log_probs
+    from trainer.actor.sync import merged_full_tensors
+    from trainer.config import load_config
+    from trainer.loop import Trainer
+    from trainer.preflight import preflight
+
+    model_dir = tiny_model_dir(family)
+    lora = ["lora.rank=4", "lora.alpha=8", "fsdp.trainable_mode=lora", "lora.adapter_mode=true",
+            "train.lr=0.3"]
+    with serve_sglang(model_dir) as server:  # a fresh server: its first sync is a full one
+        cfg = load_config("tiny", trainer_overrides(model_dir, server.url, tmp_path) + lora)
+        preflight(cfg, world_size=1, device="cpu")
+        trainer = Trainer(cfg, rank=0, world=1, device="cpu")
+        adapter = server.adapter
+        try:
+            assert trainer.cfg.sync_mode == "adapter" and trainer.engine.committed_version == 0
+            trainer.train_step(0)
+            assert trainer.policy_version == trainer.engine.committed_version == 1
+            last = server.weight_requests[-2:]
+            assert last[0].weight_update_mode == "lora_merge"
+            assert type(last[1]).__name__ == "UpdateWeightFromTensorCheckerReqInput"
+            local, base = adapter.load_train_model().eval(), adapter.load_train_model().eval()
+            missing, unexpected = local.load_state_dict(
+                dict(merged_full_tensors(trainer.model, 8 / 4)), strict=False)
+            assert not unexpected and set(missing) <= {n for n, _ in local.named_buffers()}
+            batch = trainer.rollout(1)
+            with torch.no_grad():
+                served_replay = replay_log_probs(adapter, local, batch, backend="torch")
+                base_replay = replay_log_probs(adapter, base, batch, backend="torch")
+            assert torch.allclose(served_replay, batch.log_probs, atol=2e-4, rtol=0)
+            assert float((base_replay - batch.log_probs).abs().max()) > 2e-3
+        finally:
+            trainer.close()
