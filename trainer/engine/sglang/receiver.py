@@ -53,6 +53,7 @@ from typing import Any
 from torch import nn
 
 from ipc import WeightReceiver
+from trainer.models import ADAPTERS, adapter_class
 
 log = logging.getLogger(__name__)
 DIR_ENV = "FLOWGRPO_RECEIVER_DIR"
@@ -81,8 +82,6 @@ def packing_rules(module: nn.Module) -> list[list[Any]]:
 def fixed_parameters(module: nn.Module) -> tuple[str, ...]:
     """The parameters of ``module`` no sync carries: ``sglang_fixed_parameters`` of the shipped
     adapter whose ``sglang_dit`` is the module's class (none for another class)."""
-    from trainer.models import ADAPTERS, adapter_class
-
     served = f"{type(module).__module__}.{type(module).__name__}"
     for family in ADAPTERS:
         cls = adapter_class(family)
