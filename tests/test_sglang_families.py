@@ -4,8 +4,11 @@ tests/sglang_fixtures.py serves each tiny model with the family's native SGLang 
 (``StableDiffusion3Pipeline`` / ``FluxPipeline``): its native DiT, its text encoding, latent and
 timestep preparation, the denoising stage with the rollout controller, decoding, the weight
 updater and checker. The trainer replays with its own diffusers transformer loaded from the same
-checkpoint, so the engine-vs-replay log-prob gap is that of two fp32 implementations. The
-Qwen-Image counterparts of these tests are in tests/test_sglang_api.py.
+checkpoint, so the engine-vs-replay log-prob gap is that of two fp32 implementations. Covered
+per family: the native rollout and its replay, a verified full sync, a stock training run, a
+training run through the extension's ipc/ transport (driver sigmas and x_T), and the LoRA
+adapter mode through SGLang's ``lora_merge``. The Qwen-Image counterparts are in
+tests/test_sglang_api.py, tests/test_sglang_extension.py and tests/test_sglang_lora.py.
 """
 from __future__ import annotations
 
