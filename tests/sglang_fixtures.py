@@ -1,4 +1,5 @@
-"""SGLang's own diffusion server (sglang==0.5.23) on loopback, over a tiny Qwen-Image, on CPU.
+"""SGLang's own diffusion server (sglang==0.5.23) on loopback, over a tiny Qwen-Image, SD3 or
+FLUX.1 (the family's native SGLang pipeline: ``NATIVE_PIPELINES``), on CPU.
 
     with serve_sglang(model_dir) as server:   # server.url, server.adapter, server.served_tensors()
         ...
@@ -45,6 +46,12 @@ What stands in, and why (nothing else does):
 5. SGLang's native Qwen2.5-VL text encoder does not import against the installed transformers
    (``Qwen2_5_VLCausalLMOutputWithPast`` is gone): SGLang's own loader then falls back to
    transformers' ``Qwen2_5_VLModel``, and that is what encodes (SGLang's behaviour, untouched).
+6. SGLang's SD3 VAE config holds the spatial compression ratio as a constant (8, the real
+   SD3 VAE's four blocks) and its latent preparation divides the image size by it, while the
+   decoder upsamples by what the checkpoint's ``block_out_channels`` give. A real checkpoint
+   agrees with the constant; the tiny one (two blocks, ratio 2) does not, so the fixture sets
+   the ratio from SGLang's own ``get_vae_scale_factor`` of the checkpoint's config, as a real
+   SD3 server's config ends up.
 
 Precision: fp32 everywhere (``dit_precision``, ``vae_precision``, ``text_encoder_precisions``),
 so the engine-vs-replay gap measured against the trainer's diffusers transformer is the gap
@@ -87,6 +94,10 @@ NATIVE_PIPELINES = {
     "flux": (_SG + "runtime.pipelines.flux.FluxPipeline",
              _SG + "configs.pipeline_configs.flux.FluxPipelineConfig"),
 }
+
+#: Families whose SGLang VAE config keeps the real checkpoint's spatial compression ratio as a
+#: constant instead of reading it from the checkpoint (item 6 of the module docstring).
+RATIO_FROM_CHECKPOINT = ("sd3",)
 
 
 def _attr(dotpath: str):
@@ -173,6 +184,8 @@ def server_args(model_dir, modules: dict | None = None):
     vae = args.pipeline_config.vae_config
     vae.update_model_arch(json.loads((Path(model_dir) / "vae" / "config.json").read_text()))
     vae.post_init()
+    if family_of(model_dir) in RATIO_FROM_CHECKPOINT:  # item 6 of the module docstring
+        vae.arch_config.spatial_compression_ratio = vae.get_vae_scale_factor()
     return args
 
 
@@ -450,7 +463,10 @@ def serve_sglang(model_dir, *, weights_api: bool = True, extension: bool = False
 
 
 def trainer_overrides(model_dir, url: str, tmp_path, sampling: dict | None = None) -> list[str]:
-    """Config overrides of a tiny Qwen-Image run against the SGLang server at ``url``."""
+    """Config overrides of a tiny run of ``model_dir``'s family against the SGLang server at
+    ``url``."""
+    from trainer.models import ADAPTERS
+
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": f"a red panda number {i}",
                                              "metadata": {"sample_id": f"p{i:03d}"}})
@@ -459,7 +475,7 @@ def trainer_overrides(model_dir, url: str, tmp_path, sampling: dict | None = Non
                 "driver_sigmas": False, "driver_xt": False, "guidance_scale": 1.0,
                 "sde_type": "sde", "sde_indices": [1, 2], "sde_pool": [1, 2, 3],
                 "num_sde_steps": 2, **(sampling or {})}
-    return ["model.adapter_path=trainer.models.qwen_image.QwenImageAdapter",
+    return [f"model.adapter_path={ADAPTERS[family_of(model_dir)]}",
             f"model.model_path={model_dir}", "rollout.engine=sglang",
             f"rollout.sglang_urls={json.dumps([url])}", f"rollout.sampling={json.dumps(sampling)}",
             "reward.scorer_path=trainer.rewards.jpeg.JpegCompressibilityScorer",
@@ -472,12 +488,13 @@ def trainer_overrides(model_dir, url: str, tmp_path, sampling: dict | None = Non
             "train.micro_batch_size=2", "train.lr=1e-3"]
 
 
-def as_served(named) -> dict[str, torch.Tensor]:
-    """Our (diffusers) Qwen-Image tensors under the native DiT's names, packed as it packs them."""
+def as_served(named, dit_class: str | None = None) -> dict[str, torch.Tensor]:
+    """Our (diffusers) tensors under the native DiT's names, packed as it packs them
+    (``dit_class``: the adapter's ``sglang_dit``; Qwen-Image's when None)."""
     from trainer.engine.sglang.packing import ServedLayout
     from trainer.models.qwen_image import QwenImageAdapter
 
-    packer = ServedLayout(QwenImageAdapter.sglang_dit).packer()
+    packer = ServedLayout(dit_class or QwenImageAdapter.sglang_dit).packer()
     return {served: t for n, p in named for served, t in packer.add(n, p.detach())}
 
 
@@ -487,7 +504,8 @@ def assert_served_and_sampled_from(trainer, adapter, server, old, new, step: int
     from trainer.actor.replay import replay_log_probs
 
     served = server.served_tensors()
-    assert all(torch.equal(served[n], p) for n, p in as_served(new.named_parameters()).items())
+    expected = as_served(new.named_parameters(), type(adapter).sglang_dit)
+    assert all(torch.equal(served[n], p) for n, p in expected.items())
     batch = trainer.rollout(step + 1)
     assert batch.policy_version == step + 1
     with torch.no_grad():
@@ -501,6 +519,10 @@ def policy_copy(trainer, adapter):
     """Our diffusers transformer holding the trainer's current weights (a replay model)."""
     names = trainer._engine_names()
     model = adapter.load_train_model().eval()
-    model.load_state_dict({names[n]: p.detach().clone() for n, p in
-                           trainer.model.named_parameters()})
+    # parameters only: buffers (SD3's fixed position table) are not trained and stay loaded
+    missing, unexpected = model.load_state_dict(
+        {names[n]: p.detach().clone() for n, p in trainer.model.named_parameters()},
+        strict=False)
+    buffers = {n for n, _ in model.named_buffers()}
+    assert not unexpected and set(missing) <= buffers, (missing, unexpected)
     return model

@@ -301,14 +301,19 @@ def test_payload_labelled_with_gpu_uuid(server, adapter, monkeypatch):
 
 
 def test_trainer_refuses_a_family_the_client_cannot_map(tiny_model_dir, tmp_path):
+    """An adapter that names no SGLang mapping (the toy here, or a user's own) is refused
+    before any request; every shipped image family is served (tests/test_sglang_families.py)."""
     from trainer.config import load_config
-    from trainer.loop import Trainer
+    from trainer.engine.sglang.sync import sglang_config_problems
+    from trainer.models import ADAPTERS
 
-    model_dir = tiny_model_dir("sd3")
-    overrides = trainer_overrides(model_dir, "http://127.0.0.1:9", tmp_path)
-    overrides[0] = "model.adapter_path=trainer.models.sd3.SD3Adapter"
-    with pytest.raises(ValueError, match="model family 'sd3': the SGLang client maps"):
-        Trainer(load_config("tiny", overrides), rank=0, world=1, device="cpu")
+    overrides = trainer_overrides(tiny_model_dir("sd3"), "http://127.0.0.1:9", tmp_path)
+    for family in ("toy", "qwen_image", "sd3", "flux"):
+        overrides[0] = f"model.adapter_path={ADAPTERS[family]}"
+        cfg = load_config("tiny", overrides)
+        problems = sglang_config_problems(cfg.model, cfg.rollout, cfg.lora)
+        refused = [p for p in problems if "the SGLang client maps" in p]
+        assert (refused != []) == (family == "toy"), (family, problems)
 
 
 def test_checker_catches_an_update_sglang_skipped(server, adapter):

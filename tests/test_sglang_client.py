@@ -249,19 +249,20 @@ def test_preflight_names_what_stock_sglang_cannot_do():
                      "sglang_weight_sync must be 'tensor' or 'disk'",
                      "sglang_concurrency must be a positive integer"):
         assert fragment in text, fragment
-    assert "model family 'toy': the SGLang client maps the denoising env of ['qwen_image']" \
-        in text  # the tiny recipe's toy adapter
+    assert ("model family 'toy': the SGLang client maps the denoising env of "
+            "['flux', 'qwen_image', 'sd3']") in text  # the tiny recipe's toy adapter
     qwen = "model.adapter_path=trainer.models.qwen_image.QwenImageAdapter"
     ok = load_config("tiny", ["rollout.engine=sglang", 'rollout.sglang_urls=["http://127.0.0.1:9"]',
                               'rollout.sampling={"driver_sigmas": false, "driver_xt": false}', qwen])
     preflight(ok, world_size=1, device="cpu", check_paths=False)
-    for family in ("sd3", "flux"):  # SGLang rolls them out; the client does not map them yet
+    for family in ("sd3", "flux"):  # served natively too (tests/test_sglang_families.py)
         other = load_config("tiny", ["rollout.engine=sglang",
                                      'rollout.sglang_urls=["http://127.0.0.1:9"]',
                                      'rollout.sampling={"driver_sigmas": false, '
-                                     '"driver_xt": false}', f"model.adapter_path={family}"])
-        with pytest.raises(ConfigError, match=f"model family '{family}': the SGLang client"):
-            preflight(other, world_size=1, device="cpu", check_paths=False)
+                                     '"driver_xt": false}',
+                                     f"model.adapter_path=trainer.models.{family}."
+                                     f"{'SD3Adapter' if family == 'sd3' else 'FluxAdapter'}"])
+        preflight(other, world_size=1, device="cpu", check_paths=False)
     # the extension takes the driver's sigmas, x_T and noise, and dance (on the driver's noise)
     urls = ["rollout.engine=sglang", 'rollout.sglang_urls=["http://127.0.0.1:9"]',
             "rollout.sglang_extension=true", qwen]

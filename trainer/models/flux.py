@@ -53,6 +53,13 @@ class FluxAdapter(PackedLatentsAdapter):
                     "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
     default_max_sequence_length = 512
     extra_options = {"embedded_guidance": 3.5}
+    # SGLang's native serving of this family, read by trainer/engine/sglang/: its DiT (whose
+    # name mapping packs nothing of FLUX's) and where its denoising env keeps each condition.
+    # SGLang embeds the server's ``embedded_cfg_scale`` (its pipeline config, 3.5 by default),
+    # not the request's: a server run with another value must match ``embedded_guidance``.
+    sglang_dit = "sglang.multimodal_gen.runtime.models.dits.flux.FluxTransformer2DModel"
+    sglang_conditions = {"prompt_embeds": ("pos_cond_kwargs", "encoder_hidden_states"),
+                         "pooled_prompt_embeds": ("pos_cond_kwargs", "pooled_projections")}
 
     def __init__(self, model_path: str, **options: Any) -> None:
         super().__init__(model_path, **options)

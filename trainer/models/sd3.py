@@ -40,6 +40,16 @@ class SD3Adapter(DiffusersAdapter):
     lora_targets = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
                     "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
     default_max_sequence_length = 256
+    # SGLang's native serving of this family, read by trainer/engine/sglang/: its DiT (whose
+    # name mapping packs nothing of SD3's: every served name is ours) and where its denoising
+    # env keeps each condition (both in the positive conditioning kwargs)
+    sglang_dit = ("sglang.multimodal_gen.runtime.models.dits.stablediffusion3."
+                  "SD3Transformer2DModel")
+    sglang_conditions = {"prompt_embeds": ("pos_cond_kwargs", "encoder_hidden_states"),
+                         "pooled_prompt_embeds": ("pos_cond_kwargs", "pooled_projections")}
+    # diffusers keeps the sin-cos position table as a buffer (never trained or sent); SGLang's
+    # native DiT holds it as a parameter, which the extension's receiver leaves out of syncs
+    sglang_fixed_parameters = ("pos_embed.pos_embed",)
 
     # ---- geometry -----------------------------------------------------------------------
     @property

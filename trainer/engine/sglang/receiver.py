@@ -22,7 +22,10 @@ Design choices:
   commit), and the trainer numbers its syncs above it (transport.py); the trainer's own policy
   version is kept apart, on its client.
 - Every parameter is in every mode's manifest ("full" covers all of them): a sync that misses
-  one is refused before a byte moves. Buffers (RoPE tables) are the server's own, not synced.
+  one is refused before a byte moves. Buffers (RoPE tables) are the server's own, not synced,
+  and so are the parameters the family's adapter names ``sglang_fixed_parameters``: tables the
+  native DiT holds as parameters where the trainer's diffusers model holds buffers (SD3's
+  sin-cos position table), never trained, so never sent.
 - The trainer reaches the worker through a Unix socket (multiprocessing's Listener, with an
   authkey only the descriptor file, mode 0600, and the HTTP route carry). The data itself
   moves through the transport memory (CUDA IPC or /dev/shm), never through the socket.
@@ -50,6 +53,7 @@ from typing import Any
 from torch import nn
 
 from ipc import WeightReceiver
+from trainer.models import ADAPTERS, adapter_class
 
 log = logging.getLogger(__name__)
 DIR_ENV = "FLOWGRPO_RECEIVER_DIR"
@@ -75,12 +79,29 @@ def packing_rules(module: nn.Module) -> list[list[Any]]:
     return rules
 
 
+def fixed_parameters(module: nn.Module) -> tuple[str, ...]:
+    """The parameters of ``module`` no sync carries: ``sglang_fixed_parameters`` of the shipped
+    adapter whose ``sglang_dit`` is the module's class (none for another class)."""
+    served = f"{type(module).__module__}.{type(module).__name__}"
+    for family in ADAPTERS:
+        cls = adapter_class(family)
+        if getattr(cls, "sglang_dit", None) == served:
+            return tuple(getattr(cls, "sglang_fixed_parameters", ()))
+    return ()
+
+
+def synced_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
+    """The parameters a sync writes: all of the module's but its fixed ones."""
+    fixed = set(fixed_parameters(module))
+    return {n: p for n, p in module.named_parameters() if n not in fixed}
+
+
 class WorkerReceiver:
     """One worker's receiver, its listener and its descriptor file."""
 
     def __init__(self, module: nn.Module, *, rank: int, port: int | str,
                  backend: str = "auto", timeout_s: float = 60.0, verify: str = "full") -> None:
-        params = dict(module.named_parameters())
+        params = synced_parameters(module)
         self.module = module
         self.packing = packing_rules(module)
         self.committed: int | None = None  # the last committed version (None: never synced)
@@ -110,7 +131,7 @@ class WorkerReceiver:
         return {"rank": self.rank, "pid": os.getpid(), "address": self.address,
                 "authkey": self._authkey.hex(), "backend": self.receiver.backend,
                 "device": str(device), "device_uuid": uuid, "packing": self.packing,
-                "names": [n for n, _ in module.named_parameters()],
+                "names": list(synced_parameters(module)),
                 "committed_version": self.committed}
 
     def _committed(self, version: int, mode: str) -> None:
