@@ -238,7 +238,7 @@ def as_video(video: Any, layout: str) -> Any:
     out = video.permute(*perm) if hasattr(video, "permute") else video.transpose(perm)
     if out.shape[-1] != 3:
         raise MediaError(f"a video batch in layout {layout!r} has 3 channels at axis "
-                         f"{perm.index(4)}, got shape {list(shape)}")
+                         f"{perm[-1]}, got shape {list(shape)}")
     return out
 
 
