@@ -296,3 +296,17 @@ def test_channel_first_layouts_convert_to_ours_and_a_wrong_one_is_named():
         as_video(ours.float(), "bfhwc")
     with pytest.raises(MediaError, match="not one of"):
         as_video(ours, "bhwc")
+
+
+class VideoTrackWithoutTakesVideo(RewardScorer):
+    components = ("motion",)
+    required_tracks = ("video",)
+
+    def score(self, images, prompts, metadata):
+        raise AssertionError("never built")
+
+
+def test_a_scorer_needing_video_that_does_not_take_videos_is_refused_when_built():
+    with pytest.raises(ValueError, match="needs the video track but does not set takes_video"):
+        build_reward_manager(scorer_path="test_rewards_video.VideoTrackWithoutTakesVideo",
+                             model_path=None, runtime="cpu")

@@ -17,6 +17,11 @@ in our form or the Flow-GRPO reference's, and every call into it has a deadline
 With any component weight given, every component the scorers produce needs one (0 included):
 one left out would weigh nothing without a word.
 
+Video: ``score`` takes a video batch uint8 [B, F, H, W, 3] as well as images; each image
+scorer scores it frame by frame under its ``frame_aggregation`` (mean by default), scorers
+that read videos get it whole, and a one-frame video is scored as the image batch it is
+(``trainer.rewards.video``).
+
 Managers are cached per configuration: building one twice with the same arguments returns the
 same object, so a model is loaded once per process, not once per rollout.
 """
@@ -72,6 +77,9 @@ class RewardManager:
             if missing_tracks:
                 problems.append(f"{name} needs media tracks {missing_tracks}; a rollout provides "
                                 f"only {list(SUPPORTED_TRACKS)}")
+            if "video" in scorer.required_tracks and not getattr(scorer, "takes_video", False):
+                problems.append(f"{name} needs the video track but does not set takes_video, "
+                                f"so it would be given single frames (RewardScorer)")
         if problems:
             raise ValueError("reward manager: " + "; ".join(problems))
         self.components: tuple[str, ...] = tuple(owner)
