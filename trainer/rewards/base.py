@@ -49,7 +49,7 @@ class RewardScorer(abc.ABC):
 
     Video: a scorer that reads whole videos sets ``takes_video = True`` (and lists "video" in
     ``required_tracks``); its ``score`` gets uint8 [B, F, H, W, 3] for a video batch and
-    [B, H, W, 3] for an image batch (``trainer.rewards.video.frames_of`` reads both as
+    [B, H, W, 3] for an image batch (``frames_of`` reads both as
     videos). Every other scorer is an image scorer: the manager scores a video batch with it
     frame by frame and aggregates (``trainer.rewards.video``), so it never sees a video.
     """
@@ -78,6 +78,11 @@ class RewardScorer(abc.ABC):
         if hasattr(self, "device"):
             self.device = device
         return self
+
+
+def frames_of(images: torch.Tensor) -> torch.Tensor:
+    """An image batch [B, H, W, 3] as one-frame videos [B, 1, H, W, 3]; a video as is."""
+    return images.unsqueeze(1) if images.dim() == 4 else images
 
 
 def check_score_inputs(images: Any, prompts: Sequence[str], metadata: Sequence[Any], *,

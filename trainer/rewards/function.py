@@ -53,8 +53,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from trainer.rewards.base import RewardError, RewardScorer, load_object, to_component_tensor
-from trainer.rewards.video import frames_of
+from trainer.rewards.base import RewardError, RewardScorer, frames_of, load_object, \
+    to_component_tensor
 
 LAYOUTS = {"uint8_bhwc": "uint8 [B, H, W, 3]", "float_bchw": "float32 [B, 3, H, W] in [0, 1]",
            "uint8_bfhwc": "uint8 videos [B, F, H, W, 3]"}

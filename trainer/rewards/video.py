@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.media import spread_indices
-from trainer.rewards.base import RewardError, RewardScorer, check_score_inputs, \
+from trainer.rewards.base import RewardError, RewardScorer, check_score_inputs, frames_of, \
     to_component_tensor
 from trainer.rewards.spec import FRAME_AGGREGATIONS, frame_problems
 
@@ -76,11 +76,6 @@ class FrameRule:
 
 
 DEFAULT_RULE = FrameRule(FRAME_AGGREGATIONS[0])
-
-
-def frames_of(images: torch.Tensor) -> torch.Tensor:
-    """An image batch [B, H, W, 3] as one-frame videos [B, 1, H, W, 3]; a video as is."""
-    return images.unsqueeze(1) if images.dim() == 4 else images
 
 
 def score_batch(scorer: RewardScorer, images: torch.Tensor, prompts: list[str],
