@@ -166,3 +166,15 @@ def test_gif_writing_refuses_what_is_not_uint8_frames():
         gif_bytes(VIDEOS.float()[0])
     with pytest.raises(MediaError, match=r"uint8 \[F, H, W, 3\]"):
         gif_bytes(VIDEOS)
+
+
+def test_rollout_artifacts_of_a_video_group_are_gifs_and_of_one_frame_pngs(tmp_path):
+    from trainer.rollout.artifacts import write_group_images
+    gifs = write_group_images(tmp_path, 3, VIDEOS)
+    assert [p.name for p in gifs] == ["group_00000003_sample_0000.gif",
+                                      "group_00000003_sample_0001.gif"]
+    for n, path in enumerate(gifs):
+        assert np.array_equal(read_frames(path), VIDEOS[n].numpy())
+    pngs = write_group_images(tmp_path, 4, VIDEOS[:, 5:6])
+    assert [p.suffix for p in pngs] == [".png", ".png"]
+    assert np.array_equal(np.asarray(Image.open(pngs[1]).convert("RGB")), VIDEOS[1, 5].numpy())
