@@ -1,4 +1,5 @@
-"""Conditioning media: the reference images an editing prompt carries. Torch-free.
+"""Conditioning media (the reference images an editing prompt carries) and the video
+convention of rewards and pictures. Torch-free.
 
 A prompt record of an editing task names its source image(s) in an ``images`` list::
 
@@ -32,6 +33,11 @@ Where the types go (what the request / engine / batch contract carries through):
   ``wants_sources`` get decoded arrays (``trainer.rewards.base.RewardScorer``);
 * pictures: ``trainer.visuals.log_samples(..., sources=per_sample_refs)``, and
   ``trainer.last_samples`` with the sources as a fourth item.
+
+Video (the section at the end): a video batch is uint8 [B, F, H, W, 3] for every reward and
+picture; ``as_video`` converts the channel-first layouts at the boundary, ``spread_indices``
+picks the frames a sampled reward or a frame strip uses, and ``gif_bytes`` / ``write_gif`` /
+``read_frames`` make and read the animated previews.
 """
 from __future__ import annotations
 
