@@ -5,10 +5,11 @@ tampered request refused with a 400 naming what disagrees."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-import threading
 
 import pytest
 import torch
@@ -127,3 +128,33 @@ def test_the_server_refuses_a_frame_rule_it_cannot_apply():
     with pytest.raises(SystemExit):
         main(["--scorer-path", "trainer.rewards.jpeg.JpegCompressibilityScorer",
               "--frame-aggregation", "sampled"])
+
+
+class _Silent(BaseHTTPRequestHandler):
+    """Reads the request, then never answers (until the test lets it go)."""
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):  # noqa: N802
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.server.release.wait(30)
+
+
+def test_a_video_request_has_the_same_deadline_as_any_other():
+    from trainer.rewards.remote import RemoteRewardError
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Silent)
+    server.daemon_threads = True
+    server.release = threading.Event()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        remote = RemoteScorer(f"http://127.0.0.1:{server.server_address[1]}/",
+                              components=("x",), timeout_s=0.5, max_retries=1, backoff_s=0)
+        start = time.monotonic()
+        with pytest.raises(RemoteRewardError, match="failed after 2 attempt.*timed out"):
+            remote.score(VIDEO, PROMPTS, META)
+        assert time.monotonic() - start < 5
+    finally:
+        server.release.set()
+        server.shutdown()
+        server.server_close()
