@@ -40,9 +40,10 @@ RewardError names the function and the deadline. Python cannot stop the hung thr
 stops instead, which is the point: a reward that hangs must not hang the run forever.
 
 Preflight (``dummy_batch_problems``) calls every custom reward on a batch of two grey images
-(two grey two-frame videos for a video function) before any model loads, so a wrong signature or return is one error naming the form wanted. A
-factory is therefore called twice: once in preflight (``device`` "cpu"), once when the rank
-builds its reward manager (the rollout device).
+(two grey two-frame videos for a video function) before any model loads, so a wrong
+signature or return is one error naming the form wanted. A factory is therefore called
+twice: once in preflight (``device`` "cpu"), once when the rank builds its reward manager
+(the rollout device).
 """
 from __future__ import annotations
 

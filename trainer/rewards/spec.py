@@ -15,11 +15,11 @@ Reserved keys: ``path``, ``weight`` (default 1.0; applies to each component the 
 produces), ``model_path``, ``required``, ``options``, and for video batches
 ``frame_aggregation`` (how an image scorer's per-frame values become one per video: ``mean``
 (the default), ``min``, or ``sampled`` with ``frames = K``: the mean over K evenly spread
-frames, always the same ones; ``trainer.rewards.video``). ``[reward.scorers.NAME.options]`` passes
-its keys to the constructor verbatim, reserved names included: CLIPScore's own ``weight`` (its
-2.5 rescale) is ``options = { weight = 100 }``. A reserved key set in the table whose name the
-constructor also takes, with no ``options`` entry for it, is an error (it used to become the
-mixing weight without a word). The old keys (``scorer_path``, ``model_path``,
+frames, always the same ones; ``trainer.rewards.video``). ``[reward.scorers.NAME.options]``
+passes its keys to the constructor verbatim, reserved names included: CLIPScore's own
+``weight`` (its 2.5 rescale) is ``options = { weight = 100 }``. A reserved key set in the
+table whose name the constructor also takes, with no ``options`` entry for it, is an error
+(it used to become the mixing weight without a word). The old keys (``scorer_path``, ``model_path``,
 ``component_weights``, ``custom_reward_path``) keep working: without a ``scorers`` table,
 ``scorer_path`` is the one scorer; ``custom_reward_path`` runs beside either;
 ``component_weights`` still weighs components by name (a component weighed there and by its
