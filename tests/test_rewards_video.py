@@ -310,3 +310,13 @@ def test_a_scorer_needing_video_that_does_not_take_videos_is_refused_when_built(
     with pytest.raises(ValueError, match="needs the video track but does not set takes_video"):
         build_reward_manager(scorer_path="test_rewards_video.VideoTrackWithoutTakesVideo",
                              model_path=None, runtime="cpu")
+
+
+def test_a_frame_rule_on_a_remote_scorer_belongs_to_its_server():
+    cfg = tiny("reward.runtime=remote", "reward.endpoint=http://127.0.0.1:9/",
+               'reward.scorers={"b": {"path": "test_rewards_video.Brightness", '
+               '"frame_aggregation": "min"}}')
+    with pytest.raises(ConfigError) as err:
+        check_imports(cfg)
+    assert "reward.scorers.b.frame_aggregation: with runtime 'remote' the reward server " \
+           "scores the frames" in str(err.value)
