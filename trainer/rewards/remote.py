@@ -3,8 +3,9 @@
 Wire schema, version ``flowgrpo.reward.v1`` (UTF-8 JSON both ways, one URL):
 
 ``GET <endpoint>`` -> 200 ``{"schema": "flowgrpo.reward.v1", "components": [str, ...],
-"required_tracks": ["image"]}``: what the server produces (asked once, when the client is
-built without a component list).
+"required_tracks": ["image"], "media": ["image", "video"]}``: what the server produces (asked
+once, when the client is built without a component list) and, from a server that takes
+videos, ``media``.
 
 ``POST <endpoint>`` with ``{"schema": "flowgrpo.reward.v1", "components": [str, ...],
 "prompts": [str] * B, "metadata": [object] * B, "images": [str] * B}`` where each image is a
@@ -21,9 +22,9 @@ a silently shorter video). A one-frame video goes as an image: an image-only ser
 working for every image batch. The server scores a video with a scorer that reads videos
 as it is, and with an image scorer frame by frame under its own ``--frame-aggregation``
 (``trainer.rewards.serve``, ``trainer.rewards.video``); an older server answers a video
-request with a 400 naming the missing ``images``. The GET reply lists ``"media": ["image",
-"video"]`` when the server takes both. A video request is bound by the same deadline and
-reply cap as any other.
+request with a 400 naming the missing ``images``. A video request is bound by the same
+deadline and reply cap as any other; it carries every frame (the server's rule decides which
+it scores), so its size grows with B * F.
 
 Client policy: every attempt has a deadline on the whole exchange (``timeout_s``: connect,
 send, and the whole reply, so a server that trickles bytes cannot hold it) and a reply size cap
