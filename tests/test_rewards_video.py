@@ -320,3 +320,13 @@ def test_a_frame_rule_on_a_remote_scorer_belongs_to_its_server():
         check_imports(cfg)
     assert "reward.scorers.b.frame_aggregation: with runtime 'remote' the reward server " \
            "scores the frames" in str(err.value)
+
+
+def test_an_edit_scorer_compares_every_frame_with_its_videos_own_source():
+    manager = build_reward_manager_from_config(tiny(
+        'reward.scorers={"image_similarity": {"frame_aggregation": "min"}}').reward)
+    sources = [(np.full((8, 8, 3), level, np.uint8),) for level in (0, 100, 255)]
+    scores, _ = manager.score(VIDEO, PROMPTS, META, sources=sources)
+    src = torch.tensor([0.0, 100.0, 255.0]).view(B, 1)
+    expected = (1 - (LEVELS.double() - src.double()).abs() / 255).min(dim=1).values
+    torch.testing.assert_close(scores["image_similarity"].double(), expected, rtol=0, atol=1e-6)
