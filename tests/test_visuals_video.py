@@ -178,3 +178,12 @@ def test_rollout_artifacts_of_a_video_group_are_gifs_and_of_one_frame_pngs(tmp_p
     pngs = write_group_images(tmp_path, 4, VIDEOS[:, 5:6])
     assert [p.suffix for p in pngs] == [".png", ".png"]
     assert np.array_equal(np.asarray(Image.open(pngs[1]).convert("RGB")), VIDEOS[1, 5].numpy())
+
+
+def test_a_gif_that_cannot_be_written_is_counted_not_raised(tmp_path):
+    from trainer.metrics import _WRITE_FAILURES
+    from trainer.visuals import write_sample_gifs
+    (tmp_path / "taken").write_text("a file where the folder should be")
+    before = _WRITE_FAILURES["count"]
+    assert write_sample_gifs(VIDEOS, tmp_path / "taken" / "grid.png") == []
+    assert _WRITE_FAILURES["count"] == before + N

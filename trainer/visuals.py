@@ -44,6 +44,9 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 from torchvision.utils import make_grid
 
+from trainer.media import spread_indices, write_gif
+from trainer.metrics import record_write_failure
+
 PALETTE = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189),
            (140, 86, 75), (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207)]
 
@@ -120,8 +123,6 @@ FRAME_GAP = 2  # white pixels between the frames of a strip
 def frame_strip(video: torch.Tensor | np.ndarray, max_frames: int = STRIP_FRAMES) -> np.ndarray:
     """uint8 [F, H, W, 3] -> [H, k * (W + gap) - gap, 3]: k = min(F, max_frames) frames,
     evenly spread (``trainer.media.spread_indices``), left to right on white."""
-    from trainer.media import spread_indices
-
     frames = video.cpu().numpy() if isinstance(video, torch.Tensor) else np.asarray(video)
     picked = spread_indices(len(frames), max_frames)
     _, h, w, _ = frames.shape
@@ -247,9 +248,6 @@ def sample_gif_path(path: Path, index: int) -> Path:
 def write_sample_gifs(videos, path: Path) -> list[Path]:
     """Each video of uint8 [N, F, H, W, 3] as a GIF beside the grid ``path``; a failed write
     (a full disk) is logged and counted as the logger's pictures are, not raised."""
-    from trainer.media import write_gif
-    from trainer.metrics import record_write_failure
-
     written = []
     for index, video in enumerate(videos):
         target = sample_gif_path(path, index)
