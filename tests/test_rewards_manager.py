@@ -49,9 +49,9 @@ def with_gaps(images, prompts, metadata):
 with_gaps.component = "gappy"
 
 
-class NeedsVideo(RewardScorer):
+class NeedsAudio(RewardScorer):
     components = ("motion",)
-    required_tracks = ("image", "video")
+    required_tracks = ("image", "audio")
 
     def score(self, images, prompts, metadata):
         raise AssertionError("never built")
@@ -177,8 +177,8 @@ def test_scorer_path_and_constructor_errors():
     with pytest.raises(ValueError, match="needs a model path"):
         build_reward_manager(scorer_path="trainer.rewards.pickscore.PickScoreScorer",
                              model_path=None, runtime="cpu")
-    with pytest.raises(ValueError, match=r"needs media tracks \['video'\]"):
-        build_reward_manager(scorer_path=here("NeedsVideo"), model_path=None, runtime="cpu")
+    with pytest.raises(ValueError, match=r"needs media tracks \['audio'\]"):
+        build_reward_manager(scorer_path=here("NeedsAudio"), model_path=None, runtime="cpu")
 
 
 def test_two_sources_of_one_component_is_an_error():

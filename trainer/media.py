@@ -1,4 +1,5 @@
-"""Conditioning media: the reference images an editing prompt carries. Torch-free.
+"""Conditioning media (the reference images an editing prompt carries) and the video
+convention of rewards and pictures. Torch-free.
 
 A prompt record of an editing task names its source image(s) in an ``images`` list::
 
@@ -32,6 +33,11 @@ Where the types go (what the request / engine / batch contract carries through):
   ``wants_sources`` get decoded arrays (``trainer.rewards.base.RewardScorer``);
 * pictures: ``trainer.visuals.log_samples(..., sources=per_sample_refs)``, and
   ``trainer.last_samples`` with the sources as a fourth item.
+
+Video (the section at the end): a video batch is uint8 [B, F, H, W, 3] for every reward and
+picture; ``as_video`` converts the channel-first layouts at the boundary, ``spread_indices``
+picks the frames a sampled reward or a frame strip uses, and ``gif_bytes`` / ``write_gif`` /
+``read_frames`` make and read the animated previews.
 """
 from __future__ import annotations
 
@@ -203,3 +209,105 @@ def batch_sources(records: Sequence[dict[str, Any]]) -> list[tuple[ImageRef, ...
     text-to-image batch), so callers can keep that path exactly as it was."""
     sources = [conditioning_images(r) for r in records]
     return sources if any(sources) else None
+
+
+# ---- video ------------------------------------------------------------------------------
+# One convention for every reward and picture: a video batch is uint8 [B, F, H, W, 3] (RGB),
+# the image convention [B, H, W, 3] with a frame axis after the batch, so one frame of it is
+# an image as every scorer already takes it. Engines and VAEs hand out channel-first layouts
+# ([B, C, F, H, W] from a video VAE's decode, [B, F, C, H, W] from frame-wise code);
+# ``as_video`` converts at that boundary. The layout is always named, never guessed from the
+# shape: a three-frame video in [B, C, F, H, W] has the same shape as in [B, F, C, H, W].
+# A video with F = 1 is an image: the reward manager and the pictures drop its frame axis.
+VIDEO_LAYOUTS: dict[str, tuple[int, ...]] = {
+    "bfhwc": (0, 1, 2, 3, 4),  # ours
+    "bcfhw": (0, 2, 3, 4, 1),  # a video VAE's decode (diffusers' Wan, Hunyuan, LTX)
+    "bfchw": (0, 1, 3, 4, 2),  # a list of channel-first frames, stacked
+}
+
+
+def as_video(video: Any, layout: str) -> Any:
+    """A uint8 video batch in ``layout`` (a key of ``VIDEO_LAYOUTS``) -> uint8
+    [B, F, H, W, 3], a torch tensor or numpy array as given (a view where the layout allows).
+    MediaError naming the problem for another layout, rank, channel count or dtype."""
+    if layout not in VIDEO_LAYOUTS:
+        raise MediaError(f"video layout {layout!r} is not one of {sorted(VIDEO_LAYOUTS)}")
+    shape = tuple(getattr(video, "shape", ()))
+    dtype = str(getattr(video, "dtype", type(video).__name__))
+    if len(shape) != 5:
+        raise MediaError(f"a video batch in layout {layout!r} has 5 dimensions, got shape "
+                         f"{list(shape)}")
+    if not dtype.endswith("uint8"):
+        raise MediaError(f"a video batch must be uint8 (0..255), got {dtype}: convert floats "
+                         f"once, where their range ([0, 1] or [-1, 1]) is known")
+    perm = VIDEO_LAYOUTS[layout]
+    out = video.permute(*perm) if hasattr(video, "permute") else video.transpose(perm)
+    if out.shape[-1] != 3:
+        raise MediaError(f"a video batch in layout {layout!r} has 3 channels at axis "
+                         f"{perm[-1]}, got shape {list(shape)}")
+    return out
+
+
+def spread_indices(count: int, k: int) -> list[int]:
+    """``k`` of ``count`` frame indices, evenly spread and always the same: first and last
+    included (k >= 2), the middle frame for k = 1, every frame when k >= count."""
+    if count < 1 or k < 1:
+        raise ValueError(f"spread_indices needs count >= 1 and k >= 1, got {count}, {k}")
+    if k >= count:
+        return list(range(count))
+    if k == 1:
+        return [(count - 1) // 2]
+    return sorted({round(i * (count - 1) / (k - 1)) for i in range(k)})
+
+
+GIF_FPS = 8  # a preview rate: slow enough to follow a short clip frame by frame
+
+
+def gif_bytes(frames: Any, fps: float = GIF_FPS) -> bytes:
+    """uint8 [F, H, W, 3] frames -> an animated GIF (looping), through PIL's GIF writer.
+
+    GIF has a 256-colour palette per frame (PIL quantises each frame): a preview for eyes,
+    not a record. PIL stores consecutive identical frames once with their durations added,
+    so the file plays for the same time but a static stretch decodes to fewer frames."""
+    from PIL import Image
+    import numpy as np
+
+    arrays = np.asarray(frames.cpu() if hasattr(frames, "cpu") else frames)
+    if arrays.dtype != np.uint8 or arrays.ndim != 4 or arrays.shape[-1] != 3 or \
+            not len(arrays):
+        raise MediaError(f"GIF frames must be uint8 [F, H, W, 3] with F >= 1, got "
+                         f"{arrays.dtype} {list(arrays.shape)}")
+    if not fps > 0:
+        raise MediaError(f"GIF fps={fps!r} must be > 0")
+    images = [Image.fromarray(np.ascontiguousarray(a)) for a in arrays]
+    buffer = io.BytesIO()
+    images[0].save(buffer, format="GIF", save_all=True, append_images=images[1:],
+                   duration=max(1, round(1000 / fps)), loop=0)
+    return buffer.getvalue()
+
+
+def write_gif(path: str | os.PathLike, frames: Any, fps: float = GIF_FPS) -> None:
+    """``gif_bytes`` to ``path`` through a temporary file and a rename: a viewer never
+    sees half a file."""
+    data = gif_bytes(frames, fps)
+    tmp = f"{os.fspath(path)}.tmp"
+    os.makedirs(os.path.dirname(os.path.abspath(tmp)), exist_ok=True)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def read_frames(data: bytes | str | os.PathLike) -> Any:
+    """An animated file (GIF, APNG, WebP; bytes or a path) -> uint8 [F, H, W, 3] numpy."""
+    from PIL import Image, ImageSequence
+    import numpy as np
+
+    source = io.BytesIO(data) if isinstance(data, bytes) else data
+    with Image.open(source) as image:
+        return np.stack([np.asarray(frame.convert("RGB"))
+                         for frame in ImageSequence.Iterator(image)])

@@ -22,6 +22,14 @@
   solid line, eval a dashed line with open circles; ticks and gridlines on both axes.
 * ``log_samples``: one set of samples to the run directory and TensorBoard (the grid) and to
   W&B (one captioned ``wandb.Image`` per sample).
+* Video samples (uint8 [N, F, H, W, 3], ``trainer.media``'s convention): each tile of the grid
+  is the sample's frame strip (``frame_strip``: up to ``STRIP_FRAMES`` frames, evenly spread,
+  first and last included, left to right with a white gap), captioned as an image is; each
+  sample is also an animated GIF next to the grid's PNG (``<grid stem>_sample<i>.gif``,
+  through PIL's GIF writer: ``trainer.media.gif_bytes``), and on W&B one captioned
+  ``wandb.Video`` per sample made from that GIF (no video encoder needed). A video with one
+  frame is pictured as the image it is, exactly as before; with sources (a first frame to
+  animate, say), the sources are resized to one frame and put left of the strip.
 """
 from __future__ import annotations
 
@@ -35,6 +43,9 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 from torchvision.utils import make_grid
+
+from trainer.media import spread_indices, write_gif
+from trainer.metrics import record_write_failure
 
 PALETTE = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189),
            (140, 86, 75), (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207)]
@@ -105,24 +116,50 @@ def _caption_tile(tile: Image.Image, layout: tuple[int, list[str]], strip_h: int
 
 
 SOURCE_GAP = 4  # white pixels between a source and its result
+STRIP_FRAMES = 8  # frames a strip shows: enough to read the motion, narrow enough for a grid
+FRAME_GAP = 2  # white pixels between the frames of a strip
+
+
+def frame_strip(video: torch.Tensor | np.ndarray, max_frames: int = STRIP_FRAMES) -> np.ndarray:
+    """uint8 [F, H, W, 3] -> [H, k * (W + gap) - gap, 3]: k = min(F, max_frames) frames,
+    evenly spread (``trainer.media.spread_indices``), left to right on white."""
+    frames = video.cpu().numpy() if isinstance(video, torch.Tensor) else np.asarray(video)
+    picked = spread_indices(len(frames), max_frames)
+    _, h, w, _ = frames.shape
+    out = np.full((h, len(picked) * (w + FRAME_GAP) - FRAME_GAP, 3), 255, dtype=np.uint8)
+    for slot, index in enumerate(picked):
+        out[:, slot * (w + FRAME_GAP):slot * (w + FRAME_GAP) + w] = frames[index]
+    return out
+
+
+def is_video(images) -> bool:
+    """Whether a sample batch is videos of more than one frame ([N, F, H, W, 3], F > 1)."""
+    return len(images.shape) == 5 and images.shape[1] > 1
+
+
+def as_pictured(images):
+    """A one-frame video batch as the image batch it is; anything else unchanged."""
+    return images[:, 0] if len(images.shape) == 5 and images.shape[1] == 1 else images
 
 
 def has_sources(sources: Sequence[Sequence] | None) -> bool:
     return sources is not None and any(len(s) for s in sources)
 
 
-def side_by_side(images: torch.Tensor | np.ndarray, sources: Sequence[Sequence]
-                 ) -> np.ndarray:
+def side_by_side(images: torch.Tensor | np.ndarray, sources: Sequence[Sequence],
+                 source_width: int | None = None) -> np.ndarray:
     """uint8 [N, H, W, 3] results + per-sample sources (ImageRefs or uint8 [h, w, 3] arrays)
-    -> uint8 [N, H, k * (W + gap) + W, 3]: every source resized to H x W, then the result."""
+    -> uint8 [N, H, k * (w + gap) + W, 3]: every source resized to H x w (``source_width``,
+    default W), then the result."""
     from trainer.media import as_arrays  # local: torch-free module, used here only for edits
 
     arrays = images.cpu().numpy() if isinstance(images, torch.Tensor) else np.asarray(images)
     if len(sources) != len(arrays):
         raise ValueError(f"{len(arrays)} images but {len(sources)} source lists")
-    n, h, w, _ = arrays.shape
+    n, h, width, _ = arrays.shape
+    w = source_width or width
     k = max(len(s) for s in sources)
-    out = np.full((n, h, k * (w + SOURCE_GAP) + w, 3), 255, dtype=np.uint8)
+    out = np.full((n, h, k * (w + SOURCE_GAP) + width, 3), 255, dtype=np.uint8)
     for i, (result, sample) in enumerate(zip(arrays, sources)):
         for j, source in enumerate(as_arrays(sample)):
             resized = Image.fromarray(np.ascontiguousarray(source)).resize((w, h),
@@ -130,6 +167,16 @@ def side_by_side(images: torch.Tensor | np.ndarray, sources: Sequence[Sequence]
             out[i, :, j * (w + SOURCE_GAP):j * (w + SOURCE_GAP) + w] = np.asarray(resized)
         out[i, :, k * (w + SOURCE_GAP):] = result
     return out
+
+
+def video_tiles(videos: torch.Tensor | np.ndarray, sources: Sequence[Sequence] | None
+                ) -> np.ndarray:
+    """uint8 [N, F, H, W, 3] -> [N, H, W', 3]: each video's frame strip, after its sources
+    (each resized to one frame) when it has any."""
+    strips = np.stack([frame_strip(video) for video in videos])
+    if has_sources(sources):
+        strips = side_by_side(strips, sources, source_width=videos.shape[3])
+    return strips
 
 
 def captioned_grid(images: torch.Tensor | np.ndarray, texts: Sequence[str], *, ncol: int = 8,
@@ -176,13 +223,40 @@ def log_samples(metrics, tag: str, step: int, images, prompts: Sequence[str], re
                 ) -> np.ndarray:
     """Samples to the PNG and TensorBoard as one captioned grid, to W&B one captioned image
     each (``metrics.samples``); with ``sources`` (editing), source and result side by side in
-    both."""
+    both. Videos (module docstring): frame strips in the grid, a GIF per sample beside the
+    PNG, a ``wandb.Video`` per sample."""
     texts = captions(prompts, rewards)
+    images = as_pictured(images)
+    if is_video(images):
+        grid = captioned_grid(video_tiles(images, sources), texts, ncol=2)
+        if path is not None:
+            write_sample_gifs(images, path)
+        metrics.samples(tag, step, grid, images, texts, path=path)
+        return grid
     if has_sources(sources):
         images = side_by_side(images, sources)
     grid = captioned_grid(images, texts, ncol=4 if has_sources(sources) else 8)
     metrics.samples(tag, step, grid, images, texts, path=path)
     return grid
+
+
+def sample_gif_path(path: Path, index: int) -> Path:
+    """Where sample ``index`` of the grid saved at ``path`` goes as a GIF."""
+    return path.with_name(f"{path.stem}_sample{index:02d}.gif")
+
+
+def write_sample_gifs(videos, path: Path) -> list[Path]:
+    """Each video of uint8 [N, F, H, W, 3] as a GIF beside the grid ``path``; a failed write
+    (a full disk) is logged and counted as the logger's pictures are, not raised."""
+    written = []
+    for index, video in enumerate(videos):
+        target = sample_gif_path(path, index)
+        try:
+            write_gif(target, video)
+            written.append(target)
+        except OSError as exc:
+            record_write_failure(f"picture {target.name} in {target.parent}", exc)
+    return written
 
 
 # ---- the reward curve ---------------------------------------------------------------------

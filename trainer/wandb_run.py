@@ -13,10 +13,14 @@ space, say), else into the run directory.
 
 Samples go to W&B one ``wandb.Image`` per sample, each with its caption (reward and the whole
 prompt), in one list per step: W&B's media panel shows them side by side with the captions
-in full, which a grid with the text burnt in cannot do.
+in full, which a grid with the text burnt in cannot do. Video samples (uint8 [N, F, H, W, 3],
+F > 1) go as one captioned ``wandb.Video`` each, handed over as a GIF we encode
+(``trainer.media.gif_bytes``): W&B encodes raw frames itself only with moviepy installed,
+a file it takes as it is.
 """
 from __future__ import annotations
 
+import io
 import os
 import secrets
 from pathlib import Path
@@ -79,8 +83,14 @@ def log_image(run, tag: str, step: int, image, caption: str | None = None) -> No
 
 
 def log_samples(run, tag: str, step: int, images, texts) -> None:
-    """One captioned ``wandb.Image`` per sample (uint8 [N, H, W, 3] and N captions)."""
+    """One captioned ``wandb.Image`` per sample (uint8 [N, H, W, 3] and N captions), or one
+    captioned ``wandb.Video`` per sample of a video batch [N, F, H, W, 3]."""
     import wandb  # optional, as above
     arrays = images.cpu().numpy() if hasattr(images, "cpu") else images
+    if arrays.ndim == 5:
+        from trainer.media import gif_bytes
+        run.log({tag: [wandb.Video(io.BytesIO(gif_bytes(video)), caption=text, format="gif")
+                       for video, text in zip(arrays, texts)]}, step=step)
+        return
     run.log({tag: [wandb.Image(image, caption=text) for image, text in zip(arrays, texts)]},
             step=step)

@@ -5,6 +5,8 @@ Built-in scorers, by short name in ``[reward.scorers.NAME]`` or by dotpath (thei
 imports happen only when one is built): see ``trainer.rewards.spec.BUILTIN_SCORERS``. Custom
 reward functions, in our form or the Flow-GRPO reference's: ``function``; clients of the
 reference's reward servers: ``flowgrpo_server``; every HTTP request bounded: ``bounded_http``.
+Video batches (uint8 [B, F, H, W, 3]): image scorers per frame under a stated aggregation,
+the temporal-consistency term, and the dispatch between them: ``video``.
 
 Names resolve lazily (PEP 562): ``trainer.rewards.spec``, which preflight imports, must not
 pull torch in through this package.

@@ -18,9 +18,10 @@ from torch import nn
 
 from trainer.utils.values import import_dotpath as load_object  # noqa: F401  (scorers' name for it)
 
-# Media a scorer can ask for. Only images exist in the t2i path; a scorer that needs another
-# track (video, audio) is refused when the manager is built, not in the middle of a rollout.
-SUPPORTED_TRACKS: tuple[str, ...] = ("image",)
+# Media a scorer can ask for; a scorer that needs another track (audio) is refused when the
+# manager is built, not in the middle of a rollout. A batch of images is a video batch of
+# one-frame videos to a scorer that reads videos (``takes_video``).
+SUPPORTED_TRACKS: tuple[str, ...] = ("image", "video")
 
 
 class RewardError(RuntimeError):
@@ -45,11 +46,18 @@ class RewardScorer(abc.ABC):
     from each other; the first is the image being edited), or ``None`` when the batch has no
     conditioning media (text-to-image). Scorers that leave ``wants_sources`` False are called
     exactly as before, with no ``sources`` argument, so every existing scorer is unchanged.
+
+    Video: a scorer that reads whole videos sets ``takes_video = True`` (and lists "video" in
+    ``required_tracks``); its ``score`` gets uint8 [B, F, H, W, 3] for a video batch and
+    [B, H, W, 3] for an image batch (``frames_of`` reads both as
+    videos). Every other scorer is an image scorer: the manager scores a video batch with it
+    frame by frame and aggregates (``trainer.rewards.video``), so it never sees a video.
     """
 
     components: ClassVar[tuple[str, ...]] = ()
     required_tracks: ClassVar[tuple[str, ...]] = ("image",)
     wants_sources: ClassVar[bool] = False
+    takes_video: ClassVar[bool] = False
 
     @abc.abstractmethod
     def score(self, images: torch.Tensor, prompts: list[str],
@@ -72,18 +80,27 @@ class RewardScorer(abc.ABC):
         return self
 
 
-def check_score_inputs(images: Any, prompts: Sequence[str], metadata: Sequence[Any]) -> int:
-    """Validate one scoring batch; returns B. Raises one ValueError naming every problem."""
+def frames_of(images: torch.Tensor) -> torch.Tensor:
+    """An image batch [B, H, W, 3] as one-frame videos [B, 1, H, W, 3]; a video as is."""
+    return images.unsqueeze(1) if images.dim() == 4 else images
+
+
+def check_score_inputs(images: Any, prompts: Sequence[str], metadata: Sequence[Any], *,
+                       video: bool = False) -> int:
+    """Validate one scoring batch; returns B. Raises one ValueError naming every problem.
+    ``video``: a video batch [B, F, H, W, 3] (F >= 1) is accepted besides images."""
     problems: list[str] = []
     batch = None
+    ranks = (4, 5) if video else (4,)
     if not isinstance(images, torch.Tensor):
         problems.append(f"images must be a torch.Tensor, got {type(images).__name__}")
     else:
         if images.dtype != torch.uint8:
             problems.append(f"images must be uint8, got {images.dtype}")
-        if images.dim() not in (4, 5) or images.shape[-1] != 3:  # 5: a video [B, F, H, W, 3]
-            problems.append(f"images must be [B, H, W, 3] or a video [B, F, H, W, 3], got shape "
-                            f"{list(images.shape)}")
+        if images.dim() not in ranks or images.shape[-1] != 3 or \
+                (images.dim() == 5 and images.shape[1] < 1):
+            wanted = "[B, H, W, 3] or a video [B, F, H, W, 3]" if video else "[B, H, W, 3]"
+            problems.append(f"images must be {wanted}, got shape {list(images.shape)}")
         else:
             batch = images.shape[0]
     if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):

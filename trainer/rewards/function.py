@@ -14,6 +14,13 @@ Two forms are accepted (``adapt`` tells them apart once, when the scorer is buil
 Either form may set ``image_layout = "uint8_bhwc"`` (ours) or ``"float_bchw"`` (the
 reference's) on the function (or on the factory) to choose the layout explicitly.
 
+**Video functions** set ``media = "video"`` (on the function or the factory): their first
+argument is then the video batch, uint8 [B, F, H, W, 3] (the convention of
+``trainer.media``; an image batch comes as one-frame videos [B, 1, H, W, 3]), whichever
+form they are written in, with the prompts, metadata and (a function that takes ``sources``)
+the sources as for images. An ``image_layout`` other than ``"uint8_bfhwc"`` on a video
+function is an error: there is no reference layout for video to follow.
+
 The batch function returns
 
 * B numbers (a list, tuple, numpy array or tensor): one component, named by the function's
@@ -33,9 +40,10 @@ RewardError names the function and the deadline. Python cannot stop the hung thr
 stops instead, which is the point: a reward that hangs must not hang the run forever.
 
 Preflight (``dummy_batch_problems``) calls every custom reward on a batch of two grey images
-before any model loads, so a wrong signature or return is one error naming the form wanted. A
-factory is therefore called twice: once in preflight (``device`` "cpu"), once when the rank
-builds its reward manager (the rollout device).
+(two grey two-frame videos for a video function) before any model loads, so a wrong
+signature or return is one error naming the form wanted. A factory is therefore called
+twice: once in preflight (``device`` "cpu"), once when the rank builds its reward manager
+(the rollout device).
 """
 from __future__ import annotations
 
@@ -46,9 +54,13 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from trainer.rewards.base import RewardError, RewardScorer, load_object, to_component_tensor
+from trainer.rewards.base import RewardError, RewardScorer, frames_of, load_object, \
+    to_component_tensor
 
-LAYOUTS = {"uint8_bhwc": "uint8 [B, H, W, 3]", "float_bchw": "float32 [B, 3, H, W] in [0, 1]"}
+LAYOUTS = {"uint8_bhwc": "uint8 [B, H, W, 3]", "float_bchw": "float32 [B, 3, H, W] in [0, 1]",
+           "uint8_bfhwc": "uint8 videos [B, F, H, W, 3]"}
+VIDEO_LAYOUT = "uint8_bfhwc"
+MEDIA = ("image", "video")
 DEFAULT_TIMEOUT_S = 600.0
 WANTED = ("fn(images, prompts, metadata) -> B numbers | {component: B numbers} | (either, "
           "info dict), or a factory fn() / fn(device) returning such a function")
@@ -120,7 +132,14 @@ def adapt(obj: Any, *, name: str, device: torch.device, timeout_s: float
         source, default_layout = obj, "float_bchw"
     else:
         raise ValueError(f"custom reward {name} takes {required}; wanted {WANTED}")
-    layout = _attr("image_layout", fn, obj) or default_layout
+    layout = _attr("image_layout", fn, obj)
+    media = _attr("media", fn, obj) or ("video" if layout == VIDEO_LAYOUT else "image")
+    if media not in MEDIA:
+        raise ValueError(f"custom reward {name}: media={media!r}, choose one of {list(MEDIA)}")
+    if media == "video" and layout not in (None, VIDEO_LAYOUT):
+        raise ValueError(f"custom reward {name}: a video function (media = 'video') takes "
+                         f"{LAYOUTS[VIDEO_LAYOUT]}, but sets image_layout={layout!r}; drop it")
+    layout = VIDEO_LAYOUT if media == "video" else layout or default_layout
     if layout not in LAYOUTS:
         raise ValueError(f"custom reward {name}: image_layout={layout!r}, choose one of "
                          f"{list(LAYOUTS)}")
@@ -135,7 +154,9 @@ def _takes_sources(fn: Callable[..., Any]) -> bool:
 
 
 def to_layout(images: torch.Tensor, layout: str) -> torch.Tensor:
-    """Our uint8 [B, H, W, 3] -> what the function asked for."""
+    """Our uint8 [B, H, W, 3] (or video [B, F, H, W, 3]) -> what the function asked for."""
+    if layout == VIDEO_LAYOUT:
+        return frames_of(images)
     if layout == "float_bchw":
         return images.permute(0, 3, 1, 2).float().div_(255.0)
     return images
@@ -163,6 +184,8 @@ class FunctionScorer(RewardScorer):
         self.fn, self.image_layout, source = adapt(
             fn, name=self.name, device=torch.device(device or "cpu"), timeout_s=self.timeout_s)
         self.wants_sources = _takes_sources(self.fn)  # per function: shadows the class default
+        self.takes_video = self.image_layout == VIDEO_LAYOUT  # likewise
+        self.required_tracks = ("video",) if self.takes_video else ("image",)
         declared = _attr("components", self.fn, source)
         self.declared = declared is not None
         if declared is not None:
@@ -226,19 +249,23 @@ def _dummy_sources(records: list[dict], images: torch.Tensor) -> list[tuple]:
 
 
 def dummy_batch_problems(scorer: FunctionScorer, *, height: int = 64, width: int = 64,
-                         records: list[dict] | None = None) -> list[str]:
-    """Call ``scorer`` on two grey uint8 images (prompts, metadata and, for a function that
-    takes them, source images from ``records``, the run's first prompt records when given)
-    and check what comes back, as the manager will."""
+                         records: list[dict] | None = None, frames: int = 2) -> list[str]:
+    """Call ``scorer`` on two grey uint8 images (``frames``-frame grey videos for a video
+    function; prompts, metadata and, for a function that takes them, source images from
+    ``records``, the run's first prompt records when given) and check what comes back, as
+    the manager will."""
     records = list(records or [])[:2]
     prompts = [r["prompt"] for r in records] or list(DUMMY_PROMPTS)
     metadata = [dict(r.get("metadata") or {}) for r in records] or [{} for _ in prompts]
     images = torch.full((len(prompts), height, width, 3), 128, dtype=torch.uint8)
+    media = images
+    if scorer.takes_video:
+        media = images.unsqueeze(1).expand(-1, max(1, frames), -1, -1, -1).contiguous()
     where = (f"reward.custom_reward_path: {scorer.name} called on a dummy batch of "
              f"{len(prompts)} (images {LAYOUTS[scorer.image_layout]})")
     sources = {"sources": _dummy_sources(records, images)} if scorer.wants_sources else {}
     try:
-        out = scorer.score(images, prompts, metadata, **sources)
+        out = scorer.score(media, prompts, metadata, **sources)
     except RewardError as exc:
         return [f"{where}: {exc} (wanted {WANTED})"]
     except Exception as exc:  # the user's code: any failure is reported, not raised

@@ -17,6 +17,11 @@ in our form or the Flow-GRPO reference's, and every call into it has a deadline
 With any component weight given, every component the scorers produce needs one (0 included):
 one left out would weigh nothing without a word.
 
+Video: ``score`` takes a video batch uint8 [B, F, H, W, 3] as well as images; each image
+scorer scores it frame by frame under its ``frame_aggregation`` (mean by default), scorers
+that read videos get it whole, and a one-frame video is scored as the image batch it is
+(``trainer.rewards.video``).
+
 Managers are cached per configuration: building one twice with the same arguments returns the
 same object, so a model is loaded once per process, not once per rollout.
 """
@@ -36,8 +41,9 @@ from trainer.rewards.base import (SUPPORTED_TRACKS, RewardError, RewardScorer, c
                                   load_object, to_component_tensor)
 from trainer.rewards.function import FunctionScorer
 from trainer.rewards.remote import RemoteScorer
-from trainer.rewards.spec import ScorerSpec, option_problems, resolve_weights, scorer_class, \
-    scorer_specs, shadowing_problems, unweighed_problem
+from trainer.rewards.spec import ScorerSpec, frame_rule_problems, option_problems, \
+    resolve_weights, scorer_class, scorer_specs, shadowing_problems, unweighed_problem
+from trainer.rewards.video import FrameRule, score_batch
 
 RUNTIMES: tuple[str, ...] = ("colocate", "cpu", "remote")
 
@@ -71,6 +77,9 @@ class RewardManager:
             if missing_tracks:
                 problems.append(f"{name} needs media tracks {missing_tracks}; a rollout provides "
                                 f"only {list(SUPPORTED_TRACKS)}")
+            if "video" in scorer.required_tracks and not getattr(scorer, "takes_video", False):
+                problems.append(f"{name} needs the video track but does not set takes_video, "
+                                f"so it would be given single frames (RewardScorer)")
         if problems:
             raise ValueError("reward manager: " + "; ".join(problems))
         self.components: tuple[str, ...] = tuple(owner)
@@ -88,10 +97,16 @@ class RewardManager:
     def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]],
               sources: Sequence[Sequence[Any]] | None = None
               ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-        """``sources``: per sample, its reference images (``trainer.media.ImageRef`` or uint8
+        """``images``: uint8 [B, H, W, 3], or a video batch [B, F, H, W, 3] (one with F = 1
+        is scored as the image batch it is; image scorers score longer ones frame by frame
+        under their ``frame_rule``: ``trainer.rewards.video``).
+
+        ``sources``: per sample, its reference images (``trainer.media.ImageRef`` or uint8
         [H, W, 3] arrays), or None for text-to-image; decoded once here and passed to the
         scorers that set ``wants_sources`` (``RewardScorer``), never to the others."""
-        batch = check_score_inputs(images, prompts, metadata)
+        batch = check_score_inputs(images, prompts, metadata, video=True)
+        if images.dim() == 5 and images.shape[1] == 1:
+            images = images[:, 0]
         prompts, metadata = list(prompts), [dict(m) for m in metadata]
         decoded = decode_sources(sources, batch)
         cuda = images.is_cuda or (self.device is not None and self.device.type == "cuda")
@@ -102,10 +117,8 @@ class RewardManager:
         problems: list[str] = []
         for scorer in self.scorers:
             name = getattr(scorer, "name", type(scorer).__name__)
-            if getattr(scorer, "wants_sources", False):
-                out = scorer.score(images, prompts, metadata, sources=decoded)
-            else:
-                out = scorer.score(images, prompts, metadata)
+            out = score_batch(scorer, images, prompts, metadata, decoded,
+                              getattr(scorer, "frame_rule", None))
             if not isinstance(out, dict):
                 raise RewardError(f"{name}.score returned {type(out).__name__}, not a dict")
             for component, values in out.items():
@@ -207,6 +220,8 @@ def build_reward_manager_from_config(reward, device: str | torch.device | None =
     by_spec = {spec.name: scorer_class(spec.path).components for spec in specs}
     weights, required, problems = resolve_weights(reward, by_spec, specs)
     problems += [p for spec in specs for p in shadowing_problems(spec, scorer_class(spec.path))]
+    problems += [p for spec in specs
+                 for p in frame_rule_problems(spec, scorer_class(spec.path), reward.runtime)]
     if problems:
         raise ValueError("reward configuration: " + "; ".join(problems))
     # weights are part of the cache key: two configs never share (and rewrite) one manager's
@@ -287,6 +302,8 @@ def _build(specs: list[ScorerSpec], *, runtime, endpoint, device, custom_reward_
                               model_key=model_key)
         if spec.weight is not None:
             scorer.name = spec.where
+        if spec.frame_aggregation is not None:  # else the video default (mean) applies
+            scorer.frame_rule = FrameRule(spec.frame_aggregation, spec.frames)
         scorers.append(scorer)
     if custom_reward_path is not None:
         scorers.append(FunctionScorer.from_dotpath(custom_reward_path,

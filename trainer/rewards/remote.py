@@ -3,8 +3,9 @@
 Wire schema, version ``flowgrpo.reward.v1`` (UTF-8 JSON both ways, one URL):
 
 ``GET <endpoint>`` -> 200 ``{"schema": "flowgrpo.reward.v1", "components": [str, ...],
-"required_tracks": ["image"]}``: what the server produces (asked once, when the client is
-built without a component list).
+"required_tracks": ["image"], "media": ["image", "video"]}``: what the server produces (asked
+once, when the client is built without a component list) and, from a server that takes
+videos, ``media``.
 
 ``POST <endpoint>`` with ``{"schema": "flowgrpo.reward.v1", "components": [str, ...],
 "prompts": [str] * B, "metadata": [object] * B, "images": [str] * B}`` where each image is a
@@ -12,6 +13,18 @@ base64-encoded PNG (8-bit RGB) -> 200 ``{"rewards": {component: [number | null] 
 ``null`` marks a sample the server could not score (it becomes NaN, which fails the sample's
 group if the component is required). The reply must hold exactly the components the request
 listed. A non-2xx reply carries a plain-text or JSON body with the reason.
+
+Video (same schema, an optional key): a batch of videos (uint8 [B, F, H, W, 3], F > 1) is
+sent as ``"videos": [{"shape": [F, H, W, 3], "frames": [str] * F}] * B`` in place of
+``"images"``, each frame a base64 PNG as above, each video tagged with its shape so the
+server checks what it decoded against what was sent (a frame lost or resized is a 400, not
+a silently shorter video). A one-frame video goes as an image: an image-only server keeps
+working for every image batch. The server scores a video with a scorer that reads videos
+as it is, and with an image scorer frame by frame under its own ``--frame-aggregation``
+(``trainer.rewards.serve``, ``trainer.rewards.video``); an older server answers a video
+request with a 400 naming the missing ``images``. A video request is bound by the same
+deadline and reply cap as any other; it carries every frame (the server's rule decides which
+it scores), so its size grows with B * F.
 
 Client policy: every attempt has a deadline on the whole exchange (``timeout_s``: connect,
 send, and the whole reply, so a server that trickles bytes cannot hold it) and a reply size cap
@@ -64,6 +77,52 @@ def encode_png_base64(images: torch.Tensor, *, compress_level: int = 1) -> list[
         return list(pool.map(one, arrays))
 
 
+def encode_videos(videos: torch.Tensor, *, compress_level: int = 1) -> list[dict[str, Any]]:
+    """uint8 [B, F, H, W, 3] -> the request's shape-tagged ``videos`` list."""
+    batch, count = videos.shape[:2]
+    frames = encode_png_base64(videos.reshape(batch * count, *videos.shape[2:]),
+                               compress_level=compress_level)
+    shape = [int(d) for d in videos.shape[1:]]
+    return [{"shape": shape, "frames": frames[i * count:(i + 1) * count]}
+            for i in range(batch)]
+
+
+def decode_videos(payloads: Sequence[Any]) -> torch.Tensor:
+    """The request's ``videos`` list -> uint8 [B, F, H, W, 3]; ValueError naming every video
+    whose tag, frame count or frame size disagrees with what it holds."""
+    problems: list[str] = []
+    videos = []
+    for i, item in enumerate(payloads):
+        shape = item.get("shape") if isinstance(item, dict) else None
+        frames = item.get("frames") if isinstance(item, dict) else None
+        if not (isinstance(shape, list) and len(shape) == 4 and shape[3] == 3 and
+                all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)):
+            problems.append(f"videos[{i}]: 'shape' must be [F, H, W, 3], got {shape!r}")
+            continue
+        if not isinstance(frames, list) or len(frames) != shape[0]:
+            got = len(frames) if isinstance(frames, list) else type(frames).__name__
+            problems.append(f"videos[{i}]: shape says {shape[0]} frames, 'frames' holds {got}")
+            continue
+        try:
+            video = decode_png_base64(frames)
+        except ValueError as exc:
+            problems.append(f"videos[{i}]: {exc}")
+            continue
+        if list(video.shape) != shape:
+            problems.append(f"videos[{i}]: frames decode to {list(video.shape)}, shape says "
+                            f"{shape}")
+            continue
+        videos.append(video)
+    shapes = sorted({tuple(v.shape) for v in videos})
+    if len(shapes) > 1:
+        problems.append(f"videos of different shapes in one request: {shapes}")
+    if problems:
+        raise ValueError("; ".join(problems))
+    if not videos:
+        return torch.empty(0, 1, 0, 0, 3, dtype=torch.uint8)
+    return torch.stack(videos)
+
+
 def decode_png_base64(payloads: Sequence[str]) -> torch.Tensor:
     """base64 PNG strings (one size) -> uint8 [B, H, W, 3]."""
     arrays = [np.asarray(Image.open(io.BytesIO(base64.b64decode(p, validate=True))).convert("RGB"))
@@ -77,7 +136,8 @@ def decode_png_base64(payloads: Sequence[str]) -> torch.Tensor:
 
 
 class RemoteScorer(RewardScorer):
-    """Client for an HTTP reward endpoint speaking ``flowgrpo.reward.v1``.
+    """Client for an HTTP reward endpoint speaking ``flowgrpo.reward.v1`` (videos included:
+    it sends a video batch whole, and the server scores it).
 
     Args:
         endpoint: the URL (http or https).
@@ -87,6 +147,8 @@ class RemoteScorer(RewardScorer):
         max_retries: retries after the first attempt for retryable failures.
         backoff_s: first backoff; doubles per retry.
     """
+
+    takes_video = True  # a video goes to the server whole (the module docstring)
 
     def __init__(self, endpoint: str, *, components: Sequence[str] | None = None,
                  timeout_s: float = 60.0, max_retries: int = 3, backoff_s: float = 0.5,
@@ -157,12 +219,15 @@ class RemoteScorer(RewardScorer):
 
     def score(self, images: torch.Tensor, prompts: list[str],
               metadata: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        batch = check_score_inputs(images, prompts, metadata)
+        batch = check_score_inputs(images, prompts, metadata, video=True)
+        if images.dim() == 5 and images.shape[1] == 1:
+            images = images[:, 0]  # a one-frame video is an image, on the wire too
+        media = {"videos": encode_videos(images, compress_level=self.png_compress_level)} \
+            if images.dim() == 5 else \
+            {"images": encode_png_base64(images, compress_level=self.png_compress_level)}
         try:
             body = json.dumps({"schema": SCHEMA, "components": list(self.components),
-                               "prompts": list(prompts), "metadata": list(metadata),
-                               "images": encode_png_base64(images,
-                                                           compress_level=self.png_compress_level)},
+                               "prompts": list(prompts), "metadata": list(metadata), **media},
                               allow_nan=False).encode("utf-8")
         except (TypeError, ValueError) as exc:
             raise ValueError(f"remote reward: metadata is not JSON-serialisable ({exc})") from exc

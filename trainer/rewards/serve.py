@@ -1,7 +1,9 @@
 """A reference server for any scorer over ``flowgrpo.reward.v1`` (``trainer.rewards.remote``
 documents the wire schema; ``RemoteScorer`` is its client).
 
-``python -m trainer.rewards.serve --scorer-path X [--model-path Y] --port N``.
+``python -m trainer.rewards.serve --scorer-path X [--model-path Y] --port N``
+``[--frame-aggregation mean|min|sampled [--frames K]]``: how an image scorer scores the videos
+it is sent (``trainer.rewards.video``; a scorer that reads videos gets them whole).
 """
 from __future__ import annotations
 
@@ -17,21 +19,26 @@ import torch
 
 from trainer.rewards.base import RewardScorer, check_score_inputs
 from trainer.rewards.manager import build_reward_manager
-from trainer.rewards.remote import SCHEMA, decode_png_base64
+from trainer.rewards.remote import SCHEMA, decode_png_base64, decode_videos
+from trainer.rewards.spec import FRAME_AGGREGATIONS
+from trainer.rewards.video import DEFAULT_RULE, FrameRule, score_batch
 
 
 class RewardServer(ThreadingHTTPServer):
     """Serves a local scorer over ``flowgrpo.reward.v1`` (one scoring call at a time).
 
     ``RewardServer(scorer, ("127.0.0.1", 0))``; ``.url`` is the endpoint once bound;
-    ``start()`` serves from a daemon thread, ``close()`` stops and joins it.
+    ``start()`` serves from a daemon thread, ``close()`` stops and joins it. ``frame_rule``:
+    how an image scorer scores a video request (default: the mean over every frame).
     """
 
     daemon_threads = True
 
-    def __init__(self, scorer: RewardScorer, address: tuple[str, int] = ("127.0.0.1", 0)) -> None:
+    def __init__(self, scorer: RewardScorer, address: tuple[str, int] = ("127.0.0.1", 0), *,
+                 frame_rule: FrameRule = DEFAULT_RULE) -> None:
         super().__init__(address, _RewardHandler)
         self.scorer = scorer
+        self.frame_rule = frame_rule
         self.lock = threading.Lock()  # a scorer's model is not re-entrant
         self._thread: threading.Thread | None = None
 
@@ -75,22 +82,29 @@ class _RewardHandler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
         scorer = self.server.scorer
         self._reply(200, {"schema": SCHEMA, "components": list(scorer.components),
-                          "required_tracks": list(scorer.required_tracks)})
+                          "required_tracks": list(scorer.required_tracks),
+                          "media": ["image", "video"]})
 
     def do_POST(self) -> None:  # noqa: N802
         try:
             request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
             if request.get("schema") != SCHEMA:
                 raise ValueError(f"schema {request.get('schema')!r} is not {SCHEMA!r}")
-            images = decode_png_base64(request["images"])
+            video = "videos" in request
+            images = decode_videos(request["videos"]) if video else \
+                decode_png_base64(request["images"])
             prompts, metadata = list(request["prompts"]), list(request["metadata"])
-            check_score_inputs(images, prompts, metadata)
-        except (ValueError, KeyError, TypeError) as exc:
+            check_score_inputs(images, prompts, metadata, video=video)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             self._reply(400, {"error": f"bad request: {exc}"})
             return
         try:
             with self.server.lock:
-                scores = self.server.scorer.score(images, prompts, metadata)
+                if video:
+                    scores = score_batch(self.server.scorer, images, prompts, metadata, None,
+                                         self.server.frame_rule)
+                else:
+                    scores = self.server.scorer.score(images, prompts, metadata)
         except Exception as exc:  # the client sees the reason; the server keeps serving
             self._reply(500, {"error": f"{type(exc).__name__}: {exc}"})
             return
@@ -109,12 +123,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", help="e.g. cuda:0 (default: cpu)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--frame-aggregation", choices=FRAME_AGGREGATIONS,
+                        default=DEFAULT_RULE.aggregation,
+                        help="how an image scorer scores a video: per frame, then this")
+    parser.add_argument("--frames", type=int,
+                        help="frames scored per video with --frame-aggregation sampled")
     args = parser.parse_args(argv)
+    try:
+        rule = FrameRule(args.frame_aggregation, args.frames)
+    except ValueError as exc:
+        parser.error(str(exc))
     device = torch.device(args.device or "cpu")
     manager = build_reward_manager(scorer_path=args.scorer_path, model_path=args.model_path,
                                    runtime="colocate" if device.type == "cuda" else "cpu",
                                    device=device)
-    server = RewardServer(manager.scorers[0], (args.host, args.port))
+    server = RewardServer(manager.scorers[0], (args.host, args.port), frame_rule=rule)
     print(f"serving {args.scorer_path} {list(manager.components)} at {server.url}", flush=True)
     try:
         server.serve_forever()

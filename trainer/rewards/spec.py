@@ -12,11 +12,14 @@ single-scorer keys) resolved into one list, their weights, and the checks of bot
     threshold = 0.3                     # every other key goes to the scorer's constructor
 
 Reserved keys: ``path``, ``weight`` (default 1.0; applies to each component the scorer
-produces), ``model_path``, ``required``, ``options``. ``[reward.scorers.NAME.options]`` passes
-its keys to the constructor verbatim, reserved names included: CLIPScore's own ``weight`` (its
-2.5 rescale) is ``options = { weight = 100 }``. A reserved key set in the table whose name the
-constructor also takes, with no ``options`` entry for it, is an error (it used to become the
-mixing weight without a word). The old keys (``scorer_path``, ``model_path``,
+produces), ``model_path``, ``required``, ``options``, and for video batches
+``frame_aggregation`` (how an image scorer's per-frame values become one per video: ``mean``
+(the default), ``min``, or ``sampled`` with ``frames = K``: the mean over K evenly spread
+frames, always the same ones; ``trainer.rewards.video``). ``[reward.scorers.NAME.options]``
+passes its keys to the constructor verbatim, reserved names included: CLIPScore's own
+``weight`` (its 2.5 rescale) is ``options = { weight = 100 }``. A reserved key set in the
+table whose name the constructor also takes, with no ``options`` entry for it, is an error
+(it used to become the mixing weight without a word). The old keys (``scorer_path``, ``model_path``,
 ``component_weights``, ``custom_reward_path``) keep working: without a ``scorers`` table,
 ``scorer_path`` is the one scorer; ``custom_reward_path`` runs beside either;
 ``component_weights`` still weighs components by name (a component weighed there and by its
@@ -58,8 +61,11 @@ BUILTIN_SCORERS: dict[str, str] = {
     "image_similarity": "trainer.rewards.edit.ImageSimilarityScorer",
     "clip_image_similarity": "trainer.rewards.edit.CLIPImageSimilarityScorer",
     "red_to_blue": "trainer.rewards.edit.RedToBlueScorer",
+    "temporal_consistency": "trainer.rewards.video.TemporalConsistencyScorer",
 }
-RESERVED_KEYS = ("path", "weight", "model_path", "required", "options")
+RESERVED_KEYS = ("path", "weight", "model_path", "required", "options", "frame_aggregation",
+                 "frames")
+FRAME_AGGREGATIONS = ("mean", "min", "sampled")
 # reserved keys a constructor may also take: set at the top level they mean the reserved thing,
 # so a constructor option of the same name must come through the ``options`` sub-table
 _ROLES = {"path": "scorer's dotpath", "weight": "mixing weight", "required": "required flag"}
@@ -78,6 +84,8 @@ class ScorerSpec:
     required: bool = False
     options: dict = field(default_factory=dict)
     reserved_set: tuple[str, ...] = ()  # _SHADOWING keys the table sets at its top level
+    frame_aggregation: str | None = None  # None: the video default, "mean"
+    frames: int | None = None  # how many frames ``sampled`` scores
 
     @property
     def where(self) -> str:
@@ -128,9 +136,26 @@ def _table_spec(name: str, table: Any, problems: list[str]) -> ScorerSpec | None
     bad = [k for k in options if not _IDENT.match(str(k))]
     if bad:
         problems.append(f"{where}: option names {bad} are not identifiers")
+    aggregation, frames = table.get("frame_aggregation"), table.get("frames")
+    problems += frame_problems(where, aggregation, frames)
     return ScorerSpec(name, path or "", float(weight) if _is_number(weight) else 1.0,
                       model_path, bool(required), options,
-                      tuple(k for k in _SHADOWING if k in table))
+                      tuple(k for k in _SHADOWING if k in table), aggregation, frames)
+
+
+def frame_problems(where: str, aggregation: Any, frames: Any) -> list[str]:
+    """What is wrong with a scorer's ``frame_aggregation`` / ``frames`` pair (torch-free)."""
+    if aggregation is not None and aggregation not in FRAME_AGGREGATIONS:
+        return [f"{where}.frame_aggregation={aggregation!r} is not one of "
+                f"{list(FRAME_AGGREGATIONS)}"]
+    if aggregation == "sampled":
+        if isinstance(frames, bool) or not isinstance(frames, int) or frames < 1:
+            return [f"{where}.frames={frames!r}: frame_aggregation = \"sampled\" needs "
+                    f"frames = K, a whole number >= 1 of evenly spread frames to score"]
+    elif frames is not None:
+        return [f"{where}.frames={frames!r} applies to frame_aggregation = \"sampled\" only "
+                f"(frame_aggregation is {aggregation or 'mean, the default'!r})"]
+    return []
 
 
 def shadowing_problems(spec: ScorerSpec, cls: type) -> list[str]:
@@ -142,6 +167,21 @@ def shadowing_problems(spec: ScorerSpec, cls: type) -> list[str]:
             f"a constructor option {k!r}: say what the constructor gets in {spec.where}.options "
             f"(e.g. options = {{ {k} = ... }}) and keep {k} = ... for the {_ROLES[k]}"
             for k in clash]
+
+
+def frame_rule_problems(spec: ScorerSpec, cls: type, runtime: str) -> list[str]:
+    """A frame rule where none applies: on a scorer that reads whole videos, or on a remote
+    scorer (its server aggregates frames, ``trainer.rewards.serve --frame-aggregation``)."""
+    if spec.frame_aggregation is None and spec.frames is None:
+        return []
+    if getattr(cls, "takes_video", False):
+        return [f"{spec.where}.frame_aggregation: {spec.path} reads whole videos, so no "
+                f"per-frame aggregation applies; drop frame_aggregation / frames"]
+    if runtime == "remote":
+        return [f"{spec.where}.frame_aggregation: with runtime 'remote' the reward server "
+                f"scores the frames; set it there (python -m trainer.rewards.serve "
+                f"--frame-aggregation ...)"]
+    return []
 
 
 def scorer_specs(reward) -> tuple[list[ScorerSpec], list[str]]:
@@ -284,6 +324,7 @@ def import_problems(reward, *, dummy_batch: dict | None = None) -> list[str]:
             continue
         components[spec.name] = cls.components
         problems += shadowing_problems(spec, cls)
+        problems += frame_rule_problems(spec, cls, reward.runtime)
         if reward.runtime == "remote":
             continue  # the remote server builds it; here only its component names count
         model_key = f"{spec.where}.model_path" if spec.weight is not None else \

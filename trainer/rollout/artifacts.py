@@ -3,7 +3,7 @@
 Layout::
 
     <artifact_root>/<task>/rollout_0000007/group_00000003.safetensors
-    <artifact_root>/<task>/rollout_0000007/group_00000003_sample_0000.png
+    <artifact_root>/<task>/rollout_0000007/group_00000003_sample_0000.png   (.gif: a video)
     <artifact_root>/eval/<task>/rollout_<policy_version>/...   (evaluation, same layout)
 
 One safetensors sidecar per prompt group with three flat namespaces:
@@ -48,7 +48,7 @@ from PIL import Image
 from safetensors.torch import load_file, save
 from safetensors import safe_open
 
-from trainer.media import ImageRef
+from trainer.media import ImageRef, gif_bytes
 from trainer.models.base import RolloutBatch
 from trainer.utils.fsio import fsync_dir
 
@@ -150,14 +150,20 @@ def write_group_sidecar(directory: Path, group_index: int, rows: RolloutBatch, *
 
 
 def write_group_images(directory: Path, group_index: int, images: torch.Tensor) -> list[Path]:
-    """One PNG per candidate from ``images`` [G, H, W, 3] uint8."""
+    """One PNG per candidate from ``images`` [G, H, W, 3] uint8; for videos [G, F, H, W, 3]
+    one animated GIF per candidate (``trainer.media.gif_bytes``; one frame: a PNG)."""
     directory.mkdir(parents=True, exist_ok=True)
     paths = []
     for slot, img in enumerate(_cpu(images).numpy()):
-        buf = io.BytesIO()
-        Image.fromarray(img).save(buf, format="PNG")
+        img = img[0] if img.ndim == 4 and len(img) == 1 else img
         path = image_path(directory, group_index, slot)
-        atomic_write_bytes(path, buf.getvalue(), fsync=False)
+        if img.ndim == 4:
+            path, data = path.with_suffix(".gif"), gif_bytes(img)
+        else:
+            buf = io.BytesIO()
+            Image.fromarray(img).save(buf, format="PNG")
+            data = buf.getvalue()
+        atomic_write_bytes(path, data, fsync=False)
         paths.append(path)
     return paths
 
