@@ -20,6 +20,7 @@ from sglang_fixtures import (as_served, assert_served_and_sampled_from, policy_c
 
 from trainer.engine.sglang.client import SGLangEngineClient
 from trainer.engine.sglang.sync import SGLangSyncError, SGLangWeightSync, tensor_sha256
+from trainer.models.geometry import Geometry
 
 require_sglang()
 
@@ -58,7 +59,7 @@ def test_native_rollout_replays_through_our_transformer(server):
     assert batch.latents.shape[:2] == (4, 2) and batch.images.dtype == torch.uint8
     assert not torch.equal(batch.latents[0], batch.latents[1])
     assert torch.allclose(response["dit_trajectory"]["sigmas"],
-                          adapter.scheduler_sigmas(4, 32, 32).float())
+                          adapter.scheduler_sigmas(4, Geometry(32, 32)).float())
     # SGLang's text encoders give the embeddings our adapter computes for the same prompt
     frozen = adapter.load_frozen(device="cpu", dtype=torch.float32)
     ours = adapter.encode_prompts(frozen, PROMPTS[:1])
