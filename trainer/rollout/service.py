@@ -19,6 +19,7 @@ Design choices:
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any, Callable
@@ -36,9 +37,20 @@ log = logging.getLogger("trainer")
 EngineStarter = Callable[[], "tuple[Any, Any]"]
 
 
+@functools.cache
+def cpu_thread_budget() -> int:
+    """The threads this process may use: an ``OMP_NUM_THREADS`` set before the run (a sweep
+    running runs side by side gives each one thread), else the cores it may run on. Read once,
+    because ``share_cpu_cores`` rewrites that variable and an engine restart calls it again."""
+    preset = os.environ.get("OMP_NUM_THREADS", "")
+    if preset.isdigit() and int(preset) > 0:
+        return int(preset)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+
+
 def share_cpu_cores(world: int) -> None:
-    """Give the trainer and its engine process their half of this rank's cores."""
-    threads = max(1, (os.cpu_count() or 2) // (2 * world))
+    """Give the trainer and its engine process their half of this rank's thread budget."""
+    threads = max(1, cpu_thread_budget() // (2 * world))
     torch.set_num_threads(threads)
     os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by the engine process
 
