@@ -191,7 +191,9 @@ def test_the_rules_name_every_problem_at_once():
     assert "image tokens length 30" in problems[1]
 
 
-def test_preflight_names_a_degree_the_world_does_not_divide_and_refuses_it_in_a_run():
+def test_preflight_names_a_degree_the_world_does_not_divide_and_a_family_it_cannot_split():
+    """The tiny recipe trains the shipped toy model, an SD3 transformer of 3 heads: no sequence
+    split is tested for its family, so preflight refuses it by its class (and its heads)."""
     from trainer.config import ConfigError, load_config
     from trainer.preflight import preflight
 
@@ -202,8 +204,41 @@ def test_preflight_names_a_degree_the_world_does_not_divide_and_refuses_it_in_a_
     assert "--fsdp-sequence-parallel" in str(odd.value)
     with pytest.raises(ConfigError) as even:
         preflight(cfg, world_size=2)
-    assert "same samples to replay" in str(even.value)
+    family, heads = [p for p in even.value.problems if "sequence" in p]
+    assert family == ("fsdp.sequence_parallel (--fsdp-sequence-parallel)=2: SD3Transformer2DModel "
+                      "cannot be split over a sequence group; supported: Wan "
+                      "(WanTransformer3DModel), Qwen-Image (QwenImageTransformer2DModel)")
+    assert "3 attention heads" in heads  # the toy's, named in the same error
     assert preflight(load_config("tiny", ["fsdp.sequence_parallel=1"]), world_size=2) == []
+
+
+def test_preflight_accepts_a_sequence_split_of_a_supported_family_in_a_run(tiny_model_dir):
+    """The blanket refusal is gone: the loop gives a sequence group the same samples."""
+    from trainer.config import load_config
+    from trainer.preflight import preflight
+
+    model = tiny_model_dir("qwen_image")  # two attention heads
+    cfg = load_config("tiny", ["fsdp.sequence_parallel=2", f"model.model_path={model}",
+                               "model.adapter_path=trainer.models.qwen_image.QwenImageAdapter"])
+    assert preflight(cfg, world_size=2) == []
+
+
+def test_preflight_divides_the_updates_of_the_batch_a_sequence_group_trains_on(tiny_model_dir):
+    """One group of 4 per rank at world 4; a sequence group of 2 trains on 8: three updates
+    divide neither, and the error names the joined count; two updates of 4 divide it."""
+    from trainer.config import ConfigError, load_config
+    from trainer.preflight import preflight
+
+    model = tiny_model_dir("qwen_image")
+    sets = ["fsdp.sequence_parallel=2", f"model.model_path={model}",
+            "model.adapter_path=trainer.models.qwen_image.QwenImageAdapter",
+            "rollout.rollout_batch_size=4", "rollout.global_batch_size=16"]
+    with pytest.raises(ConfigError) as info:
+        preflight(load_config("tiny", sets + ["train.num_updates_per_batch=3"]), world_size=4)
+    assert any("the 8 samples each rank trains on (its sequence group's slices)" in p
+               for p in info.value.problems)
+    assert preflight(load_config("tiny", sets + ["train.num_updates_per_batch=2",
+                                                 "train.micro_batch_size=4"]), world_size=4) == []
 
 
 def test_the_cpu_patch_changes_the_count_only_inside_its_block():
@@ -235,4 +270,5 @@ def test_preflight_reads_the_heads_of_the_transformer_it_will_split(tiny_model_d
         preflight(cfg, world_size=4)
     problems = info.value.problems
     assert any("2 attention heads" in p for p in problems)
-    assert any("same samples to replay" in p for p in problems)  # named in the same error
+    # the toy adapter of the recipe is not the model's: no other sequence-split rule fires
+    assert [p for p in problems if "sequence" in p] == [p for p in problems if "heads" in p]

@@ -31,7 +31,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from trainer.patches import diffusers_qwen_fast_paths as qwen_fast_paths
 from trainer.patches.diffusers_cpu_context_parallel import cpu_device_count
-from trainer.parallel.rules import model_problems, world_problems
+from trainer.parallel.rules import FAMILIES, family_problems, model_problems, world_problems
 
 # diffusers reads the context-parallel mesh by these two names; ring stays size 1 (see rules.py)
 _DIMS = ("data", "ring", "ulysses")
@@ -47,6 +47,10 @@ class ParallelMesh:
     def fsdp_mesh(self) -> DeviceMesh:
         """Every rank in one dimension: FSDP2 shards parameters over data and sequence alike."""
         return self.mesh[_DIMS]._flatten("data_sequence")
+
+    def sequence_group(self) -> dist.ProcessGroup:
+        """This rank's sequence group: the ranks that replay the same samples."""
+        return self.mesh["ulysses"].get_group()
 
 
 def build_mesh(sequence_degree: int, device_type: str | None = None) -> ParallelMesh:
@@ -64,14 +68,11 @@ def build_mesh(sequence_degree: int, device_type: str | None = None) -> Parallel
     return ParallelMesh(mesh, data, sequence_degree)
 
 
-_FAMILIES = ("WanTransformer3DModel", "QwenImageTransformer2DModel")
-
-
 def family_class(transformer: nn.Module) -> str:
     """The diffusers class of ``transformer`` (FSDP2 renames the class it wraps), or its own
     name when it is none of the supported ones."""
     for cls in type(transformer).__mro__:
-        if cls.__name__ in _FAMILIES:
+        if cls.__name__ in FAMILIES:
             return cls.__name__
     return type(transformer).__name__
 
@@ -110,14 +111,16 @@ def _check_forward(degree: int):
 
 def apply_sequence_parallel(transformer: nn.Module, pm: ParallelMesh) -> nn.Module:
     """Split ``transformer``'s sequence over ``pm``'s sequence groups (diffusers' Ulysses).
-    Refuses, naming every problem, a head count the degree does not divide; each forward
+    Refuses, naming every problem, a family outside ``rules.FAMILIES`` and a head count the
+    degree does not divide; each forward
     checks its sequence lengths the same way before anything is split. Degree 1 changes
     nothing."""
     degree = pm.sequence_degree
     if degree == 1:  # off: the transformer stays exactly as it was
         return transformer
-    problems = model_problems(degree, model=family_class(transformer),
-                              heads=attention_heads(transformer), sequences={})
+    problems = family_problems(degree, family_class(transformer))
+    problems += model_problems(degree, model=family_class(transformer),
+                               heads=attention_heads(transformer), sequences={})
     if getattr(transformer, "_cp_plan", None) is None:
         problems.append(f"{type(transformer).__name__} has no context-parallel plan in diffusers")
     if problems:
