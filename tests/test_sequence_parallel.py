@@ -149,7 +149,7 @@ def test_a_forward_whose_tokens_the_degree_does_not_divide_is_refused_by_name():
     run_on_gloo_ranks(_wan_odd_tokens_check)
 
 
-def _qwen_check(model_dir: str) -> None:
+def _qwen_check(model_dir: str, text: int = 6) -> None:
     from trainer.models.qwen_image import QwenImageAdapter
 
     def build():
@@ -159,7 +159,7 @@ def _qwen_check(model_dir: str) -> None:
 
     def make_inputs(model, seed: int = 0):
         g = torch.Generator().manual_seed(1 + seed)
-        batch, text, side = 2, 6, 4
+        batch, side = 2, 4
         mask = torch.ones(batch, text, dtype=torch.long)
         mask[1, 4:] = 0  # a shorter prompt, padded: the mask is split with the text
         x = torch.randn(batch, side * side, model.config.in_channels, generator=g)
@@ -177,6 +177,29 @@ def _qwen_check(model_dir: str) -> None:
 
 def test_a_tiny_qwen_image_split_over_two_gloo_ranks_replays_like_one_rank(tiny_model_dir):
     run_on_gloo_ranks(functools.partial(_qwen_check, str(tiny_model_dir("qwen_image"))))
+
+
+def test_a_qwen_image_prompt_length_the_degree_does_not_divide_is_padded_not_refused(
+        tiny_model_dir):
+    """Five text tokens over two ranks: the split pads the text with masked tokens (the
+    adapter's own alignment padding), and the velocity is the unpadded one's."""
+    run_on_gloo_ranks(functools.partial(_qwen_check, str(tiny_model_dir("qwen_image")), 5))
+
+
+def test_text_padding_appends_masked_tokens_only_where_the_degree_does_not_divide():
+    from trainer.parallel.sequence import pad_text_to_degree
+
+    embeds, mask = torch.randn(2, 5, 3), torch.ones(2, 5, dtype=torch.long)
+    padded = pad_text_to_degree({"encoder_hidden_states": embeds,
+                                 "encoder_hidden_states_mask": mask, "timestep": 1}, 4)
+    assert padded["encoder_hidden_states"].shape == (2, 8, 3)
+    assert torch.equal(padded["encoder_hidden_states"][:, :5], embeds)
+    assert not padded["encoder_hidden_states"][:, 5:].any()
+    assert padded["encoder_hidden_states_mask"].tolist() == [[1] * 5 + [0] * 3] * 2
+    assert padded["timestep"] == 1
+    whole = {"encoder_hidden_states": embeds, "encoder_hidden_states_mask": mask}
+    assert pad_text_to_degree(whole, 5) is whole
+    assert pad_text_to_degree({"encoder_hidden_states": embeds}, 4)["encoder_hidden_states"] is embeds
 
 
 def test_the_rules_name_every_problem_at_once():

@@ -98,23 +98,48 @@ def split_lengths(transformer: nn.Module, args: tuple, kwargs: dict) -> dict[str
                      f"supported: Wan (WanTransformer3DModel) and Qwen-Image")
 
 
-def _check_forward(degree: int):
-    def check(module: nn.Module, args: tuple, kwargs: dict) -> None:
+_TEXT = ("encoder_hidden_states", "encoder_hidden_states_mask")
+
+
+def pad_text_to_degree(kwargs: dict, degree: int) -> dict:
+    """Qwen-Image's keyword inputs with masked text tokens (embedding 0, mask 0) appended until
+    the degree divides the text length, which the plan splits and prompts vary: the same
+    padding as the adapter's own alignment (``QwenImageAdapter.pad_text``): a masked key adds
+    nothing to attention and the real tokens' rotary positions do not move. Unchanged where
+    the text is not passed by keyword with its mask, or already divides."""
+    if not all(isinstance(kwargs.get(k), torch.Tensor) for k in _TEXT):
+        return kwargs
+    embeds, mask = (kwargs[k] for k in _TEXT)
+    pad = -embeds.shape[1] % degree
+    if pad == 0:
+        return kwargs
+    return {**kwargs,
+            _TEXT[0]: torch.cat([embeds, embeds.new_zeros(embeds.shape[0], pad, *embeds.shape[2:])], 1),
+            _TEXT[1]: torch.cat([mask, mask.new_zeros(mask.shape[0], pad)], 1)}
+
+
+def _prepare_forward(degree: int):
+    """The pre-hook of a split transformer: Qwen-Image's text padded to the degree, then every
+    split length checked (one error naming each that the degree does not divide)."""
+    def prepare(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if family_class(module) == "QwenImageTransformer2DModel":
+            kwargs = pad_text_to_degree(kwargs, degree)
         problems = model_problems(degree, model=family_class(module),
                                   heads=attention_heads(module),
                                   sequences=split_lengths(module, args, kwargs))
         if problems:
             raise ValueError("this forward cannot be split over the sequence group: "
                              + "; ".join(problems))
-    return check
+        return args, kwargs
+    return prepare
 
 
 def apply_sequence_parallel(transformer: nn.Module, pm: ParallelMesh) -> nn.Module:
     """Split ``transformer``'s sequence over ``pm``'s sequence groups (diffusers' Ulysses).
     Refuses, naming every problem, a family outside ``rules.FAMILIES`` and a head count the
-    degree does not divide; each forward
-    checks its sequence lengths the same way before anything is split. Degree 1 changes
-    nothing."""
+    degree does not divide; each forward pads Qwen-Image's text to the degree
+    (``pad_text_to_degree``) and checks its sequence lengths the same way before anything is
+    split. Degree 1 changes nothing."""
     degree = pm.sequence_degree
     if degree == 1:  # off: the transformer stays exactly as it was
         return transformer
@@ -131,7 +156,8 @@ def apply_sequence_parallel(transformer: nn.Module, pm: ParallelMesh) -> nn.Modu
     with cpu_device_count():
         transformer.enable_parallelism(
             config=ContextParallelConfig(ulysses_degree=degree, mesh=pm.mesh), cp_plan=plan)
-    transformer.register_forward_pre_hook(_check_forward(degree), with_kwargs=True, prepend=True)
+    transformer.register_forward_pre_hook(_prepare_forward(degree), with_kwargs=True,
+                                          prepend=True)
     return transformer
 
 
