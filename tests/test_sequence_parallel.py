@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from dist_fixtures import run_on_gloo_ranks
 from flowgrpo_kernels.sde_reference import sde_log_prob_ref
-from trainer.actor.model import apply_fsdp
+from trainer.actor.model import apply_fsdp, strip_wrapper_names
 from trainer.config import FSDPConfig, LoRAConfig
 from trainer.parallel.rules import model_problems, world_problems
 from trainer.parallel.sequence import (apply_sequence_parallel, build_mesh,
@@ -48,7 +48,8 @@ def _full_grads(model) -> dict[str, torch.Tensor]:
         g = p.grad
         if g is None:  # a parameter this forward does not use (same on both sides)
             continue
-        grads[name] = (g.full_tensor() if isinstance(g, DTensor) else g).clone()
+        grads[strip_wrapper_names(name)] = (g.full_tensor() if isinstance(g, DTensor)
+                                            else g).clone()
     return grads
 
 
@@ -117,6 +118,22 @@ def _wan_actor_check() -> None:
     _compare_with_one_rank(_tiny_wan, _wan_inputs, split=_actor_apply_fsdp)
 
 
+def _checkpointed_and_split(model, sequence_degree: int):
+    """The blocks wrapped for activation checkpointing first, then split and sharded through
+    the actor's FSDP2 entry (``build_actor``'s order): the plan's block keys name wrappers."""
+    from trainer.actor.model import apply_activation_checkpointing
+
+    blocks = getattr(model, "blocks", None) or model.transformer_blocks
+    apply_activation_checkpointing(model, list(blocks))
+    blocks = getattr(model, "blocks", None) or model.transformer_blocks
+    fsdp = FSDPConfig(param_dtype="fp32", reduce_dtype="fp32", sequence_parallel=sequence_degree)
+    apply_fsdp(model, list(blocks), fsdp, LoRAConfig())
+
+
+def _wan_checkpointed_check() -> None:
+    _compare_with_one_rank(_tiny_wan, _wan_inputs, split=_checkpointed_and_split)
+
+
 def _wan_odd_tokens_check() -> None:
     from diffusers import ContextParallelConfig
     if torch.accelerator.device_count() == 0:  # the original setup, which the CPU patch is for
@@ -143,13 +160,19 @@ def test_the_actors_fsdp2_entry_splits_the_sequence_when_the_option_is_on():
     run_on_gloo_ranks(_wan_actor_check)
 
 
+def test_the_split_composes_with_activation_checkpointing():
+    """diffusers finds a block's split inputs by its forward's signature, which torch's
+    checkpoint wrapper hides: the plan is pointed at the wrapped blocks."""
+    run_on_gloo_ranks(_wan_checkpointed_check)
+
+
 def test_a_forward_whose_tokens_the_degree_does_not_divide_is_refused_by_name():
     """Also: without the CPU patch diffusers' own setup fails on a host without an
     accelerator, which is why the patch exists."""
     run_on_gloo_ranks(_wan_odd_tokens_check)
 
 
-def _qwen_check(model_dir: str, text: int = 6) -> None:
+def _qwen_check(model_dir: str, text: int = 6, checkpointed: bool = False) -> None:
     from trainer.models.qwen_image import QwenImageAdapter
 
     def build():
@@ -172,7 +195,8 @@ def _qwen_check(model_dir: str, text: int = 6) -> None:
         x = torch.randn(v_shape, generator=g)
         return inputs, x, x + 0.1 * torch.randn(v_shape, generator=g), torch.tensor([0.5, -1.0])
 
-    _compare_with_one_rank(build, make_inputs)
+    _compare_with_one_rank(build, make_inputs,
+                           split=_checkpointed_and_split if checkpointed else _split_and_shard)
 
 
 def test_a_tiny_qwen_image_split_over_two_gloo_ranks_replays_like_one_rank(tiny_model_dir):
@@ -184,6 +208,11 @@ def test_a_qwen_image_prompt_length_the_degree_does_not_divide_is_padded_not_ref
     """Five text tokens over two ranks: the split pads the text with masked tokens (the
     adapter's own alignment padding), and the velocity is the unpadded one's."""
     run_on_gloo_ranks(functools.partial(_qwen_check, str(tiny_model_dir("qwen_image")), 5))
+
+
+def test_a_checkpointed_qwen_image_split_over_two_gloo_ranks_replays_like_one_rank(
+        tiny_model_dir):
+    run_on_gloo_ranks(functools.partial(_qwen_check, str(tiny_model_dir("qwen_image")), 6, True))
 
 
 def test_text_padding_appends_masked_tokens_only_where_the_degree_does_not_divide():

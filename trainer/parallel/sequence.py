@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from diffusers import ContextParallelConfig
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    _CHECKPOINT_WRAPPED_MODULE as _WRAPPED)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -134,6 +136,29 @@ def _prepare_forward(degree: int):
     return prepare
 
 
+def _plan_modules(module: nn.Module, name: str) -> list[nn.Module]:
+    """The modules a context-parallel plan key names ('' the root, ``*`` every item of a
+    ModuleList), as diffusers resolves them."""
+    if not name:
+        return [module]
+    first, _, rest = name.partition(".")
+    children = list(module) if first == "*" else [getattr(module, first)]
+    return [m for child in children for m in _plan_modules(child, rest)]
+
+
+def through_checkpoint_wrappers(transformer: nn.Module, plan: dict) -> dict:
+    """``plan`` with each key that names activation-checkpoint wrappers pointed at the modules
+    they wrap. diffusers finds the inputs it splits by the module's forward signature, which a
+    wrapper hides behind ``*args, **kwargs``; on the wrapped module the split runs inside the
+    checkpointed region, and its recompute in the backward slices the same saved input."""
+    out = {}
+    for key, entry in plan.items():
+        modules = _plan_modules(transformer, key)
+        wrapped = bool(modules) and all(hasattr(m, _WRAPPED) for m in modules)
+        out[f"{key}.{_WRAPPED}" if key and wrapped else key] = entry
+    return out
+
+
 def apply_sequence_parallel(transformer: nn.Module, pm: ParallelMesh) -> nn.Module:
     """Split ``transformer``'s sequence over ``pm``'s sequence groups (diffusers' Ulysses).
     Refuses, naming every problem, a family outside ``rules.FAMILIES`` and a head count the
@@ -150,7 +175,7 @@ def apply_sequence_parallel(transformer: nn.Module, pm: ParallelMesh) -> nn.Modu
         problems.append(f"{type(transformer).__name__} has no context-parallel plan in diffusers")
     if problems:
         raise ValueError("sequence parallelism cannot be applied: " + "; ".join(problems))
-    plan = transformer._cp_plan
+    plan = through_checkpoint_wrappers(transformer, transformer._cp_plan)
     if family_class(transformer) == "QwenImageTransformer2DModel":
         plan = qwen_fast_paths.context_parallel_plan(plan)
     with cpu_device_count():
