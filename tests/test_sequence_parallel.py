@@ -134,6 +134,26 @@ def _wan_checkpointed_check() -> None:
     _compare_with_one_rank(_tiny_wan, _wan_inputs, split=_checkpointed_and_split)
 
 
+def _compiled_checkpointed_and_split(model, sequence_degree: int):
+    """``build_actor``'s order on a GPU with the Wan recipes' defaults: checkpoint wrappers,
+    then each (wrapped) block compiled, then the split and FSDP2."""
+    from trainer.actor.model import apply_activation_checkpointing
+    from trainer.models.compile import compile_blocks
+
+    apply_activation_checkpointing(model, list(model.blocks))
+    compile_blocks(list(model.blocks))
+    fsdp = FSDPConfig(param_dtype="fp32", reduce_dtype="fp32", sequence_parallel=sequence_degree)
+    apply_fsdp(model, list(model.blocks), fsdp, LoRAConfig())
+
+
+def _wan_compiled_check() -> None:
+    from trainer.models.compile import compile_events
+
+    before = compile_events()
+    _compare_with_one_rank(_tiny_wan, _wan_inputs, split=_compiled_checkpointed_and_split)
+    assert compile_events() > before  # the blocks ran compiled
+
+
 def _wan_odd_tokens_check() -> None:
     from diffusers import ContextParallelConfig
     if torch.accelerator.device_count() == 0:  # the original setup, which the CPU patch is for
@@ -164,6 +184,12 @@ def test_the_split_composes_with_activation_checkpointing():
     """diffusers finds a block's split inputs by its forward's signature, which torch's
     checkpoint wrapper hides: the plan is pointed at the wrapped blocks."""
     run_on_gloo_ranks(_wan_checkpointed_check)
+
+
+@pytest.mark.slow
+def test_the_split_composes_with_per_block_compile_and_activation_checkpointing():
+    """The order and options a GPU run of the Wan recipes uses (inductor on the CPU here)."""
+    run_on_gloo_ranks(_wan_compiled_check)
 
 
 def test_a_forward_whose_tokens_the_degree_does_not_divide_is_refused_by_name():
