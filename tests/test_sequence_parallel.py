@@ -350,3 +350,55 @@ def test_preflight_reads_the_heads_of_the_transformer_it_will_split(tiny_model_d
     assert any("2 attention heads" in p for p in problems)
     # the toy adapter of the recipe is not the model's: no other sequence-split rule fires
     assert [p for p in problems if "sequence" in p] == [p for p in problems if "heads" in p]
+
+
+def _slice(rank: int, text: int, final: bool = True):
+    """A rank's rollout slice: 2 candidates of one prompt group, ``text`` padded text tokens."""
+    from trainer.models.base import RolloutBatch
+
+    g = torch.Generator().manual_seed(rank)
+    mask = torch.ones(2, text, dtype=torch.bool)
+    mask[1, text - 1] = False
+    return RolloutBatch(
+        prompts=[f"p{rank}"] * 2, sample_ids=[f"prompt:{rank}:sample:{s}" for s in range(2)],
+        group_index=torch.zeros(2, dtype=torch.long), sde_indices=[1, 2],
+        latents=torch.randn(2, 2, 3, generator=g), next_latents=torch.randn(2, 2, 3, generator=g),
+        sigmas=torch.rand(2, 2, generator=g), sigmas_next=torch.rand(2, 2, generator=g),
+        log_probs=torch.randn(2, 2, generator=g),
+        conditions={"embeds": torch.randn(2, text, 4, generator=g), "mask": mask},
+        height=16, width=16, eta=0.7, sde_type="sde",
+        images=torch.zeros(2, 16, 16, 3, dtype=torch.uint8), metadata=[{"rank": rank}] * 2,
+        final_latents=torch.randn(2, 3, generator=g) if final else None,
+        schedule=torch.linspace(1, 0, 4), sources=[("src",)] * 2)
+
+
+def _gather_check() -> None:
+    from trainer.models.batch import concat_batches
+    from trainer.parallel.group_batch import gather_sequence_group
+
+    rank = dist.get_rank()
+    group = build_mesh(2).sequence_group()
+    slices = [_slice(0, text=3), _slice(1, text=5)]  # rank 1's prompts encode longer
+    advantages = [torch.tensor([1.0, -1.0]), torch.tensor([0.5, -0.5])]
+    joined, adv = gather_sequence_group(slices[rank], advantages[rank], group, torch.device("cpu"))
+    want = concat_batches(slices)
+    assert joined.sample_ids == want.sample_ids and joined.prompts == want.prompts
+    assert joined.metadata == want.metadata
+    assert joined.group_index.tolist() == [0, 0, 1, 1]  # one id per prompt group
+    for name in ("latents", "next_latents", "sigmas", "sigmas_next", "log_probs",
+                 "final_latents"):
+        assert torch.equal(getattr(joined, name), getattr(want, name)), name
+    for key, value in want.conditions.items():  # padded to the longer text, dtype kept
+        assert joined.conditions[key].dtype == value.dtype
+        assert torch.equal(joined.conditions[key], value), key
+    assert joined.conditions["embeds"].shape == (4, 5, 4)
+    assert joined.images is None and joined.sources is None  # not replayed: not moved
+    assert torch.equal(adv, torch.cat(advantages))
+    # a field one rank holds and the other does not: one error, on every rank
+    with pytest.raises(ValueError, match="final_latents: present on one rank"):
+        gather_sequence_group(_slice(rank, 3, final=rank == 0), advantages[rank], group,
+                              torch.device("cpu"))
+
+
+def test_a_sequence_group_joins_its_ranks_slices_in_rank_order_on_every_rank():
+    run_on_gloo_ranks(_gather_check)
