@@ -17,9 +17,11 @@ group's batches. Losses, ratios, grad norms, the final weights and the log-probs
 fp32 rounding; the logged sample counts and rates must count each sample once.
 
 Families: the tiny Wan 2.1 recipe (LoRA; the dense video reward of
-tests/test_family_wan_train.py) and the tiny Qwen-Image under the ``tiny`` recipe (full training;
-prompts of several lengths, unaligned by the adapter, so the joined batch pads the text of one
-rank's slice to the other's and the split pads an odd length with a masked token).
+tests/test_family_wan_train.py; Flow-GRPO with activation checkpointing, and DiffusionNFT) and
+the tiny Qwen-Image under the ``tiny`` recipe (full training; prompts of several lengths,
+unaligned by the adapter, so the joined batch pads the text of one rank's slice to the other's
+and the split pads an odd length with a masked token). Last, a save and resume of a
+sequence-parallel run reproduces its next step to the last bit.
 """
 from __future__ import annotations
 
@@ -179,15 +181,18 @@ def _data_parallel_rank(tmp_dir: str, recipe: str, sets: list[str], model_dir: s
 
 
 def _check_counts(run_dir: Path, samples: int, groups_per_rank: float) -> None:
-    """Every sample counted once: the rates of the logged steps read ``samples`` per step."""
+    """Every sample counted once: the rates of the logged steps read ``samples`` per step, not
+    ``degree`` times as many. A logged rate is the ranks' mean of each one's count over its own
+    time, the time logged their mean: the margin takes their spread and still tells once from
+    twice."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "perf/step_time" in r]
     assert len(steps) == ROLLOUTS
     for step, row in enumerate(steps):
         assert row["perf/samples_per_s"] == pytest.approx(samples / row["perf/step_time"],
-                                                          rel=0.05)
+                                                          rel=0.25)
         assert row["perf/train_samples_per_s"] == pytest.approx(
-            samples / row["perf/train_time"], rel=0.05)
+            samples / row["perf/train_time"], rel=0.25)
         assert row["reward/num_groups"] == groups_per_rank  # a rank's own groups, scored once
         assert row["train/policy_version"] == step + 1
         assert row.get("train/first_update_ratio_mean", 1.0) == 1.0  # NFT: no ratio
