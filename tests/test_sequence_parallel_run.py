@@ -296,10 +296,12 @@ def test_two_data_groups_of_two_sequence_ranks_train_the_tiny_wan_like_plain_dat
         tmp_path):
     """World 4, degree 2: two data groups, each of two ranks rolling out one prompt group. The
     reference is two plain FSDP2 ranks, rank d training on data group d's batches: FSDP2's
-    mean over the data groups is the same, and the split changes nothing else."""
+    mean over the data groups is the same, and the split changes nothing else. The ranks load
+    the model one at a time (``fsdp.load_wave_size``: the split and FSDP2 come after)."""
     recipe, model_dir, sets = _wan(tmp_path, world=4)
     run_on_gloo_ranks(functools.partial(_run_rank, str(tmp_path), recipe,
-                                        sets + ["fsdp.sequence_parallel=2"]), world=4)
+                                        sets + ["fsdp.sequence_parallel=2",
+                                                "fsdp.load_wave_size=1"]), world=4)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
     _check_groups(ranks, 2)
     _check_counts(tmp_path / "run", 4 * CANDIDATES, 1.0)
