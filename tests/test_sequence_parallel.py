@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from dist_fixtures import run_on_gloo_ranks
 from flowgrpo_kernels.sde_reference import sde_log_prob_ref
-from trainer.actor.model import apply_fsdp
+from trainer.actor.model import apply_fsdp, strip_wrapper_names
 from trainer.config import FSDPConfig, LoRAConfig
 from trainer.parallel.rules import model_problems, world_problems
 from trainer.parallel.sequence import (apply_sequence_parallel, build_mesh,
@@ -48,7 +48,8 @@ def _full_grads(model) -> dict[str, torch.Tensor]:
         g = p.grad
         if g is None:  # a parameter this forward does not use (same on both sides)
             continue
-        grads[name] = (g.full_tensor() if isinstance(g, DTensor) else g).clone()
+        grads[strip_wrapper_names(name)] = (g.full_tensor() if isinstance(g, DTensor)
+                                            else g).clone()
     return grads
 
 
@@ -117,6 +118,42 @@ def _wan_actor_check() -> None:
     _compare_with_one_rank(_tiny_wan, _wan_inputs, split=_actor_apply_fsdp)
 
 
+def _checkpointed_and_split(model, sequence_degree: int):
+    """The blocks wrapped for activation checkpointing first, then split and sharded through
+    the actor's FSDP2 entry (``build_actor``'s order): the plan's block keys name wrappers."""
+    from trainer.actor.model import apply_activation_checkpointing
+
+    blocks = getattr(model, "blocks", None) or model.transformer_blocks
+    apply_activation_checkpointing(model, list(blocks))
+    blocks = getattr(model, "blocks", None) or model.transformer_blocks
+    fsdp = FSDPConfig(param_dtype="fp32", reduce_dtype="fp32", sequence_parallel=sequence_degree)
+    apply_fsdp(model, list(blocks), fsdp, LoRAConfig())
+
+
+def _wan_checkpointed_check() -> None:
+    _compare_with_one_rank(_tiny_wan, _wan_inputs, split=_checkpointed_and_split)
+
+
+def _compiled_checkpointed_and_split(model, sequence_degree: int):
+    """``build_actor``'s order on a GPU with the Wan recipes' defaults: checkpoint wrappers,
+    then each (wrapped) block compiled, then the split and FSDP2."""
+    from trainer.actor.model import apply_activation_checkpointing
+    from trainer.models.compile import compile_blocks
+
+    apply_activation_checkpointing(model, list(model.blocks))
+    compile_blocks(list(model.blocks))
+    fsdp = FSDPConfig(param_dtype="fp32", reduce_dtype="fp32", sequence_parallel=sequence_degree)
+    apply_fsdp(model, list(model.blocks), fsdp, LoRAConfig())
+
+
+def _wan_compiled_check() -> None:
+    from trainer.models.compile import compile_events
+
+    before = compile_events()
+    _compare_with_one_rank(_tiny_wan, _wan_inputs, split=_compiled_checkpointed_and_split)
+    assert compile_events() > before  # the blocks ran compiled
+
+
 def _wan_odd_tokens_check() -> None:
     from diffusers import ContextParallelConfig
     if torch.accelerator.device_count() == 0:  # the original setup, which the CPU patch is for
@@ -143,13 +180,25 @@ def test_the_actors_fsdp2_entry_splits_the_sequence_when_the_option_is_on():
     run_on_gloo_ranks(_wan_actor_check)
 
 
+def test_the_split_composes_with_activation_checkpointing():
+    """diffusers finds a block's split inputs by its forward's signature, which torch's
+    checkpoint wrapper hides: the plan is pointed at the wrapped blocks."""
+    run_on_gloo_ranks(_wan_checkpointed_check)
+
+
+@pytest.mark.slow
+def test_the_split_composes_with_per_block_compile_and_activation_checkpointing():
+    """The order and options a GPU run of the Wan recipes uses (inductor on the CPU here)."""
+    run_on_gloo_ranks(_wan_compiled_check)
+
+
 def test_a_forward_whose_tokens_the_degree_does_not_divide_is_refused_by_name():
     """Also: without the CPU patch diffusers' own setup fails on a host without an
     accelerator, which is why the patch exists."""
     run_on_gloo_ranks(_wan_odd_tokens_check)
 
 
-def _qwen_check(model_dir: str) -> None:
+def _qwen_check(model_dir: str, text: int = 6, checkpointed: bool = False) -> None:
     from trainer.models.qwen_image import QwenImageAdapter
 
     def build():
@@ -159,7 +208,7 @@ def _qwen_check(model_dir: str) -> None:
 
     def make_inputs(model, seed: int = 0):
         g = torch.Generator().manual_seed(1 + seed)
-        batch, text, side = 2, 6, 4
+        batch, side = 2, 4
         mask = torch.ones(batch, text, dtype=torch.long)
         mask[1, 4:] = 0  # a shorter prompt, padded: the mask is split with the text
         x = torch.randn(batch, side * side, model.config.in_channels, generator=g)
@@ -172,11 +221,40 @@ def _qwen_check(model_dir: str) -> None:
         x = torch.randn(v_shape, generator=g)
         return inputs, x, x + 0.1 * torch.randn(v_shape, generator=g), torch.tensor([0.5, -1.0])
 
-    _compare_with_one_rank(build, make_inputs)
+    _compare_with_one_rank(build, make_inputs,
+                           split=_checkpointed_and_split if checkpointed else _split_and_shard)
 
 
 def test_a_tiny_qwen_image_split_over_two_gloo_ranks_replays_like_one_rank(tiny_model_dir):
     run_on_gloo_ranks(functools.partial(_qwen_check, str(tiny_model_dir("qwen_image"))))
+
+
+def test_a_qwen_image_prompt_length_the_degree_does_not_divide_is_padded_not_refused(
+        tiny_model_dir):
+    """Five text tokens over two ranks: the split pads the text with masked tokens (the
+    adapter's own alignment padding), and the velocity is the unpadded one's."""
+    run_on_gloo_ranks(functools.partial(_qwen_check, str(tiny_model_dir("qwen_image")), 5))
+
+
+def test_a_checkpointed_qwen_image_split_over_two_gloo_ranks_replays_like_one_rank(
+        tiny_model_dir):
+    run_on_gloo_ranks(functools.partial(_qwen_check, str(tiny_model_dir("qwen_image")), 6, True))
+
+
+def test_text_padding_appends_masked_tokens_only_where_the_degree_does_not_divide():
+    from trainer.parallel.sequence import pad_text_to_degree
+
+    embeds, mask = torch.randn(2, 5, 3), torch.ones(2, 5, dtype=torch.long)
+    padded = pad_text_to_degree({"encoder_hidden_states": embeds,
+                                 "encoder_hidden_states_mask": mask, "timestep": 1}, 4)
+    assert padded["encoder_hidden_states"].shape == (2, 8, 3)
+    assert torch.equal(padded["encoder_hidden_states"][:, :5], embeds)
+    assert not padded["encoder_hidden_states"][:, 5:].any()
+    assert padded["encoder_hidden_states_mask"].tolist() == [[1] * 5 + [0] * 3] * 2
+    assert padded["timestep"] == 1
+    whole = {"encoder_hidden_states": embeds, "encoder_hidden_states_mask": mask}
+    assert pad_text_to_degree(whole, 5) is whole
+    assert pad_text_to_degree({"encoder_hidden_states": embeds}, 4)["encoder_hidden_states"] is embeds
 
 
 def test_the_rules_name_every_problem_at_once():
@@ -191,7 +269,9 @@ def test_the_rules_name_every_problem_at_once():
     assert "image tokens length 30" in problems[1]
 
 
-def test_preflight_names_a_degree_the_world_does_not_divide_and_refuses_it_in_a_run():
+def test_preflight_names_a_degree_the_world_does_not_divide_and_a_family_it_cannot_split():
+    """The tiny recipe trains the shipped toy model, an SD3 transformer of 3 heads: no sequence
+    split is tested for its family, so preflight refuses it by its class (and its heads)."""
     from trainer.config import ConfigError, load_config
     from trainer.preflight import preflight
 
@@ -202,8 +282,41 @@ def test_preflight_names_a_degree_the_world_does_not_divide_and_refuses_it_in_a_
     assert "--fsdp-sequence-parallel" in str(odd.value)
     with pytest.raises(ConfigError) as even:
         preflight(cfg, world_size=2)
-    assert "same samples to replay" in str(even.value)
+    family, heads = [p for p in even.value.problems if "sequence" in p]
+    assert family == ("fsdp.sequence_parallel (--fsdp-sequence-parallel)=2: SD3Transformer2DModel "
+                      "cannot be split over a sequence group; supported: Wan "
+                      "(WanTransformer3DModel), Qwen-Image (QwenImageTransformer2DModel)")
+    assert "3 attention heads" in heads  # the toy's, named in the same error
     assert preflight(load_config("tiny", ["fsdp.sequence_parallel=1"]), world_size=2) == []
+
+
+def test_preflight_accepts_a_sequence_split_of_a_supported_family_in_a_run(tiny_model_dir):
+    """The blanket refusal is gone: the loop gives a sequence group the same samples."""
+    from trainer.config import load_config
+    from trainer.preflight import preflight
+
+    model = tiny_model_dir("qwen_image")  # two attention heads
+    cfg = load_config("tiny", ["fsdp.sequence_parallel=2", f"model.model_path={model}",
+                               "model.adapter_path=trainer.models.qwen_image.QwenImageAdapter"])
+    assert preflight(cfg, world_size=2) == []
+
+
+def test_preflight_divides_the_updates_of_the_batch_a_sequence_group_trains_on(tiny_model_dir):
+    """One group of 4 per rank at world 4; a sequence group of 2 trains on 8: three updates
+    divide neither, and the error names the joined count; two updates of 4 divide it."""
+    from trainer.config import ConfigError, load_config
+    from trainer.preflight import preflight
+
+    model = tiny_model_dir("qwen_image")
+    sets = ["fsdp.sequence_parallel=2", f"model.model_path={model}",
+            "model.adapter_path=trainer.models.qwen_image.QwenImageAdapter",
+            "rollout.rollout_batch_size=4", "rollout.global_batch_size=16"]
+    with pytest.raises(ConfigError) as info:
+        preflight(load_config("tiny", sets + ["train.num_updates_per_batch=3"]), world_size=4)
+    assert any("the 8 samples each rank trains on (its sequence group's slices)" in p
+               for p in info.value.problems)
+    assert preflight(load_config("tiny", sets + ["train.num_updates_per_batch=2",
+                                                 "train.micro_batch_size=4"]), world_size=4) == []
 
 
 def test_the_cpu_patch_changes_the_count_only_inside_its_block():
@@ -235,4 +348,57 @@ def test_preflight_reads_the_heads_of_the_transformer_it_will_split(tiny_model_d
         preflight(cfg, world_size=4)
     problems = info.value.problems
     assert any("2 attention heads" in p for p in problems)
-    assert any("same samples to replay" in p for p in problems)  # named in the same error
+    # the toy adapter of the recipe is not the model's: no other sequence-split rule fires
+    assert [p for p in problems if "sequence" in p] == [p for p in problems if "heads" in p]
+
+
+def _slice(rank: int, text: int, final: bool = True):
+    """A rank's rollout slice: 2 candidates of one prompt group, ``text`` padded text tokens."""
+    from trainer.models.base import RolloutBatch
+
+    g = torch.Generator().manual_seed(rank)
+    mask = torch.ones(2, text, dtype=torch.bool)
+    mask[1, text - 1] = False
+    return RolloutBatch(
+        prompts=[f"p{rank}"] * 2, sample_ids=[f"prompt:{rank}:sample:{s}" for s in range(2)],
+        group_index=torch.zeros(2, dtype=torch.long), sde_indices=[1, 2],
+        latents=torch.randn(2, 2, 3, generator=g), next_latents=torch.randn(2, 2, 3, generator=g),
+        sigmas=torch.rand(2, 2, generator=g), sigmas_next=torch.rand(2, 2, generator=g),
+        log_probs=torch.randn(2, 2, generator=g),
+        conditions={"embeds": torch.randn(2, text, 4, generator=g), "mask": mask},
+        height=16, width=16, eta=0.7, sde_type="sde",
+        images=torch.zeros(2, 16, 16, 3, dtype=torch.uint8), metadata=[{"rank": rank}] * 2,
+        final_latents=torch.randn(2, 3, generator=g) if final else None,
+        schedule=torch.linspace(1, 0, 4), sources=[("src",)] * 2)
+
+
+def _gather_check() -> None:
+    from trainer.models.batch import concat_batches
+    from trainer.parallel.group_batch import gather_sequence_group
+
+    rank = dist.get_rank()
+    group = build_mesh(2).sequence_group()
+    slices = [_slice(0, text=3), _slice(1, text=5)]  # rank 1's prompts encode longer
+    advantages = [torch.tensor([1.0, -1.0]), torch.tensor([0.5, -0.5])]
+    joined, adv = gather_sequence_group(slices[rank], advantages[rank], group, torch.device("cpu"))
+    want = concat_batches(slices)
+    assert joined.sample_ids == want.sample_ids and joined.prompts == want.prompts
+    assert joined.metadata == want.metadata
+    assert joined.group_index.tolist() == [0, 0, 1, 1]  # one id per prompt group
+    for name in ("latents", "next_latents", "sigmas", "sigmas_next", "log_probs",
+                 "final_latents"):
+        assert torch.equal(getattr(joined, name), getattr(want, name)), name
+    for key, value in want.conditions.items():  # padded to the longer text, dtype kept
+        assert joined.conditions[key].dtype == value.dtype
+        assert torch.equal(joined.conditions[key], value), key
+    assert joined.conditions["embeds"].shape == (4, 5, 4)
+    assert joined.images is None and joined.sources is None  # not replayed: not moved
+    assert torch.equal(adv, torch.cat(advantages))
+    # a field one rank holds and the other does not: one error, on every rank
+    with pytest.raises(ValueError, match="final_latents: present on one rank"):
+        gather_sequence_group(_slice(rank, 3, final=rank == 0), advantages[rank], group,
+                              torch.device("cpu"))
+
+
+def test_a_sequence_group_joins_its_ranks_slices_in_rank_order_on_every_rank():
+    run_on_gloo_ranks(_gather_check)

@@ -4,7 +4,10 @@ One ``Trainer`` per rank (N ranks = N GPUs, or one CPU process). Rank j owns eng
 own device; each rank generates its own groups (rollout_batch_size / world of them), scores
 them, and trains on them, so no trajectory crosses ranks and nothing round-trips through disk.
 The only cross-rank traffic is FSDP's own collectives, a handful of scalar all-reduces
-(batch-std advantages, the micro-batch-count check, metrics) and nothing else.
+(batch-std advantages, the micro-batch-count check, metrics) and nothing else; except under
+sequence parallelism (``fsdp.sequence_parallel = S``), where the S ranks of a sequence group
+join their scored slices before the update and each trains on all S of them
+(``trainer.parallel.group_batch`` says why it gathers rather than rolls out alike).
 """
 from __future__ import annotations
 
@@ -41,6 +44,8 @@ from trainer.utils.host_gc import HostGarbageCollection, resolve_gc_mode
 from trainer.metrics import MetricsLogger, step_metrics
 from trainer.compute.mfu import step_mfu
 from trainer.models.compile import compile_events
+from trainer.parallel.group_batch import gather_sequence_group
+from trainer.parallel.sequence import ParallelMesh, build_mesh
 from trainer.profiling import ProfileWindow, StageTimer, add_times, nvtx_range
 from trainer.progress import RunProgress
 from trainer.prompts import PromptSampler, load_records
@@ -133,6 +138,7 @@ class Trainer(TrainerState):
         self.model_path = resolve_model_path(cfg)
         self.adapter = import_dotpath(cfg.model.adapter_path)(self.model_path,
                                                               **cfg.model.adapter_options)
+        self.parallel = self._build_parallel()
         self.actor = self._build_actor()
         self.state_stream = (torch.cuda.Stream(self.device) if self.device.type == "cuda"
                              and cfg.fsdp.overlap_state_onload else None)
@@ -159,6 +165,12 @@ class Trainer(TrainerState):
     sender = property(lambda self: self.rollouts.sender)
 
     # ---- construction -----------------------------------------------------------------
+    def _build_parallel(self) -> ParallelMesh | None:
+        """The data x sequence mesh under ``fsdp.sequence_parallel > 1`` (None: off), built
+        once: the actor shards over it and the loop joins each sequence group's batch on it."""
+        degree = self.cfg.fsdp.sequence_parallel
+        return build_mesh(degree, self.device.type) if degree > 1 else None
+
     def _build_actor(self) -> Actor:
         cfg = self.cfg
         model = self._load_in_waves()
@@ -172,7 +184,8 @@ class Trainer(TrainerState):
         cfg = self.cfg
         wave = cfg.fsdp.load_wave_size
         build = functools.partial(build_actor, self.adapter, cfg.train, cfg.fsdp, cfg.lora,
-                                  self.device, self.distributed, compile=cfg.model.compile)
+                                  self.device, self.distributed, compile=cfg.model.compile,
+                                  mesh=self.parallel)
         if not self.distributed or wave <= 0 or wave >= self.world:
             return build()
         model = None
@@ -180,7 +193,7 @@ class Trainer(TrainerState):
             if start <= self.rank < start + wave:
                 model = build(shard=False)
             dist.barrier()
-        return shard_actor(model, self.adapter, cfg.fsdp, cfg.lora)
+        return shard_actor(model, self.adapter, cfg.fsdp, cfg.lora, self.parallel)
 
     def _build_data(self) -> None:
         cfg = self.cfg
@@ -287,6 +300,16 @@ class Trainer(TrainerState):
         metrics["reward/failed_groups"] = float(len(failed))
         return adv, metrics
 
+    def train_batch(self, batch, advantages: torch.Tensor):
+        """(batch, advantages) this rank trains on: its own slice, or under sequence
+        parallelism every slice of its sequence group, joined alike on each of its ranks.
+        Rollout, rewards, metrics and sample counts stay with the rank's own slice."""
+        if self.parallel is None:
+            return batch, advantages
+        with self.timer.stage("sequence_gather"):
+            return gather_sequence_group(batch, advantages, self.parallel.sequence_group(),
+                                         self.actor.coll_device())
+
     def _engine_names(self) -> dict[str, str]:
         """Trainer parameter name (wrappers stripped) -> the engine's name (adapter's map)."""
         if getattr(self, "_name_map", None) is None:
@@ -328,6 +351,7 @@ class Trainer(TrainerState):
         self.profile.before(rollout_id)
         batch = self.rollout(rollout_id)
         advantages, metrics = self.score(batch)
+        trained, trained_advantages = self.train_batch(batch, advantages)
         first_measure = not self.colocate.decided and self.device.type == "cuda"
         if self.colocate.engine_release:
             with self.timer.stage("engine_release"):
@@ -345,10 +369,10 @@ class Trainer(TrainerState):
             torch.cuda.reset_peak_memory_stats(self.device)
         with self.timer.stage("train"):
             if self.cfg.train.algorithm == "diffusionnft":  # its own update (algorithms.nft_step)
-                metrics.update(nft_train_on(actor, batch, advantages, rollout_id,
+                metrics.update(nft_train_on(actor, trained, trained_advantages, rollout_id,
                                             self.cfg.rollout.sampling.timestep_fraction))
             else:
-                metrics.update(train_on(actor, batch, advantages, rollout_id))
+                metrics.update(train_on(actor, trained, trained_advantages, rollout_id))
             state_onload.wait()  # a stage without an optimizer step must not leave it pending
         metrics.update(self._recovered("weight sync", self.sync_weights, collective=True))
         self._offload_after_train(actor_footprint(self.device) if first_measure else None)
@@ -359,6 +383,8 @@ class Trainer(TrainerState):
         recompiles = float(compile_events() - compiles_before + sum(self.driver.last_compiles))
         compute = add_times({f"engine_{k}": v for k, v in self.driver.last_compute_s.items()},
                             actor.meter.pop())
+        # this rank's own slice, also under sequence parallelism: its group's ranks trained
+        # the same samples, each on 1/S of the tokens, so the slice is its share of the work
         metrics.update(step_metrics(
             step_time=step_time, stage_times=times, recompiles=recompiles, compute=compute,
             outside=actor.outside.pop(), samples=len(batch), sde_steps=len(batch.sde_indices),

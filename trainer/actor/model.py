@@ -20,7 +20,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     apply_activation_checkpointing as _apply_ac, checkpoint_wrapper)
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from trainer.parallel.sequence import (apply_sequence_parallel, build_mesh,
+from trainer.parallel.sequence import (ParallelMesh, apply_sequence_parallel, build_mesh,
                                        shard_over_data_and_sequence)
 from trainer.patches.fsdp_grad_copy_in import install as install_flat_copy_in
 from trainer.patches.fsdp_one_rank_unshard import install as install_flat_unshard
@@ -122,7 +122,9 @@ def accumulate_unsharded(fsdp: FSDPConfig) -> bool:
 
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], fsdp: FSDPConfig,
-               lora: LoRAConfig) -> nn.Module:
+               lora: LoRAConfig, mesh: ParallelMesh | None = None) -> nn.Module:
+    """FSDP2 over ``blocks`` then the root; with ``fsdp.sequence_parallel > 1`` over ``mesh``
+    (the run's data x sequence mesh; None: built here)."""
     mp = MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[fsdp.param_dtype],
                               reduce_dtype=TORCH_DTYPES[fsdp.reduce_dtype])
     kwargs = {"mp_policy": mp, "reshard_after_forward": reshard_after_forward(fsdp)}
@@ -140,7 +142,7 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], fsdp: FSDPConfig,
     if fsdp.sequence_parallel > 1:
         # the transformer's tokens split over sequence groups; FSDP2 then shards over data x
         # sequence and sums gradients over each sequence group (docs/fsdp2.md)
-        mesh = build_mesh(fsdp.sequence_parallel)
+        mesh = mesh or build_mesh(fsdp.sequence_parallel)
         apply_sequence_parallel(inner_model(model), mesh)
         return shard_over_data_and_sequence(model, units, mesh, **kwargs)
     for block in units:
@@ -162,10 +164,11 @@ def current_blocks(model: nn.Module, adapter: GenerativeModelAdapter) -> list[nn
 
 def build_actor(adapter: GenerativeModelAdapter, train: TrainConfig, fsdp: FSDPConfig,
                 lora: LoRAConfig, device: torch.device, distributed: bool, shard: bool = True,
-                *, compile: str = "auto") -> nn.Module:
+                *, compile: str = "auto", mesh: ParallelMesh | None = None) -> nn.Module:
     """Load, LoRA, master dtype, device, AC; then FSDP2 when ``distributed`` and ``shard``
     (``shard=False`` leaves the collective ``fully_shard`` to ``shard_actor``, for wave
-    loading: fully_shard must run on all ranks together). ``compile``: ``model.compile``."""
+    loading: fully_shard must run on all ranks together). ``compile``: ``model.compile``;
+    ``mesh``: the run's data x sequence mesh (``apply_fsdp``)."""
     torch.manual_seed(train.seed)  # LoRA init: identical on every rank
     use_lora = lora.rank > 0
     # LoRA: the frozen base is stored in the compute dtype (half the memory and offload traffic
@@ -192,14 +195,14 @@ def build_actor(adapter: GenerativeModelAdapter, train: TrainConfig, fsdp: FSDPC
         # before fully_shard: its hooks then wrap the compiled forward (torchtitan's order)
         compile_blocks(current_blocks(model, adapter), adapter.block_dynamic_dims)
     if distributed and shard:
-        apply_fsdp(model, current_blocks(model, adapter), fsdp, lora)
+        apply_fsdp(model, current_blocks(model, adapter), fsdp, lora, mesh)
     return model
 
 
 def shard_actor(model: nn.Module, adapter: GenerativeModelAdapter, fsdp: FSDPConfig,
-                lora: LoRAConfig) -> nn.Module:
+                lora: LoRAConfig, mesh: ParallelMesh | None = None) -> nn.Module:
     """FSDP2 over a model ``build_actor(..., shard=False)`` built."""
-    return apply_fsdp(model, current_blocks(model, adapter), fsdp, lora)
+    return apply_fsdp(model, current_blocks(model, adapter), fsdp, lora, mesh)
 
 
 def build_optimizer(model: nn.Module, t: TrainConfig) -> torch.optim.Optimizer:

@@ -15,6 +15,12 @@ from collections.abc import Mapping
 
 KEY = "fsdp.sequence_parallel"
 
+#: diffusers transformer class -> family, for the families whose context-parallel plan is split
+#: here and tested against one rank (tests/test_sequence_parallel.py): each splits other
+#: sequences (``trainer.parallel.sequence.split_lengths`` knows which), so a family outside this
+#: table is refused rather than split by a plan nobody checked.
+FAMILIES = {"WanTransformer3DModel": "Wan", "QwenImageTransformer2DModel": "Qwen-Image"}
+
 
 def world_problems(degree: int, world: int) -> list[str]:
     """Problems of splitting ``world`` ranks into sequence groups of ``degree``."""
@@ -24,6 +30,15 @@ def world_problems(degree: int, world: int) -> list[str]:
         return [f"{KEY}={degree} must divide the world size {world} (ranks = data groups x "
                 f"sequence degree)"]
     return []
+
+
+def family_problems(degree: int, transformer_class: str) -> list[str]:
+    """Problems of splitting a transformer of diffusers class ``transformer_class``."""
+    if degree == 1 or transformer_class in FAMILIES:
+        return []
+    supported = ", ".join(f"{name} ({cls})" for cls, name in FAMILIES.items())
+    return [f"{KEY}={degree}: {transformer_class} cannot be split over a sequence group; "
+            f"supported: {supported}"]
 
 
 def model_problems(degree: int, *, model: str, heads: int, sequences: Mapping[str, int]) -> list[str]:

@@ -26,12 +26,14 @@ import torch
 import torch.distributed as dist
 from diffusers import ContextParallelConfig
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    _CHECKPOINT_WRAPPED_MODULE as _WRAPPED)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from trainer.patches import diffusers_qwen_fast_paths as qwen_fast_paths
 from trainer.patches.diffusers_cpu_context_parallel import cpu_device_count
-from trainer.parallel.rules import model_problems, world_problems
+from trainer.parallel.rules import FAMILIES, family_problems, model_problems, world_problems
 
 # diffusers reads the context-parallel mesh by these two names; ring stays size 1 (see rules.py)
 _DIMS = ("data", "ring", "ulysses")
@@ -47,6 +49,10 @@ class ParallelMesh:
     def fsdp_mesh(self) -> DeviceMesh:
         """Every rank in one dimension: FSDP2 shards parameters over data and sequence alike."""
         return self.mesh[_DIMS]._flatten("data_sequence")
+
+    def sequence_group(self) -> dist.ProcessGroup:
+        """This rank's sequence group: the ranks that replay the same samples."""
+        return self.mesh["ulysses"].get_group()
 
 
 def build_mesh(sequence_degree: int, device_type: str | None = None) -> ParallelMesh:
@@ -64,14 +70,11 @@ def build_mesh(sequence_degree: int, device_type: str | None = None) -> Parallel
     return ParallelMesh(mesh, data, sequence_degree)
 
 
-_FAMILIES = ("WanTransformer3DModel", "QwenImageTransformer2DModel")
-
-
 def family_class(transformer: nn.Module) -> str:
     """The diffusers class of ``transformer`` (FSDP2 renames the class it wraps), or its own
     name when it is none of the supported ones."""
     for cls in type(transformer).__mro__:
-        if cls.__name__ in _FAMILIES:
+        if cls.__name__ in FAMILIES:
             return cls.__name__
     return type(transformer).__name__
 
@@ -97,38 +100,89 @@ def split_lengths(transformer: nn.Module, args: tuple, kwargs: dict) -> dict[str
                      f"supported: Wan (WanTransformer3DModel) and Qwen-Image")
 
 
-def _check_forward(degree: int):
-    def check(module: nn.Module, args: tuple, kwargs: dict) -> None:
+_TEXT = ("encoder_hidden_states", "encoder_hidden_states_mask")
+
+
+def pad_text_to_degree(kwargs: dict, degree: int) -> dict:
+    """Qwen-Image's keyword inputs with masked text tokens (embedding 0, mask 0) appended until
+    the degree divides the text length, which the plan splits and prompts vary: the same
+    padding as the adapter's own alignment (``QwenImageAdapter.pad_text``): a masked key adds
+    nothing to attention and the real tokens' rotary positions do not move. Unchanged where
+    the text is not passed by keyword with its mask, or already divides."""
+    if not all(isinstance(kwargs.get(k), torch.Tensor) for k in _TEXT):
+        return kwargs
+    embeds, mask = (kwargs[k] for k in _TEXT)
+    pad = -embeds.shape[1] % degree
+    if pad == 0:
+        return kwargs
+    return {**kwargs,
+            _TEXT[0]: torch.cat([embeds, embeds.new_zeros(embeds.shape[0], pad, *embeds.shape[2:])], 1),
+            _TEXT[1]: torch.cat([mask, mask.new_zeros(mask.shape[0], pad)], 1)}
+
+
+def _prepare_forward(degree: int):
+    """The pre-hook of a split transformer: Qwen-Image's text padded to the degree, then every
+    split length checked (one error naming each that the degree does not divide)."""
+    def prepare(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if family_class(module) == "QwenImageTransformer2DModel":
+            kwargs = pad_text_to_degree(kwargs, degree)
         problems = model_problems(degree, model=family_class(module),
                                   heads=attention_heads(module),
                                   sequences=split_lengths(module, args, kwargs))
         if problems:
             raise ValueError("this forward cannot be split over the sequence group: "
                              + "; ".join(problems))
-    return check
+        return args, kwargs
+    return prepare
+
+
+def _plan_modules(module: nn.Module, name: str) -> list[nn.Module]:
+    """The modules a context-parallel plan key names ('' the root, ``*`` every item of a
+    ModuleList), as diffusers resolves them."""
+    if not name:
+        return [module]
+    first, _, rest = name.partition(".")
+    children = list(module) if first == "*" else [getattr(module, first)]
+    return [m for child in children for m in _plan_modules(child, rest)]
+
+
+def through_checkpoint_wrappers(transformer: nn.Module, plan: dict) -> dict:
+    """``plan`` with each key that names activation-checkpoint wrappers pointed at the modules
+    they wrap. diffusers finds the inputs it splits by the module's forward signature, which a
+    wrapper hides behind ``*args, **kwargs``; on the wrapped module the split runs inside the
+    checkpointed region, and its recompute in the backward slices the same saved input."""
+    out = {}
+    for key, entry in plan.items():
+        modules = _plan_modules(transformer, key)
+        wrapped = bool(modules) and all(hasattr(m, _WRAPPED) for m in modules)
+        out[f"{key}.{_WRAPPED}" if key and wrapped else key] = entry
+    return out
 
 
 def apply_sequence_parallel(transformer: nn.Module, pm: ParallelMesh) -> nn.Module:
     """Split ``transformer``'s sequence over ``pm``'s sequence groups (diffusers' Ulysses).
-    Refuses, naming every problem, a head count the degree does not divide; each forward
-    checks its sequence lengths the same way before anything is split. Degree 1 changes
-    nothing."""
+    Refuses, naming every problem, a family outside ``rules.FAMILIES`` and a head count the
+    degree does not divide; each forward pads Qwen-Image's text to the degree
+    (``pad_text_to_degree``) and checks its sequence lengths the same way before anything is
+    split. Degree 1 changes nothing."""
     degree = pm.sequence_degree
     if degree == 1:  # off: the transformer stays exactly as it was
         return transformer
-    problems = model_problems(degree, model=family_class(transformer),
-                              heads=attention_heads(transformer), sequences={})
+    problems = family_problems(degree, family_class(transformer))
+    problems += model_problems(degree, model=family_class(transformer),
+                               heads=attention_heads(transformer), sequences={})
     if getattr(transformer, "_cp_plan", None) is None:
         problems.append(f"{type(transformer).__name__} has no context-parallel plan in diffusers")
     if problems:
         raise ValueError("sequence parallelism cannot be applied: " + "; ".join(problems))
-    plan = transformer._cp_plan
+    plan = through_checkpoint_wrappers(transformer, transformer._cp_plan)
     if family_class(transformer) == "QwenImageTransformer2DModel":
         plan = qwen_fast_paths.context_parallel_plan(plan)
     with cpu_device_count():
         transformer.enable_parallelism(
             config=ContextParallelConfig(ulysses_degree=degree, mesh=pm.mesh), cp_plan=plan)
-    transformer.register_forward_pre_hook(_check_forward(degree), with_kwargs=True, prepend=True)
+    transformer.register_forward_pre_hook(_prepare_forward(degree), with_kwargs=True,
+                                          prepend=True)
     return transformer
 
 

@@ -28,7 +28,9 @@ Design choices:
   is an error, never silently overridden.
 - Sample arithmetic follows trainer/loop.py: each rank generates and trains on its own
   ``rollout_batch_size / world`` groups, so the per-rank slice is
-  ``rollout_batch_size * n_samples_per_prompt / world`` (``local_sample_count``).
+  ``rollout_batch_size * n_samples_per_prompt / world`` (``local_sample_count``); under
+  ``fsdp.sequence_parallel = S`` a rank trains on its sequence group's S slices
+  (``train_sample_count``), which the update and micro-batch rules divide.
 - ``rollout.engine = "sglang"`` needs exactly one URL per rank (rank j talks to server j).
 - An engine's GPUs must be on one node (CUDA IPC is host-local), so ``gpus_per_node`` must
   be divisible by ``num_gpus_per_engine`` as well as the world size.
@@ -54,13 +56,14 @@ from typing import Any, Callable
 from trainer.config import Config, ConfigError
 from trainer.config.hub import download_hint
 from trainer.config.sampling import KL_FORMS, SamplingConfig, fraction_window  # noqa: F401 (re-exported)
-from trainer.parallel.rules import KEY, model_problems, world_problems
+from trainer.parallel.rules import KEY, family_problems, model_problems, world_problems
 from trainer.preflight.algorithm_rules import check_algorithm, check_reference_options
 from trainer.preflight.checker import Checker, check_finite_numbers, flagged
 from trainer.preflight.data_rules import (EVAL_MODES, check_data, check_logging,  # noqa: F401 (re-export)
                                     check_reliability)
 from trainer.rewards.spec import static_problems
 from trainer.tasks import GENERATION_TASKS
+from trainer.toy import weights_dir
 from trainer.utils.values import RUN_DTYPES, is_int
 
 log = logging.getLogger("trainer.preflight")
@@ -92,6 +95,15 @@ def local_sample_count(cfg: Config, world_size: int) -> int:
     """Candidates one rank generates and trains on per rollout (trainer/loop.py's split)."""
     r = cfg.rollout
     return (r.rollout_batch_size // world_size) * r.n_samples_per_prompt
+
+
+def train_sample_count(cfg: Config, world_size: int) -> int:
+    """Candidates one rank trains on per rollout: its own slice, or under sequence
+    parallelism the slices of its sequence group (a degree the world does not divide is
+    refused by its own rule and counts as 1 here)."""
+    degree = cfg.fsdp.sequence_parallel
+    joined = degree if not world_problems(degree, world_size) else 1
+    return local_sample_count(cfg, world_size) * joined
 
 
 def _check_model(c: Checker) -> None:
@@ -159,32 +171,39 @@ def _check_trainable(c: Checker) -> None:
                     f"the LoRA flags ({derived!r}: {why}); leave it unset")
 
 
-def _transformer_heads(c: Checker) -> int | None:
-    """The attention heads of the diffusers transformer under model.model_path, where its
-    config can be read (the sequence split needs the degree to divide them)."""
-    config = Path(c.cfg.model.model_path) / "transformer" / "config.json"
+def _transformer_config(c: Checker) -> dict | None:
+    """The diffusers config of the transformer the run trains (under model.model_path, or the
+    shipped toy's), where it can be read: the sequence split needs its class and heads. An
+    unreadable one is left to the model rules and the loader, which name it."""
+    m = c.cfg.model
+    root = weights_dir() if m.model_path == "toy" else Path(m.model_path)
+    config = root / "transformer" / "config.json"
     if not c.check_paths or not config.is_file():
         return None
-    heads = json.loads(config.read_text()).get("num_attention_heads")
-    return heads if is_int(heads) else None
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def _check_sequence_parallel(c: Checker) -> None:
+    """The sequence split's rules (trainer.parallel.rules): the degree divides the world, and,
+    where the transformer's config can be read, its family is one whose split is tested and
+    the degree divides its attention heads. The loop gives a sequence group's ranks the same
+    samples (trainer.parallel.group_batch); the split lengths of each forward are checked by
+    the actor, since they depend on the batch."""
     degree = c.cfg.fsdp.sequence_parallel
     problems = world_problems(degree, c.world_size if c.world_size is not None else degree)
+    config = _transformer_config(c) if not problems and degree > 1 else None
+    if config is not None:
+        problems += family_problems(degree, str(config.get("_class_name")))
+        heads = config.get("num_attention_heads")
+        if is_int(heads):
+            problems += model_problems(degree, model="the transformer at model.model_path",
+                                       heads=heads, sequences={})
     for problem in problems:
         c.error(problem.replace(KEY, flagged(KEY), 1))
-    heads = _transformer_heads(c) if not problems and degree > 1 else None
-    if heads is not None:
-        for problem in model_problems(degree, model="the transformer at model.model_path",
-                                      heads=heads, sequences={}):
-            c.error(problem.replace(KEY, flagged(KEY), 1))
-    if not problems and degree > 1:
-        # trainer.parallel splits the transformer and composes it with FSDP2 (tested against one
-        # rank), but the rollout still hands every rank its own groups, where a sequence group
-        # must replay the same samples: refused until the loop gives it them
-        c.error(f"{flagged(KEY)}={degree}: the training loop does not yet give the ranks of a "
-                f"sequence group the same samples to replay; only 1 is supported in a run")
 
 
 def _check_sampling(c: Checker) -> None:
@@ -248,8 +267,10 @@ def _check_geometry(c: Checker) -> None:
                 f"* n_samples_per_prompt = {r.rollout_batch_size} * {r.n_samples_per_prompt} "
                 f"= {total}")
     # Without a world size, the global count is the necessary condition (it divides by world).
-    local = local_sample_count(c.cfg, world) if world is not None else total
+    local = train_sample_count(c.cfg, world) if world is not None else total
     where = f"the {local} samples per rank" if world is not None else f"the {total} samples"
+    if world is not None and local != local_sample_count(c.cfg, world):
+        where = f"the {local} samples each rank trains on (its sequence group's slices)"
     n_upd = t.num_updates_per_batch
     if local % n_upd:
         c.error(f"{flagged('train.num_updates_per_batch')}={n_upd} does not divide {where} "
