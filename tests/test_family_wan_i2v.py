@@ -276,3 +276,31 @@ def test_preflight_refuses_sglang_rollouts_of_image_to_video_with_the_reason(mod
                                      'rollout.sglang_urls=["http://127.0.0.1:30000"]'])
     with pytest.raises(ConfigError, match=r"model family 'wan_i2v': the SGLang client maps the denoising env"):
         preflight(cfg, world_size=8, check_paths=False)
+
+
+@pytest.mark.parametrize("recipe, model", [("wan2.1-i2v", "Wan2.1-I2V-14B-480P-Diffusers"),
+                                           ("wan2.2-i2v", "Wan2.2-I2V-A14B-Diffusers")])
+def test_the_memory_plan_counts_the_image_branch_and_the_engines_clip_tower(recipe, model):
+    """The published I2V configs (36 input channels; Wan 2.1's image embedder and image
+    cross-attention, about 2.1 B parameters over the 14B text-to-video model) and the engine's
+    frozen parts, the CLIP vision tower included."""
+    from trainer.compute import memory
+    from trainer.config import load_config
+    from trainer.models.wan import WanAdapter
+
+    plan = memory.plan_for_config(load_config(recipe, []), world=8)
+    total = memory.model_params("WanTransformer3DModel", memory.PUBLISHED_BY_MODEL[model])[0]
+    t2v = memory.model_params("WanTransformer3DModel", memory.PUBLISHED_BY_MODEL["Wan2.1-T2V-14B-Diffusers"])[0]
+    assert f"published config of Wan-AI/{model}" in plan.title
+    if "2.1" in model:
+        assert 16.0e9 < total < 16.6e9
+    else:  # the patch embedding's 20 more input channels, each a (1, 2, 2) kernel per output
+        assert total - t2v == 20 * 5120 * 2 * 2
+    assert "engine CLIP ViT-H/14 image encoder bf16" in plan.terms
+    assert ("engine frozen low-noise expert bf16" in plan.terms) == ("A14B" in model)
+    # LoRA on the image cross-attention of Wan 2.1 only (2.2 has none to match)
+    lora = memory.model_params("WanTransformer3DModel", memory.PUBLISHED_BY_MODEL[model],
+                               adapter_class(FAMILY).lora_targets, lora_rank=4)[1]
+    plain = memory.model_params("WanTransformer3DModel", memory.PUBLISHED_BY_MODEL[model],
+                                WanAdapter.lora_targets, lora_rank=4)[1]
+    assert lora - plain == (40 * 2 * 4 * (5120 + 5120) if "2.1" in model else 0)   # 40 blocks x k, v
