@@ -106,25 +106,44 @@ def test_preflight_names_each_record_without_a_first_frame(tmp_path):
 
 
 @pytest.mark.parametrize("variant", ["wan2.1-i2v", "wan2.2-i2v"])
-def test_the_merged_export_of_a_trained_run_is_a_pipeline_diffusers_wan_i2v_pipeline_runs(tmp_path, variant):
-    """Two rollouts, the end-of-run checkpoint, ``python -m trainer export --form merged
-    --verify``: a pipeline folder with the trained (merged) transformer beside the base's CLIP
-    image encoder (2.1) or untouched low-noise expert (2.2), which WanImageToVideoPipeline loads
-    and runs from a first frame."""
+def test_a_trained_runs_sidecars_replay_and_its_merged_export_runs_in_diffusers_wan_i2v_pipeline(
+        tmp_path, variant):
+    """Two rollouts with artifacts: the first rollout's sidecar names each candidate's first
+    frame, holds the conditions the replay needs, and replays to its recorded log-probs with the
+    base weights (that rollout's policy) bit for bit. Then the end-of-run checkpoint, ``python
+    -m trainer export --form merged --verify``: a pipeline folder with the trained (merged)
+    transformer beside the base's CLIP image encoder (2.1) or untouched low-noise expert (2.2),
+    which WanImageToVideoPipeline loads and runs from a first frame."""
     from diffusers import WanImageToVideoPipeline
     from safetensors.torch import load_file
 
+    import flowgrpo_kernels as kernels
     from trainer.cli import main as cli_main
     from trainer.config import load_config
     from trainer.loop import Trainer
+    from trainer.models import adapter_class
+    from trainer.rollout.artifacts import load_group_sidecar
 
     model_dir = build_tiny_wan_i2v_dir(variant, tmp_path, boundary_ratio=WAN22_TEST_BOUNDARY)
-    cfg = load_config(variant, shrink(model_dir, tmp_path, steps=6, pool=[1, 2, 3]) + ["train.num_rollouts=2"])
+    cfg = load_config(variant, shrink(model_dir, tmp_path, steps=6, pool=[1, 2, 3])
+                      + ["train.num_rollouts=2", "rollout.write_artifacts=true"])
     trainer = Trainer(cfg, rank=0, world=1, device="cpu")
     try:
         trainer.train()
     finally:
         trainer.close()
+    sidecar = next((tmp_path / "run" / "artifacts" / "i2v" / "rollout_0000000").glob("group_*.safetensors"))
+    rows = load_group_sidecar(sidecar, with_images=False)
+    assert len(rows.sources) == 4 and all(len(refs) == 1 and refs[0].entry.endswith(".png") for refs in rows.sources)
+    adapter = adapter_class(cfg.model.adapter_path)(str(model_dir))
+    assert set(rows.conditions) == set(adapter.condition_keys)
+    assert len(list(sidecar.parent.glob(f"{sidecar.stem}_sample_*.gif"))) == 4   # a video per candidate
+    base = adapter.load_train_model()
+    with torch.no_grad():
+        replayed = torch.stack([kernels.sde_log_prob(
+            rows.latents[:, s], adapter.replay_velocity(base, rows, s), rows.next_latents[:, s], rows.sigmas[:, s],
+            rows.sigmas_next[:, s], eta=rows.eta, sde_type=rows.sde_type) for s in range(len(rows.sde_indices))], 1)
+    assert torch.equal(replayed, rows.log_probs)
     out = tmp_path / "merged"
     assert cli_main(["export", "--save-dir", str(tmp_path / "ckpt"), "--output-dir", str(out),
                      "--form", "merged", "--base-model-path", str(model_dir), "--task", "i2v",
