@@ -9,6 +9,9 @@ LoRA wraps the image cross-attention where there is one; bad models, options and
 are refused, and preflight refuses SGLang rollouts with the reason."""
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -249,6 +252,12 @@ def test_bad_models_options_and_image_counts_are_refused_naming_each_problem(mod
         adapter_class(FAMILY)(str(t2v))
     with pytest.raises(ValueError, match="max_sequence_length must be 512 for Wan 2.1 I2V"):
         adapter_class(FAMILY)(str(model_dir["wan2.1-i2v"]), max_sequence_length=16)
+    flf2v = tmp_path / "flf2v"                # Wan 2.1 FLF2V's config: two frames' CLIP tokens
+    shutil.copytree(model_dir["wan2.1-i2v"], flf2v)
+    config = json.loads((flf2v / "transformer" / "config.json").read_text())
+    (flf2v / "transformer" / "config.json").write_text(json.dumps({**config, "pos_embed_seq_len": 34}))
+    with pytest.raises(ValueError, match="first-and-last-frame model .* is not supported"):
+        adapter_class(FAMILY)(str(flf2v))
     # Wan 2.2 has no image tokens to find: a shorter text window is its own choice
     assert adapter_class(FAMILY)(str(model_dir["wan2.2-i2v"]), max_sequence_length=16).condition_keys == (
         "prompt_embeds", "condition_latents")

@@ -157,7 +157,21 @@ def test_a_trained_runs_sidecars_replay_and_its_merged_export_runs_in_diffusers_
     if variant == "wan2.2-i2v":  # the frozen expert is the base's, bit for bit
         low_base, low_out = (load_file(next((d / "transformer_2").glob("*.safetensors"))) for d in (model_dir, out))
         assert all(torch.equal(low_base[k], low_out[k]) for k in low_base)
-    video = pipe(image=Image.open(tmp_path / "data" / "eval_0.png"), prompt="a boat", height=H, width=W,
-                 num_frames=F, num_inference_steps=2, guidance_scale=1.0, output_type="pt",
-                 generator=torch.Generator().manual_seed(0)).frames
-    assert video.shape == (1, F, 3, H, W) and torch.isfinite(video).all()
+    first_frame = Image.open(tmp_path / "data" / "eval_0.png")
+
+    def run(pipeline):
+        return pipeline(image=first_frame, prompt="a boat", height=H, width=W, num_frames=F, num_inference_steps=2,
+                        guidance_scale=1.0, output_type="latent", generator=torch.Generator().manual_seed(0)).frames
+
+    merged_out = run(pipe)
+    assert merged_out.shape == (1, 4, 2, 4, 4) and torch.isfinite(merged_out).all()
+    # the adapter form through diffusers' own LoRA loader (the image cross-attention's included)
+    lora_dir = tmp_path / "adapter"
+    assert cli_main(["export", "--save-dir", str(tmp_path / "ckpt"), "--output-dir", str(lora_dir),
+                     "--form", "adapter", "--base-model-path", str(model_dir), "--task", "i2v", "--verify"]) == 0
+    with_lora = WanImageToVideoPipeline.from_pretrained(model_dir)
+    with_lora.load_lora_weights(str(lora_dir))
+    lora_names = {n for n, _ in with_lora.transformer.named_modules() if n.endswith("lora_A")}
+    assert ("blocks.0.attn2.add_k_proj.lora_A" in lora_names) == (variant == "wan2.1-i2v")
+    torch.testing.assert_close(run(with_lora), merged_out)               # merged == base + adapter
+    assert not torch.allclose(run(WanImageToVideoPipeline.from_pretrained(model_dir)), merged_out)  # != base

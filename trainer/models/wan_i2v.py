@@ -62,7 +62,8 @@ IMAGE_ATTENTION_TARGETS = ("add_k_proj", "add_v_proj")
 class WanI2VAdapter(WanAdapter):
     """Adapter of Wan image-to-video (dotpath ``trainer.models.wan_i2v.WanI2VAdapter``): Wan 2.1
     I2V (14B, 480P / 720P; CLIP image embeddings) and Wan 2.2 I2V-A14B (two experts, as
-    text-to-video's); one first frame per candidate.
+    text-to-video's); one first frame per candidate (Wan 2.1 FLF2V, first and last frame, is
+    refused).
 
     Options: Wan's (``revision``, ``max_sequence_length``: 512, which Wan 2.1 I2V requires).
     """
@@ -108,6 +109,9 @@ class WanI2VAdapter(WanAdapter):
                             f"video (latents {self.latent_channels} + mask {temporal} + first-frame "
                             f"latents {self.latent_channels}): a text-to-video model is "
                             "trainer.models.wan.WanAdapter's")
+        if self.transformer_config.get("pos_embed_seq_len") is not None:
+            problems.append("a first-and-last-frame model (pos_embed_seq_len: its image embedder takes "
+                            "two frames' CLIP tokens) is not supported; one first frame per candidate is")
         if self.image_conditioned and self.max_sequence_length != WAN_I2V_TEXT_TOKENS:
             problems.append(f"max_sequence_length must be {WAN_I2V_TEXT_TOKENS} for Wan 2.1 I2V "
                             f"(diffusers' Wan attention takes all but the last {WAN_I2V_TEXT_TOKENS} "
