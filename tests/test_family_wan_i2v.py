@@ -313,3 +313,22 @@ def test_the_memory_plan_counts_the_image_branch_and_the_engines_clip_tower(reci
     plain = memory.model_params("WanTransformer3DModel", memory.PUBLISHED_BY_MODEL[model],
                                 WanAdapter.lora_targets, lora_rank=4)[1]
     assert lora - plain == (40 * 2 * 4 * (5120 + 5120) if "2.1" in model else 0)   # 40 blocks x k, v
+
+
+def test_the_engine_warms_up_with_a_first_frame_at_the_videos_geometry(model_dir):
+    """The warm-up (the compile before the first rollout) encodes a stand-in first frame and
+    runs the transformer at the run's frames, with the condition channels."""
+    from trainer.engine.embedded.core import EngineCore
+
+    core = EngineCore.load(adapter_path=ADAPTERS[FAMILY], model_path=str(model_dir["wan2.1-i2v"]),
+                           adapter_options=None, device="cpu", dtype="fp32", lora=None)
+    seen = []
+    forward = core.adapter.velocity
+    core.adapter.velocity = lambda model, x, sigma, cond, geometry: seen.append(
+        (tuple(x.shape), tuple(cond["condition_latents"].shape), tuple(cond["image_embeds"].shape))) or forward(
+        model, x, sigma, cond, geometry)
+    try:
+        core.warm_up(height=H, width=W, batch=2, frames=F)
+    finally:
+        core.close()
+    assert seen and all(shapes == ((2, 4, 2, 4, 4), (2, 8, 2, 4, 4), (2, 17, 8)) for shapes in seen)
