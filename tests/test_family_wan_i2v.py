@@ -151,18 +151,19 @@ def _engine(model_dir, variant, dtype="fp32"):
 
 
 def _replayed_log_probs(adapter, batch, dtype):
+    """The actor's replay of every trained step (the CFG velocity where the rollout had CFG)."""
     from trainer.models.guidance import guided_velocity
 
     transformer = adapter.load_train_model(dtype=dtype)
-    dev_conditions = batch.conditions
+    steps = []
     with torch.no_grad():
-        return torch.stack([
-            kernels.sde_log_prob(batch.latents[:, s],
-                                 guided_velocity(adapter, transformer, batch.latents[:, s], batch.sigmas[:, s],
-                                                 dev_conditions, batch.geometry, batch.guidance_scale),
-                                 batch.next_latents[:, s], batch.sigmas[:, s], batch.sigmas_next[:, s],
-                                 eta=batch.eta, sde_type=batch.sde_type, backend="torch")
-            for s in range(len(batch.sde_indices))], dim=1)
+        for s in range(len(batch.sde_indices)):
+            x, sigma = batch.latents[:, s], batch.sigmas[:, s]
+            v = guided_velocity(adapter, transformer, x, sigma, batch.conditions, batch.geometry,
+                                batch.guidance_scale)
+            steps.append(kernels.sde_log_prob(x, v, batch.next_latents[:, s], sigma, batch.sigmas_next[:, s],
+                                              eta=batch.eta, sde_type=batch.sde_type, backend="torch"))
+    return torch.stack(steps, dim=1)
 
 
 # Wan 2.2 I2V at 8 steps under shift 5: steps 0-2 are above its expert boundary (sigma >= 0.9)
@@ -177,14 +178,15 @@ def test_engine_rollout_is_steered_by_the_first_frame_and_replays_to_the_recorde
 
         def request(first):
             images = [(refs[first],)] * 2 + [(refs["blue"],)] * 2
-            return adapter.build_rollout_request(
-                PROMPTS, IDS, sampling(num_inference_steps=steps, guidance_scale=guidance, sde_type=sde_type), rollout_id=1,
-                seed=9, sde_indices=indices, images=images)
+            table = sampling(num_inference_steps=steps, guidance_scale=guidance, sde_type=sde_type)
+            return adapter.build_rollout_request(PROMPTS, IDS, table, rollout_id=1, seed=9,
+                                                 sde_indices=indices, images=images)
 
         red = request("red")
         first, again = engine.generate(red), engine.generate(red)
         lat = first["dit_trajectory"]["latents"]
-        assert torch.equal(lat, again["dit_trajectory"]["latents"]) and torch.equal(first["images"], again["images"])
+        assert torch.equal(lat, again["dit_trajectory"]["latents"])
+        assert torch.equal(first["images"], again["images"])
         other = engine.generate(request("grey"))["dit_trajectory"]["latents"]
         assert not torch.equal(lat[:2], other[:2]) and torch.equal(lat[2:], other[2:])
         batch = adapter.pack_trajectory(first, red)
