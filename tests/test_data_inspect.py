@@ -100,7 +100,7 @@ def test_parquet_files_are_inspected_by_row(tmp_path):
                                           json.dumps({"task": "nope", "sample_id": "b"})]}), path)
     findings, stats = inspect_files(train=str(path))
     assert [str(f) for f in findings] == [
-        f"{path}:2: [task] unknown task 'nope' (known: t2i, edit, t2v)"]
+        f"{path}:2: [task] unknown task 'nope' (known: t2i, edit, t2v, i2v)"]
     assert stats["records"] == 2
 
 

@@ -42,7 +42,7 @@ def test_tiny_recipe_is_the_valid_baseline():
 
 # (id, --set overrides, preflight kwargs, substrings that ONE problem must all contain)
 ERROR_RULES = [
-    ("task", ["model.task=i2v"], {}, ["model.task (--generation-task)", "GENERATION_TASKS"]),
+    ("task", ["model.task=t2a"], {}, ["model.task (--generation-task)", "GENERATION_TASKS"]),
     ("adapter_path_missing", ["model.adapter_path="], {},
      ["model.adapter_path (--model-adapter-path)", "required"]),
     ("adapter_path_not_dotpath", ["model.adapter_path=ToyAdapter"], {},

@@ -7,6 +7,8 @@
   reference images they take, is the adapter's (``max_condition_images``), not the task's.
 - ``t2v``: text to video (Wan): no conditioning media; the sampling table's ``num_frames``
   gives the frames (``trainer.models.geometry``).
+- ``i2v``: image to video (Wan I2V): a prompt and one image per prompt record (its ``images``),
+  the video's first frame; the frames as for ``t2v``.
 
 A family that brings its own adapter for another task must add the task name here too, so
 that the vocabulary never lists a task without a replay path. ``trainer.preflight`` checks
@@ -15,8 +17,8 @@ that the vocabulary never lists a task without a replay path. ``trainer.prefligh
 """
 from __future__ import annotations
 
-GENERATION_TASKS: tuple[str, ...] = ("t2i", "edit", "t2v")
+GENERATION_TASKS: tuple[str, ...] = ("t2i", "edit", "t2v", "i2v")
 # The tasks whose families take conditioning media (reference images: ``trainer.media``); a
 # subset of GENERATION_TASKS. Preflight refuses prompt records that carry images for any
 # other task: a text-to-image family would silently drop them.
-CONDITIONED_TASKS: tuple[str, ...] = ("edit",)
+CONDITIONED_TASKS: tuple[str, ...] = ("edit", "i2v")

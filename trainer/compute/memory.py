@@ -85,6 +85,11 @@ PUBLISHED_BY_MODEL: dict[str, dict[str, Any]] = {
                                       num_attention_heads=12, ffn_dim=8960, num_layers=30),
     "Wan2.1-T2V-14B-Diffusers": dict(_WAN_14B, _source="Wan-AI/Wan2.1-T2V-14B-Diffusers"),
     "Wan2.2-T2V-A14B-Diffusers": dict(_WAN_14B, _source="Wan-AI/Wan2.2-T2V-A14B-Diffusers", _experts=2),
+    # image-to-video: [latents; mask; first-frame latents] in, Wan 2.1's CLIP image branch
+    "Wan2.1-I2V-14B-480P-Diffusers": dict(_WAN_14B, _source="Wan-AI/Wan2.1-I2V-14B-480P-Diffusers",
+                                          in_channels=36, image_dim=1280, added_kv_proj_dim=5120),
+    "Wan2.2-I2V-A14B-Diffusers": dict(_WAN_14B, _source="Wan-AI/Wan2.2-I2V-A14B-Diffusers", in_channels=36,
+                                      _experts=2),
     "Wan2.2-TI2V-5B-Diffusers": dict(_WAN_14B, _source="Wan-AI/Wan2.2-TI2V-5B-Diffusers",
                                      num_attention_heads=24, ffn_dim=14336, num_layers=30,
                                      in_channels=48, out_channels=48, _pixels_per_token_side=32),
@@ -104,6 +109,8 @@ FROZEN_PARAMS: dict[str, tuple[tuple[str, float], ...]] = {
     "flux_kontext": (("CLIP-L + T5-XXL encoders", 0.123e9 + 4.76e9), ("VAE", 0.084e9)),  # FLUX.1's
     # UMT5-XXL encoder 5.68 B; the Wan 2.1 VAE (Qwen-Image's is the same architecture)
     "wan": (("UMT5-XXL text encoder", 5.68e9), ("VAE", 0.127e9)),
+    # + Wan 2.1 I2V's CLIP ViT-H/14 vision tower 631 M (Wan 2.2 I2V has none: counted all the same)
+    "wan_i2v": (("UMT5-XXL text encoder", 5.68e9), ("CLIP ViT-H/14 image encoder", 0.631e9), ("VAE", 0.127e9)),
 }
 #: Text tokens the transformer sees at most besides the adapter's ``max_sequence_length``
 #: (SD3 prepends the 77 CLIP tokens to the T5 window).

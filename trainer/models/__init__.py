@@ -16,6 +16,7 @@ ADAPTERS: dict[str, str] = {
     "flux": "trainer.models.flux.FluxAdapter",
     "flux_kontext": "trainer.models.flux_kontext.FluxKontextAdapter",
     "wan": "trainer.models.wan.WanAdapter",
+    "wan_i2v": "trainer.models.wan_i2v.WanI2VAdapter",
     "toy": "trainer.toy.adapter.ToyAdapter",
 }
 
