@@ -7,12 +7,11 @@ the trainer's own: peft LoRA on our diffusers transformer, its sync payloads
 (``trainer.actor.sync.sync_payload``) and, for the expected served weights, the actor's own
 merge (``merged_full_tensors``) packed as the native DiT packs (``to_added_qkv``).
 
-The last three tests drive our receiver's rollback with injected merge failures, which must run
-where the merge runs: there the worker is in this process and serves a stand-in module (named in
-its docstring) instead of SGLang's DiT.
-
-The module's tests share one server and run in order (first sync, replacing syncs, faults, then
-the trainer's connections, which take the worker's channels over).
+The Qwen-Image tests share one server and run in order (first sync, replacing syncs, faults,
+then the trainer's connections, which take the worker's channels over); SD3 and FLUX.1 get a
+server each. The last three tests drive our receiver's rollback with injected merge failures,
+which must run where the merge runs: there the worker is in this process and serves a stand-in
+module (named in its docstring) instead of SGLang's DiT.
 """
 from __future__ import annotations
 
@@ -250,6 +249,25 @@ def test_training_in_adapter_mode_through_the_extension(server, tiny_model_dir, 
         assert server.weight_requests[routes:] == []
     finally:
         trainer.close()
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_adapter_syncs_into_sd3_and_flux_native_dits(tiny_model_dir, family):
+    """The same channel on the other families' native DiTs (nothing packed; SD3's position
+    table, a parameter there, is never synced): the actor's merge bit for bit, then replaced."""
+    with serve_sglang(tiny_model_dir(family), extension=True) as srv:
+        adapter = srv.adapter
+        t = SGLangTransport.connect(srv.url, "cpu", lora_scaling=SCALING, bucket_bytes=BUCKET)
+        try:
+            first, second = _peft(adapter, 1), _peft(adapter, 2)
+            t.sync(0, _payload(adapter, first, first=True))
+            assert _differ(srv.served_tensors(), _expected(adapter, first)) == []
+            t.sync(1, _payload(adapter, second, first=False), mode="adapter")
+            served = srv.served_tensors()
+            assert _differ(served, _expected(adapter, second)) == []
+            assert _differ(served, _expected(adapter, first)) != []
+        finally:
+            t.close()
 
 
 # ---- rollback of a merge that fails (the worker in this process) ----------------------------------
