@@ -148,6 +148,10 @@ def open_channel(descriptor: dict[str, Any], request: tuple, timeout_s: float):
             raise TransportError(f"the SGLang worker (rank {descriptor.get('rank')}) did not "
                                  f"answer a {request[0]!r} channel request within {timeout_s:g} s")
         reply = conn.recv()
+    except (EOFError, OSError) as exc:
+        conn.close()
+        raise TransportError(f"the SGLang worker (rank {descriptor.get('rank')}) closed the "
+                             f"{request[0]!r} channel request: {exc or 'end of file'}") from None
     except BaseException:
         conn.close()
         raise
@@ -275,7 +279,11 @@ class SGLangTransport:
         if self._adapter is not None and self._adapter[0] == spec:
             return self._adapter[2]
         self._close_adapter()
-        conn, problems = open_channel(self.descriptor, ("adapter", spec), self._timeout)
+        try:
+            conn, problems = open_channel(self.descriptor, ("adapter", spec), self._timeout)
+        except (TransportError, OSError) as exc:  # nothing sent yet: a retry may succeed
+            raise WeightSyncError("pre-write", [f"cannot open the LoRA adapter channel: {exc}"],
+                                  version) from None
         if problems:
             raise WeightSyncError("pre-write", [f"the SGLang worker refused the LoRA adapter: "
                                                 f"{p}" for p in problems], version)
