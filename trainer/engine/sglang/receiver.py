@@ -26,11 +26,14 @@ Design choices:
   commit), and the trainer numbers its syncs above it (transport.py); the trainer's own policy
   version is kept apart, on its client.
 - Every parameter is in every mode's manifest ("full" covers all of them): a sync that misses
-  one is refused before a byte moves. LoRA adapter sync mode has its own channel (the pairs,
-  staged, then merged: lora_receiver.py), whose packed layers are placed by the same table. Buffers (RoPE tables) are the server's own, not synced,
+  one is refused before a byte moves. Buffers (RoPE tables) are the server's own, not synced,
   and so are the parameters the family's adapter names ``sglang_fixed_parameters``: tables the
   native DiT holds as parameters where the trainer's diffusers model holds buffers (SD3's
   sin-cos position table), never trained, so never sent.
+- LoRA adapter sync mode has a channel of its own (the pairs staged, checked, then merged into
+  these parameters at commit: lora_receiver.py); its packed layers are placed by the same
+  table. A connection says which channel it wants in its first message, and the descriptor
+  names the protocol, so a trainer of another version is stopped with that reason.
 - The trainer reaches the worker through a Unix socket (multiprocessing's Listener, with an
   authkey only the descriptor file, mode 0600, and the HTTP route carry). The data itself
   moves through the transport memory (CUDA IPC or /dev/shm), never through the socket.
