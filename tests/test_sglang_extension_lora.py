@@ -420,3 +420,18 @@ def test_a_runs_base_is_not_served_without_its_adapter(local, monkeypatch):
     transport.sync(0, list(base.items()) + _pair_items(pairs))
     worker.assert_servable()
     assert _differ(_dit_tensors(dit), _served_after(transport, base, pairs)) == []
+
+
+def test_an_adapter_on_part_of_a_packed_weight_is_refused_naming_it(local):
+    worker, dit, transport = local
+    base, pairs = _our_tensors(4)
+    transport.sync(0, list(base.items()) + _pair_items(pairs))
+    before = _dit_tensors(dit)
+    partial = {k: v for k, v in _our_tensors(5)[1].items() if "add_k" not in k and "add_v" not in k}
+    with pytest.raises(ipc.WeightSyncError) as err:
+        transport.sync(1, _pair_items(partial), mode="adapter")
+    assert err.value.stage == "pre-write"
+    assert "transformer_blocks.0.attn.to_added_qkv.weight: LoRA on sections [0] of 3" \
+        in str(err.value)
+    assert _differ(_dit_tensors(dit), before) == []
+    worker.assert_servable()

@@ -142,21 +142,7 @@ def plan_adapter(spec: Any, weights: Mapping[str, torch.Tensor], place: Place
         else:
             packed.setdefault(served, {})[index] = entry
             counts[served] = int(sections)
-    for served, members in sorted(packed.items()):
-        if sorted(members) != list(range(counts[served])):
-            shapes.append(f"{served}: LoRA on sections {sorted(members)} of {counts[served]} "
-                          "(the server packs them into one weight: adapt all of them or none)")
-            continue
-        row0, sections_ = 0, []
-        for index in range(counts[served]):
-            layer, rank, cols, rows = members[index]
-            sections_.append(Section(layer, row0, rows, rank, cols))
-            row0 += rows
-        if row0 != weights[served].shape[0]:
-            shapes.append(f"{served}: its sections' B have {row0} rows in all, the weight "
-                          f"{weights[served].shape[0]}")
-            continue
-        plan[served] = sections_
+    plan.update(_packed_plan(packed, counts, weights, shapes))
     for label, items in (("malformed layer entries", malformed),
                          ("LoRA layers the server holds no linear weight for", unknown),
                          ("LoRA layers named twice", dups), ("shape mismatch", shapes)):
@@ -165,6 +151,30 @@ def plan_adapter(spec: Any, weights: Mapping[str, torch.Tensor], place: Place
     if problems:
         raise AdapterSpecError(problems)
     return plan, float(scaling)
+
+
+def _packed_plan(packed: dict[str, dict[int, tuple[str, int, int, int]]],
+                 counts: dict[str, int], weights: Mapping[str, torch.Tensor],
+                 problems: list[str]) -> dict[str, list[Section]]:
+    """Packed weights' sections in index order, each at the rows the ones before it leave
+    (the packed weight is its sections concatenated along dim 0); appends to ``problems``."""
+    plan = {}
+    for served, members in sorted(packed.items()):
+        if sorted(members) != list(range(counts[served])):
+            problems.append(f"{served}: LoRA on sections {sorted(members)} of {counts[served]} "
+                            "(the server packs them into one weight: adapt all of them or none)")
+            continue
+        row0, sections = 0, []
+        for index in range(counts[served]):
+            layer, rank, cols, rows = members[index]
+            sections.append(Section(layer, row0, rows, rank, cols))
+            row0 += rows
+        if row0 != weights[served].shape[0]:
+            problems.append(f"{served}: its sections' B have {row0} rows in all, the weight "
+                            f"{weights[served].shape[0]}")
+            continue
+        plan[served] = sections
+    return plan
 
 
 @dataclass
