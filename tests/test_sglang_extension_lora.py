@@ -9,7 +9,7 @@ merge (``merged_full_tensors``) packed as the native DiT packs (``to_added_qkv``
 
 The Qwen-Image tests share one server and run in order (first sync, replacing syncs, faults,
 then the trainer's connections, which take the worker's channels over); SD3 and FLUX.1 get a
-server each. The last three tests drive our receiver's rollback with injected merge failures,
+server each. The tests at the end drive our receiver's rollback with injected merge failures,
 which must run where the merge runs: there the worker is in this process and serves a stand-in
 module (named in its docstring) instead of SGLang's DiT.
 """
@@ -270,7 +270,7 @@ def test_adapter_syncs_into_sd3_and_flux_native_dits(tiny_model_dir, family):
             t.close()
 
 
-# ---- rollback of a merge that fails (the worker in this process) ----------------------------------
+# ---- the worker in this process: rollback of a merge that fails, refusals ----------------------
 class _Attention(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
