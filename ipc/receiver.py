@@ -71,16 +71,23 @@ class WeightReceiver:
         on_commit: called as ``on_commit(version, mode)`` on the receiver's thread after a
             sync commits and before the sender hears of it (an engine re-derives what it
             serves from the new weights there: the sender's next request sees the result).
+        before_commit: called as ``before_commit(version, mode)`` on the receiver's thread once
+            every checksum matched and before the version commits. An exception fails the
+            sync like a checksum mismatch (post-write: the synced tensors stay dirty, only a
+            retry of the same version is accepted) and its message reaches the sender. For an
+            engine that serves something built from the synced tensors (a staged adapter it
+            merges): the build happens here, so a build that fails never commits.
     """
 
     def __init__(self, conn, params: Mapping[str, torch.Tensor], *,
                  modes: Mapping[str, list[str]] | None = None, backend: str = "auto",
                  timeout_s: float = 60.0, verify: str = "full", version: int = 0,
-                 on_commit=None):
+                 on_commit=None, before_commit=None):
         names, tensors, backend, device = _validate(params, modes, backend, timeout_s, verify,
                                                     version)
         self._conn = conn
         self._on_commit = on_commit
+        self._before_commit = before_commit
         self._timeout = float(timeout_s)
         self._verify = verify
         self.backend = backend
@@ -337,6 +344,12 @@ class WeightReceiver:
         if report.get("checksum") != checksum:
             problems.append(f"sender's checksum {report.get('checksum')} differs from the "
                             f"receiver's {checksum}")
+        if not problems and self._before_commit is not None:
+            try:
+                self._before_commit(version, mode)
+            except Exception as exc:  # the engine cannot serve this version: it must not commit
+                problems.append(f"the engine did not take version {version}: "
+                                f"{type(exc).__name__}: {exc}")
         if problems:
             self._fail("; ".join(problems))
             send(self._conn, ("failed", seq, problems))

@@ -30,6 +30,7 @@ from torch.distributed.tensor import Shard
 
 from ipc import LazyTensor
 from trainer.actor.model import strip_wrapper_names
+from trainer.models.lora import merged_lora_weight
 
 _PEFT_PREFIX = "base_model.model."
 
@@ -97,9 +98,8 @@ def named_full_tensors(model: nn.Module, *, only_lora: bool = False
 def _merged(weight: Any, lora_a: Any, lora_b: Any, scaling: float):
     """W + scaling * B @ A, computed in fp32 when the transport asks for it."""
     def produce() -> torch.Tensor:
-        w = _full(weight)
-        delta = _full(lora_b).float() @ _full(lora_a).float()
-        return (w.float() + scaling * delta).to(w.dtype)
+        w, b, a = _full(weight), _full(lora_b), _full(lora_a)
+        return merged_lora_weight(w, a, b, scaling)
 
     return LazyTensor(tuple(weight.shape), weight.dtype, produce)
 

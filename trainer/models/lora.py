@@ -1,9 +1,11 @@
 """The LoRA layers of a run, on the actor's and on the engine's transformer (one recipe, so
-adapter-mode parameter names match on both sides)."""
+adapter-mode parameter names match on both sides), and the merge of an adapter into its base
+weight (one function, so a weight merged where it is served equals the actor's)."""
 from __future__ import annotations
 
 from typing import Sequence
 
+import torch
 from torch import nn
 
 
@@ -22,3 +24,13 @@ def apply_lora(model: nn.Module, *, rank: int, alpha: float, target_modules: Seq
                         target_modules=list(target_modules),
                         init_lora_weights=True if init_a == "kaiming" else "gaussian")
     return get_peft_model(model, config)
+
+
+def merged_lora_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                       scaling: float) -> torch.Tensor:
+    """``W + scaling * B @ A``: the delta in fp32, added to W in fp32, rounded once into W's
+    dtype, on the tensors' device. The actor's merged payloads (merge sync mode, exports) and
+    the SGLang extension's adapter receiver both call this, so the receiver's merged weight is
+    the actor's bit for bit where both run the same fp32 GEMM (the same device kind)."""
+    delta = lora_b.float() @ lora_a.float()
+    return (weight.float() + scaling * delta).to(weight.dtype)

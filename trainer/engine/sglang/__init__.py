@@ -10,10 +10,13 @@ Trainer side:
 - ``lora``: LoRA adapter syncs as SGLang's ``lora_merge`` and the merged weights' digests.
 - ``packing``: SGLang's packing table (served names of packed parameters such as
   ``to_added_qkv``).
-- ``transport``: ``SGLangTransport``, our ``ipc`` sender connected to a worker's receiver.
+- ``transport``: ``SGLangTransport``, our ``ipc`` sender connected to a worker's receiver
+  (full weights, and the LoRA pairs of adapter sync mode).
 
 Server side (loaded into SGLang with ``SGLANG_PLUGINS=flowgrpo``):
 - ``extension``: the plugin's hooks (driver sigmas, x_T and step noise, ``dance``; the
   receiver's install, its route, dirty-weight refusal, DiT kept resident).
 - ``receiver``: the ``ipc.WeightReceiver`` on each worker's native DiT and its descriptor.
+- ``lora_receiver``: LoRA adapter syncs into that DiT (the pairs staged, checked, merged at
+  commit, rolled back on failure).
 """

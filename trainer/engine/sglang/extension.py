@@ -31,13 +31,15 @@ a request without the block, so ordinary serving is unchanged):
   elsewhere), so the recorded log-prob is our replay's function.
 
 Weights (trainer/engine/sglang/receiver.py): ``pipelines_core.build_pipeline`` installs our
-ipc ``WeightReceiver`` on the native DiT of each worker (``FLOWGRPO_WEIGHT_RECEIVER=0`` leaves
-it out), ``http_server.create_app`` adds ``GET /flowgrpo/weight_receivers`` (each worker's
-socket and packing rules, for trainer/engine/sglang/transport.py), and
-``DenoisingStage.forward`` refuses to denoise while a failed sync left the weights dirty, and
-SGLang's release / resume memory (``MemoryOccupationController._move_modules``) leaves that DiT
-where it is: its weights live in the transport memory the trainer writes into, so they stay
-resident (as the embedded engine's do); moving them would leave the receiver nothing to write.
+ipc ``WeightReceiver`` on the native DiT of each worker, with the LoRA adapter channel beside it
+(trainer/engine/sglang/lora_receiver.py; ``FLOWGRPO_WEIGHT_RECEIVER=0`` leaves both out),
+``http_server.create_app`` adds ``GET /flowgrpo/weight_receivers`` (each worker's socket and
+packing rules, for trainer/engine/sglang/transport.py), ``DenoisingStage.forward`` refuses to
+denoise while the weights are no policy version (a failed full sync left them dirty, or an
+adapter run's base is written without its adapter), and SGLang's release / resume memory
+(``MemoryOccupationController._move_modules``) leaves that DiT where it is: its weights live in
+the transport memory the trainer writes into, so they stay resident (as the embedded engine's
+do); moving them would leave the receiver nothing to write.
 
 The block's noise keys and its sigmas are independent: sigmas alone keep SGLang's sampler
 (``sde``/``cps``/``ode`` with its own seeded noise); ``dance`` needs the noise keys (it is our
@@ -229,7 +231,7 @@ def keep_dit_resident(original, controller, names, device, *args, **kwargs):
 
 def refuse_dirty_weights(original, *args, **kwargs):
     if _installed is not None:
-        _installed.receiver.assert_servable()  # WeightSyncError: a failed sync's weights
+        _installed.assert_servable()  # WeightSyncError: the weights are no policy version
     return original(*args, **kwargs)
 
 

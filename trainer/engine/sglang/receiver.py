@@ -5,10 +5,14 @@ Runs in SGLang's processes, installed by the extension (trainer/engine/sglang/ex
 
     worker (build_pipeline hook)                     HTTP process (create_app hook)
       WeightReceiver(conn=None, native DiT params)     GET /flowgrpo/weight_receivers
-      Listener(AF_UNIX socket, random authkey)  ──▶    reads every worker's descriptor file
-      descriptor file: socket, authkey, pid, device,   and returns them (the trainer's client
-      backend, tensors, packing rules                   connects to the one on its GPU)
-      accept loop: receiver.serve(conn) per trainer
+      LoraReceiver (lora_receiver.py)                  reads every worker's descriptor file
+      Listener(AF_UNIX socket, random authkey)  ──▶    and returns them (the trainer's client
+      descriptor file: socket, authkey, pid, device,   connects to the one on its GPU)
+      backend, tensors, packing rules, protocol
+      accept loop: a trainer connection's first message opens a channel, then it is served:
+        ("weights", {})  -> "ready"; the DiT's WeightReceiver serves it (full weights)
+        ("adapter", spec) -> "ready" | "refused"; a staging WeightReceiver for the LoRA
+                            pairs serves it (merged into the DiT at commit)
 
 Design choices:
 - The receiver holds the native module's parameters under the native names, packed ones
@@ -26,6 +30,10 @@ Design choices:
   and so are the parameters the family's adapter names ``sglang_fixed_parameters``: tables the
   native DiT holds as parameters where the trainer's diffusers model holds buffers (SD3's
   sin-cos position table), never trained, so never sent.
+- LoRA adapter sync mode has a channel of its own (the pairs staged, checked, then merged into
+  these parameters at commit: lora_receiver.py); its packed layers are placed by the same
+  table. A connection says which channel it wants in its first message, and the descriptor
+  names the protocol, so a trainer of another version is stopped with that reason.
 - The trainer reaches the worker through a Unix socket (multiprocessing's Listener, with an
   authkey only the descriptor file, mode 0600, and the HTTP route carry). The data itself
   moves through the transport memory (CUDA IPC or /dev/shm), never through the socket.
@@ -43,16 +51,18 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import secrets
 import tempfile
 import threading
 from multiprocessing.connection import Listener
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from torch import nn
 
 from ipc import WeightReceiver
+from trainer.engine.sglang.lora_receiver import AdapterSpecError, LoraReceiver
 from trainer.models import ADAPTERS, adapter_class
 
 log = logging.getLogger(__name__)
@@ -60,6 +70,10 @@ DIR_ENV = "FLOWGRPO_RECEIVER_DIR"
 ENABLE_ENV = "FLOWGRPO_WEIGHT_RECEIVER"  # "0" leaves the DiT as SGLang loaded it
 DESCRIPTOR_SUFFIX = ".receiver.json"
 ROUTE = "/flowgrpo/weight_receivers"
+#: What a trainer connection says first and how it is answered (module docstring); published
+#: in the descriptor, so a trainer finds a server whose extension speaks another one at once.
+PROTOCOL = 2
+OPEN_TIMEOUT_S = 30.0  # for a new connection's first message
 
 
 def receiver_dir(port: int | str) -> Path:
@@ -77,6 +91,24 @@ def packing_rules(module: nn.Module) -> list[list[Any]]:
         if isinstance(rule, tuple) and len(rule) == 3:
             rules.append([pattern, rule[0], int(rule[1]), int(rule[2])])
     return rules
+
+
+class PackingTable:
+    """Where a tensor sent under our name lands in the native DiT: (served name, section,
+    sections) from the module's packing rules (``packing_rules``), or (name, None, None)."""
+
+    def __init__(self, rules: Iterable[list[Any]], served_names: Iterable[str]) -> None:
+        self.rules = [(re.compile(p), target, int(k), int(n)) for p, target, k, n in rules]
+        self.served = set(served_names)
+
+    def place(self, name: str) -> tuple[str, int | None, int | None]:
+        for pattern, target, section, sections in self.rules:
+            if pattern.match(name) is None:
+                continue
+            served = pattern.sub(target, name)
+            if served in self.served:  # SGLang packs only into a parameter it holds
+                return served, section, sections
+        return name, None, None
 
 
 def fixed_parameters(module: nn.Module) -> tuple[str, ...]:
@@ -107,6 +139,10 @@ class WorkerReceiver:
         self.committed: int | None = None  # the last committed version (None: never synced)
         self.receiver = WeightReceiver(None, params, backend=backend, timeout_s=timeout_s,
                                        verify=verify, on_commit=self._committed)
+        self.lora = LoraReceiver(params, PackingTable(self.packing, params).place,
+                                 backend=self.receiver.backend, timeout_s=timeout_s,
+                                 verify=verify, on_commit=self._publish)
+        self._lock = threading.Lock()
         self.rank = int(rank)
         self.dir = receiver_dir(port)
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -132,12 +168,24 @@ class WorkerReceiver:
                 "authkey": self._authkey.hex(), "backend": self.receiver.backend,
                 "device": str(device), "device_uuid": uuid, "packing": self.packing,
                 "names": list(synced_parameters(module)),
-                "committed_version": self.committed}
+                "committed_version": self.committed, "protocol": PROTOCOL}
+
+    def assert_servable(self) -> None:
+        """Raise ipc.WeightSyncError while the served weights are no policy version: a failed
+        full sync left them dirty, or an adapter run's base is written without its adapter."""
+        self.receiver.assert_servable()
+        self.lora.assert_servable()
 
     def _committed(self, version: int, mode: str) -> None:
-        # republished so that a trainer that connects later numbers its syncs above it
-        self.committed = int(version)
-        self._write_descriptor(self.module)
+        self.lora.base_written(version)
+        self._publish(version)
+
+    def _publish(self, version: int) -> None:
+        # republished so that a trainer that connects later numbers its syncs above it (both
+        # channels commit the trainer's numbers)
+        with self._lock:
+            self.committed = max(int(version), -1 if self.committed is None else self.committed)
+            self._write_descriptor(self.module)
 
     def _write_descriptor(self, module: nn.Module) -> None:
         tmp = self.descriptor_path.with_suffix(".tmp")
@@ -156,15 +204,40 @@ class WorkerReceiver:
                 log.warning("flowgrpo weight receiver: a connection failed its handshake")
                 continue
             try:
-                self.receiver.serve(conn)
+                self._open(conn)
             except Exception:
                 log.exception("flowgrpo weight receiver: cannot serve the new connection")
                 conn.close()
+
+    def _open(self, conn) -> None:
+        """The channel a new connection asks for in its first message (module docstring)."""
+        if not conn.poll(OPEN_TIMEOUT_S):
+            raise TimeoutError(f"no channel request within {OPEN_TIMEOUT_S:g} s")
+        msg = conn.recv()
+        kind = msg[0] if isinstance(msg, tuple) and len(msg) == 2 else None
+        if kind == "weights":
+            self.lora.trainer_connected()
+            conn.send(("ready", {}))
+            self.receiver.serve(conn)
+        elif kind == "adapter":
+            try:
+                staging = self.lora.open(msg[1])
+            except AdapterSpecError as exc:
+                conn.send(("refused", exc.problems))
+                conn.close()
+                return
+            conn.send(("ready", {}))
+            staging.serve(conn)
+        else:
+            conn.send(("refused", [f"unknown channel request {str(msg)[:80]} (this worker "
+                                   f"speaks receiver protocol {PROTOCOL})"]))
+            conn.close()
 
     def close(self) -> None:
         self._closed = True
         self._listener.close()
         self.receiver.close()
+        self.lora.close()
         for path in (self.descriptor_path, Path(self.address)):
             try:
                 path.unlink()

@@ -443,7 +443,7 @@ def connect_sglang(model: Any, rollout: Any, lora: Any, weight_sync: Any, rank: 
     client = SGLangEngineClient(url, embedded=False, concurrency=r.sglang_concurrency,
                                 extension=bool(r.sglang_extension))
     if r.sglang_extension:
-        transport = _extension_transport(sync_mode, weight_sync, client, url)
+        transport = _extension_transport(sync_mode, lora, weight_sync, client, url)
         if transport is not None:
             return client, transport
     lora_scale = None  # (alpha, rank) for SGLang's lora_merge
@@ -466,10 +466,11 @@ def _trainer_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _extension_transport(sync_mode: str, weight_sync: Any, client: SGLangEngineClient,
-                         url: str) -> Any:
-    """``SGLangTransport`` to this rank's receiver; None when the server's receivers are
-    turned off (connect_sglang's docstring says why that, and only that, falls back)."""
+def _extension_transport(sync_mode: str, lora: Any, weight_sync: Any,
+                         client: SGLangEngineClient, url: str) -> Any:
+    """``SGLangTransport`` to this rank's receiver (LoRA adapter mode: with the adapter's
+    scaling, as the loop merges it); None when the server's receivers are turned off
+    (connect_sglang's docstring says why that, and only that, falls back)."""
     import logging
 
     from trainer.engine.sglang.transport import (ReceiversOff, SGLangTransport, fetch_receivers,
@@ -482,10 +483,9 @@ def _extension_transport(sync_mode: str, weight_sync: Any, client: SGLangEngineC
             "%s: syncing through the stock path (update_weights_from_tensor + sampled "
             "checker) instead of the extension's transport", exc)
         return None
+    scaling = None
     if sync_mode == "adapter":
-        raise ValueError(f"{url}: the extension's weight receivers take full weights, not LoRA "
-                         "adapters: train with lora.adapter_mode off (merged syncs), or start "
-                         "the server with FLOWGRPO_WEIGHT_RECEIVER=0 (stock lora_merge path)")
+        scaling = (lora.alpha or lora.rank) / max(1, lora.rank)
     return SGLangTransport(pick_receiver(receivers, _trainer_device()), client=client,
                            bucket_bytes=weight_sync.bucket_size_mb << 20,
-                           timeout_s=weight_sync.timeout_s)
+                           timeout_s=weight_sync.timeout_s, lora_scaling=scaling)
