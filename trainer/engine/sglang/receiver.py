@@ -69,13 +69,19 @@ def receiver_dir(port: int | str) -> Path:
 
 
 def packing_rules(module: nn.Module) -> list[list[Any]]:
-    """[pattern, replacement, section, sections] of the module's packing rules: the rules of
-    its ``param_names_mapping`` whose replacement is a (target, section, sections) tuple. As
-    SGLang's loader does, the trainer applies one only where the target is a held parameter."""
+    """[pattern, replacement, section, sections] of the module's name rules, in the order
+    SGLang's updater applies them (its ``lora_param_names_mapping``, then its
+    ``param_names_mapping``): a packing rule's (target, section, sections) tuple, or a rename
+    (Wan's ``attn1.to_q`` -> ``to_q``) with section and sections None. As SGLang's loader does,
+    the trainer applies one only to a name the module lacks, where the target is held."""
     rules = []
-    for pattern, rule in dict(getattr(module, "param_names_mapping", None) or {}).items():
-        if isinstance(rule, tuple) and len(rule) == 3:
-            rules.append([pattern, rule[0], int(rule[1]), int(rule[2])])
+    for table in (getattr(module, "lora_param_names_mapping", None),
+                  getattr(module, "param_names_mapping", None)):
+        for pattern, rule in dict(table or {}).items():
+            if isinstance(rule, tuple) and len(rule) == 3:
+                rules.append([pattern, rule[0], int(rule[1]), int(rule[2])])
+            elif isinstance(rule, str) and rule:
+                rules.append([pattern, rule, None, None])
     return rules
 
 

@@ -14,8 +14,9 @@ the CPU), a checksum computed by the copy and re-read by the receiver, commit or
 refuses to generate until a sync of the same version succeeds).
 
 Names: the payload comes in our (diffusers) names; a parameter the server packs is sent as the
-concatenation of its sections along dim 0, in section order, under the served name, from the
-packing rules the worker read off its own module (trainer/engine/sglang/receiver.py). The
+concatenation of its sections along dim 0, in section order, under the served name, and one it
+renames (Wan's) under that name, from the name rules the worker read off its own module
+(trainer/engine/sglang/receiver.py). The
 concatenation is lazy (``ipc.LazyTensor``): produced when its bucket is written, so a sharded
 model is still gathered one bucket at a time.
 """
@@ -84,13 +85,17 @@ def pick_receiver(receivers: list[dict[str, Any]], device: torch.device) -> dict
 
 
 class Packing:
-    """Where each sent tensor lands: (served name, section, sections), from a worker's rules."""
+    """Where each sent tensor lands: (served name, section, sections), from a worker's rules
+    (section and sections None for a tensor served whole, under its name or a renamed one)."""
 
     def __init__(self, rules: Iterable[list[Any]], served_names: Iterable[str]) -> None:
-        self.rules = [(re.compile(p), target, int(k), int(n)) for p, target, k, n in rules]
+        self.rules = [(re.compile(p), target, None if k is None else int(k),
+                       None if n is None else int(n)) for p, target, k, n in rules]
         self.served = set(served_names)
 
     def place(self, name: str) -> tuple[str, int | None, int | None]:
+        if name in self.served:  # SGLang maps only a name its module lacks
+            return name, None, None
         for pattern, target, section, sections in self.rules:
             if pattern.match(name) is None:
                 continue
@@ -109,7 +114,7 @@ class Packing:
         for name, t in named:
             served, section, sections = self.place(name)
             if section is None:
-                yield name, t
+                yield served, t
                 continue
             parts = pending.setdefault(served, {})
             counts[served] = sections
