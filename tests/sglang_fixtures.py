@@ -547,7 +547,8 @@ def served_model(model_dir, config: str) -> tuple[str | None, str, dict[str, Any
     ``--flow-shift`` is the checkpoint's scheduler ``flow_shift``: SGLang's Wan configs fix the
     shift per model (Wan 2.2 A14B's: 12.0), the trainer's adapter reads the checkpoint's, and a
     schedule that differs moves Wan 2.2's trained steps across the boundary
-    (trainer/engine/README.md)."""
+    (trainer/engine/README.md). Wan's configs also decode in bf16 (``vae_decode_precision``): fp32
+    here, as every other component (the module docstring's precision)."""
     if family_of(model_dir) != "wan":
         return None, config, {}
     from sglang.multimodal_gen.registry import get_model_info
@@ -557,4 +558,5 @@ def served_model(model_dir, config: str) -> tuple[str | None, str, dict[str, Any
     info = get_model_info(str(model_dir), model_id=model_id)
     scheduler = json.loads((Path(model_dir) / "scheduler" / "scheduler_config.json").read_text())
     cls = info.pipeline_config_cls
-    return model_id, f"{cls.__module__}.{cls.__qualname__}", {"flow_shift": scheduler["flow_shift"]}
+    return model_id, f"{cls.__module__}.{cls.__qualname__}", {
+        "flow_shift": scheduler["flow_shift"], "vae_decode_precision": "fp32"}

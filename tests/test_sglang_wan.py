@@ -251,6 +251,45 @@ def extension_server(request, wan_dirs):
         yield srv
 
 
+#: Schedules SGLang would not pick (its grid is the shifted one the adapter computes); Wan 2.2's
+#: keeps steps 1 and 2 above the experts' boundary and puts steps 3-7 below it.
+DRIVER_SIGMAS = {"wan2.1": [1.0, 0.8, 0.5, 0.2, 0.0],
+                 "wan2.2": [1.0, 0.97, 0.92, 0.85, 0.7, 0.5, 0.3, 0.1, 0.0]}
+
+
+def test_extension_rollout_is_the_embedded_engines_candidate(extension_server):
+    """With the extension, SGLang's native Wan pipeline steps the driver's sigmas, starts from
+    the driver's 5-D x_T and samples with our kernel and step noise: each candidate is the one
+    our embedded engine generates for the same request (same latents at every trained step,
+    same log-probs, up to the two fp32 transformers' gap; the same video up to a unit of uint8
+    rounding), and SGLang's loop ran the sent grid."""
+    from trainer.engine import launch_embedded_engine
+
+    server, adapter = extension_server, extension_server.adapter
+    request = _request(server, driver_sigmas=True, driver_xt=True)
+    request["extra_sampling_params"]["sigmas"] = DRIVER_SIGMAS[server.variant]
+    seen = len(server.requests)
+    served = SGLangEngineClient(server.url, extension=True).generate(request)
+    for stepped in server.requests[seen:]:
+        assert torch.equal(stepped["sigmas"], torch.tensor(DRIVER_SIGMAS[server.variant]))
+    engine = launch_embedded_engine(adapter_path="trainer.models.wan.WanAdapter",
+                                    model_path=adapter.model_path, adapter_options=None,
+                                    device="cpu", dtype="fp32", lora=None, in_process=True)
+    try:
+        ours = engine.generate(request)
+    finally:
+        engine.close()
+    sglang_batch, our_batch = (adapter.pack_trajectory(r, request) for r in (served, ours))
+    latent_gap = float((sglang_batch.latents - our_batch.latents).abs().max())
+    next_gap = float((sglang_batch.next_latents - our_batch.next_latents).abs().max())
+    logp_gap = float((sglang_batch.log_probs - our_batch.log_probs).abs().max())
+    # the videos: every later step (Wan 2.2: the low-noise expert's) and each side's own VAE
+    pixel_gap = int((sglang_batch.images.int() - our_batch.images.int()).abs().max())
+    print(f"{server.variant} SGLang+extension vs embedded: latents {latent_gap:.3g}, "
+          f"next latents {next_gap:.3g}, log-probs {logp_gap:.3g}, pixels {pixel_gap}")
+    assert latent_gap < 1e-4 and next_gap < 1e-4 and logp_gap < 2e-4 and pixel_gap <= 1
+
+
 def test_training_run_through_the_extension_samples_from_the_weights_it_synced(
         extension_server, tmp_path):
     """With the trainer's extension: the driver's sigmas and x_T (5-D, unpacked) and our
@@ -285,19 +324,6 @@ def test_training_run_through_the_extension_samples_from_the_weights_it_synced(
 
 
 # ---- configuration ----------------------------------------------------------------------------
-def test_preflight_takes_wan_on_sglang(wan_dirs, tmp_path):
-    """The Wan recipes on SGLang servers pass preflight's SGLang checks (family mapping, stock
-    sampling), Wan 2.2's two experts included."""
-    from trainer.config import load_config
-    from trainer.engine.sglang.sync import sglang_config_problems
-
-    for variant, recipe in (("wan2.1", "wan2.1-t2v"), ("wan2.2", "wan2.2-t2v")):
-        cfg = load_config(recipe, [f"model.model_path={wan_dirs[variant]}", "rollout.engine=sglang",
-                                   'rollout.sglang_urls=["http://127.0.0.1:30000"]',
-                                   'rollout.sampling={"driver_sigmas": false, "driver_xt": false}'])
-        assert sglang_config_problems(cfg.model, cfg.rollout, cfg.lora) == [], variant
-
-
 def test_served_names_follow_sglangs_whole_mapping_and_leave_the_image_families_as_packed(
         tiny_model_dir):
     """The served layout applies SGLang's whole name chain (renames and packing) to every sent
