@@ -1,5 +1,6 @@
-"""SGLang's own diffusion server (sglang==0.5.23) on loopback, over a tiny Qwen-Image, SD3 or
-FLUX.1 (the family's native SGLang pipeline: ``NATIVE_PIPELINES``), on CPU.
+"""SGLang's own diffusion server (sglang==0.5.23) on loopback, over a tiny Qwen-Image, SD3,
+FLUX.1 or Wan 2.1 / 2.2 (the family's native SGLang pipeline: ``NATIVE_PIPELINES``; a Wan
+checkpoint is served as ``served_model`` says, at the end of this module), on CPU.
 
     with serve_sglang(model_dir) as server:   # server.url, server.adapter, server.served_tensors()
         ...
