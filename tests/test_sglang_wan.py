@@ -131,8 +131,8 @@ def test_native_wan_rollout_replays_through_our_transformer(server):
     assert batch.images.shape == (4, F, H, W, 3) and batch.images.dtype == torch.uint8
     assert not torch.equal(batch.latents[0], batch.latents[1])
     # the rollout scheduler SGLang maps Wan's UniPC to steps our adapter's sigmas
-    assert torch.allclose(response["dit_trajectory"]["sigmas"],
-                          adapter.scheduler_sigmas(STEPS[server.variant], Geometry(H, W, F)).float())
+    ours_sigmas = adapter.scheduler_sigmas(STEPS[server.variant], Geometry(H, W, F)).float()
+    assert torch.allclose(response["dit_trajectory"]["sigmas"], ours_sigmas)
     assert not any(r["cfg"] for r in server.requests[-4:])  # Wan 2.2's CFG defaults: off
     # SGLang's UMT5 encoding gives the embeddings our adapter computes (512 tokens, zero tail)
     frozen = adapter.load_frozen(device="cpu", dtype=torch.float32)
@@ -143,7 +143,8 @@ def test_native_wan_rollout_replays_through_our_transformer(server):
                                   backend="torch")
     gap = float((replay - batch.log_probs).abs().max())
     ratio = float((replay - batch.log_probs).exp().sub(1).abs().max())
-    print(f"{server.variant} native-vs-replay: max |logp gap| {gap:.3g}, max |ratio - 1| {ratio:.3g}")
+    print(f"{server.variant} native-vs-replay: max |logp gap| {gap:.3g}, "
+          f"max |ratio - 1| {ratio:.3g}")
     assert gap < 2e-4 and ratio < 2e-4
 
 
@@ -160,7 +161,8 @@ def test_every_served_step_is_the_expert_our_adapter_picks(server):
     answer = client._call("POST", "/rollout/generate", body)[0]
     latents = answer["dit_trajectory"]["latents"]
     sigmas = answer["dit_trajectory"]["sigmas"]
-    cond = {"prompt_embeds": answer["denoising_env"]["pos_cond_kwargs"]["encoder_hidden_states"][None]}
+    embeds = answer["denoising_env"]["pos_cond_kwargs"]["encoder_hidden_states"]
+    cond = {"prompt_embeds": embeds[None]}
     ode_steps = [i for i in range(STEPS[server.variant]) if i not in SDE_INDICES]
     high = adapter.high_noise_rows(sigmas[:-1])
     assert (not bool(high[ode_steps].all())) == (server.variant == "wan2.2")

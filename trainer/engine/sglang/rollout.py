@@ -177,7 +177,8 @@ def _video_uint8(video: torch.Tensor, height: int, width: int, frames: int) -> t
     if tuple(video.shape) != (3, frames, height, width):
         raise SGLangResponseError(f"generated_output has shape {list(video.shape)}, expected a "
                                   f"video [3, {frames}, {height}, {width}]")
-    return (video.float().clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 3, 0).contiguous()
+    pixels = (video.float().clamp(0, 1) * 255).round().to(torch.uint8)
+    return pixels.permute(1, 2, 3, 0).contiguous()  # channels last
 
 
 def _images_uint8(images: torch.Tensor, height: int, width: int, frames: int | None = None
