@@ -16,9 +16,8 @@ refuses to generate until a sync of the same version succeeds).
 Names: the payload comes in our (diffusers) names; a parameter the server packs is sent as the
 concatenation of its sections along dim 0, in section order, under the served name, and one it
 renames (Wan's) under that name, from the name rules the worker read off its own module
-(trainer/engine/sglang/receiver.py). The
-concatenation is lazy (``ipc.LazyTensor``): produced when its bucket is written, so a sharded
-model is still gathered one bucket at a time.
+(trainer/engine/sglang/receiver.py). The concatenation is lazy (``ipc.LazyTensor``): produced
+when its bucket is written, so a sharded model is still gathered one bucket at a time.
 """
 from __future__ import annotations
 
