@@ -1,5 +1,6 @@
-"""SGLang's own diffusion server (sglang==0.5.23) on loopback, over a tiny Qwen-Image, SD3 or
-FLUX.1 (the family's native SGLang pipeline: ``NATIVE_PIPELINES``), on CPU.
+"""SGLang's own diffusion server (sglang==0.5.23) on loopback, over a tiny Qwen-Image, SD3,
+FLUX.1 or Wan 2.1 / 2.2 (the family's native SGLang pipeline: ``NATIVE_PIPELINES``; a Wan
+checkpoint is served as ``served_model`` says, at the end of this module), on CPU.
 
     with serve_sglang(model_dir) as server:   # server.url, server.adapter, server.served_tensors()
         ...
@@ -175,12 +176,13 @@ def server_args(model_dir, modules: dict | None = None):
     (``NATIVE_PIPELINES``), fp32 components (module docstring)."""
     s = modules or _http_modules()
     pipeline, config = NATIVE_PIPELINES[family_of(model_dir)]
+    model_id, config, flags = served_model(model_dir, config)  # Wan: the end of this module
     config_cls = _attr(config)
     args = s["ServerArgs"](model_path=str(model_dir),
-                           pipeline_class_name=pipeline.rpartition(".")[2])
+                           pipeline_class_name=pipeline.rpartition(".")[2], model_id=model_id)
     encoders = len(config_cls().text_encoder_precisions)
     args.pipeline_config = config_cls(dit_precision="fp32", vae_precision="fp32",
-                                      text_encoder_precisions=("fp32",) * encoders)
+                                      text_encoder_precisions=("fp32",) * encoders, **flags)
     vae = args.pipeline_config.vae_config
     vae.update_model_arch(json.loads((Path(model_dir) / "vae" / "config.json").read_text()))
     vae.post_init()
@@ -526,3 +528,36 @@ def policy_copy(trainer, adapter):
     buffers = {n for n, _ in model.named_buffers()}
     assert not unexpected and set(missing) <= buffers, (missing, unexpected)
     return model
+
+
+# ---- Wan (text-to-video) -----------------------------------------------------------------------
+NATIVE_PIPELINES["wan"] = (_SG + "runtime.pipelines.wan_pipeline.WanPipeline",
+                           _SG + "configs.pipeline_configs.wan.WanT2V480PConfig")
+#: The published Wan model a tiny Wan checkpoint stands for (tests/wan_models.py builds both).
+WAN_MODEL_IDS = {False: "Wan2.1-T2V-1.3B-Diffusers", True: "Wan2.2-T2V-A14B-Diffusers"}
+
+
+def served_model(model_dir, config: str) -> tuple[str | None, str, dict[str, Any]]:
+    """(``--model-id``, pipeline config class, config flags) of the server a user starts for
+    ``model_dir``; for the image families (None, ``config``, {}).
+
+    Wan, as a local Wan checkpoint is served: ``--model-id`` names the published model it is
+    (Wan 2.2 T2V-A14B when model_index.json names the experts' boundary, else Wan 2.1 T2V), so
+    SGLang's own registry picks that model's pipeline config (Wan 2.2: the boundary) and its
+    sampling defaults (Wan 2.2: CFG 4.0 / 3.0, which the client's guidance 1.0 turns off), and
+    ``--flow-shift`` is the checkpoint's scheduler ``flow_shift``: SGLang's Wan configs fix the
+    shift per model (Wan 2.2 A14B's: 12.0), the trainer's adapter reads the checkpoint's, and a
+    schedule that differs moves Wan 2.2's trained steps across the boundary
+    (trainer/engine/README.md). Wan's configs also decode in bf16 (``vae_decode_precision``): fp32
+    here, as every other component (the module docstring's precision)."""
+    if family_of(model_dir) != "wan":
+        return None, config, {}
+    from sglang.multimodal_gen.registry import get_model_info
+
+    index = json.loads((Path(model_dir) / "model_index.json").read_text())
+    model_id = WAN_MODEL_IDS[index.get("boundary_ratio") is not None]
+    info = get_model_info(str(model_dir), model_id=model_id)
+    scheduler = json.loads((Path(model_dir) / "scheduler" / "scheduler_config.json").read_text())
+    cls = info.pipeline_config_cls
+    return model_id, f"{cls.__module__}.{cls.__qualname__}", {
+        "flow_shift": scheduler["flow_shift"], "vae_decode_precision": "fp32"}

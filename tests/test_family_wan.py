@@ -163,16 +163,26 @@ def test_lora_targets_every_attention_projection_and_the_mlp_and_names_map_to_th
     assert "blocks.1.attn2.to_k.lora_A.weight" in names.values()
 
 
-def test_preflight_refuses_wan_on_sglang_rollouts_with_the_reason(wan_dir):
-    """SGLang 0.5.23 ships a native Wan pipeline, but our SGLang client maps no Wan denoising env."""
+def test_preflight_takes_wan_on_sglang_rollouts_and_names_what_stock_sglang_lacks(wan_dir):
+    """SGLang 0.5.23 rolls Wan 2.1 and 2.2 out with its native WanPipeline
+    (tests/test_sglang_wan.py): the recipes pass preflight on SGLang servers with the extension;
+    on stock servers the driver's sigmas and x_T are named, the family is not."""
+    import json
+
     from trainer.config import load_config
     from trainer.config.sections import ConfigError
     from trainer.preflight import preflight
 
-    cfg = load_config("wan2.1-t2v", [f"model.model_path={wan_dir['wan2.1']}", "rollout.engine=sglang",
-                                     'rollout.sglang_urls=["http://127.0.0.1:30000"]'])
-    with pytest.raises(ConfigError, match=r"model family 'wan': the SGLang client maps the denoising env"):
-        preflight(cfg, world_size=8, check_paths=False)
+    urls = json.dumps([f"http://127.0.0.1:{30000 + rank}" for rank in range(8)])
+    for variant, recipe in (("wan2.1", "wan2.1-t2v"), ("wan2.2", "wan2.2-t2v")):
+        base = [f"model.model_path={wan_dir[variant]}", "rollout.engine=sglang",
+                f"rollout.sglang_urls={urls}"]
+        with pytest.raises(ConfigError) as info:
+            preflight(load_config(recipe, base), world_size=8, check_paths=False)
+        assert "sampling.driver_sigmas is on" in str(info.value)
+        assert "model family" not in str(info.value)
+        preflight(load_config(recipe, base + ["rollout.sglang_extension=true"]), world_size=8,
+                  check_paths=False)
 
 
 def test_the_engine_warms_up_at_the_videos_frame_count(wan_dir):

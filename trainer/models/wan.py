@@ -62,6 +62,13 @@ class WanAdapter(DiffusersAdapter):
     # names: to_q/to_k/to_v/to_out.0 match attn1 and attn2 alike).
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2")
     default_max_sequence_length = 512
+    # SGLang's native serving of this family (its WanPipeline), read by trainer/engine/sglang/:
+    # its DiT, whose name mapping renames most of ours (``attn1.to_q`` -> ``to_q``, ...) and
+    # packs nothing, and where its denoising env keeps the text condition (the UMT5 embeddings,
+    # padded to 512 tokens with zeros as the diffusers pipeline pads them; the masks it also
+    # records are not an input of our transformer)
+    sglang_dit = "sglang.multimodal_gen.runtime.models.dits.wanvideo.WanTransformer3DModel"
+    sglang_conditions = {"prompt_embeds": ("pos_cond_kwargs", "encoder_hidden_states")}
 
     def __init__(self, model_path: str, **options: Any) -> None:
         super().__init__(model_path, **options)

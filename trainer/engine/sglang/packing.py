@@ -1,20 +1,26 @@
-"""The names a native SGLang DiT holds our parameters under, from SGLang's own packing table.
+"""The names a native SGLang DiT holds our parameters under, from SGLang's own name mapping.
 
 SGLang's native DiTs pack some projections into one parameter (Qwen-Image's text-stream
-``add_q_proj`` / ``add_k_proj`` / ``add_v_proj`` into ``attn.to_added_qkv``). The table is the
-model class's ``param_names_mapping``: a rule whose replacement is ``(target, index, sections)``
-packs the matched tensor as section ``index`` of ``target``. SGLang's weight updater
-(``update_weights_from_tensor`` and ``_from_disk``) maps a sent name through that table when the
-module has no parameter of that name, and its loader writes the section at its rows (the packed
-parameter is the sections concatenated along dim 0 in index order, for one TP rank). Its
-``TensorUpdateChecker`` then looks names up on the live module, so a manifest in our names
-misses every packed tensor: ``ServedLayout`` names what the server holds instead.
+``add_q_proj`` / ``add_k_proj`` / ``add_v_proj`` into ``attn.to_added_qkv``) and some rename
+ours (Wan's ``blocks.0.attn1.to_q`` is ``blocks.0.to_q``, its ``ffn.net.0.proj`` is
+``ffn.fc_in``). The table is the model class's ``lora_param_names_mapping`` then its
+``param_names_mapping``, chained as SGLang's weight updater chains them: a rule whose
+replacement is a name renames, one whose replacement is ``(target, index, sections)`` packs the
+matched tensor as section ``index`` of ``target``. The updater (``update_weights_from_tensor``
+and ``_from_disk``) maps a sent name through that chain when the module has no parameter of
+that name, and its loader writes a section at its rows (the packed parameter is the sections
+concatenated along dim 0 in index order, for one TP rank). Its ``TensorUpdateChecker`` then
+looks names up on the live module, so a manifest in our names misses every packed or renamed
+tensor: ``ServedLayout`` names what the server holds instead.
 
-The table is read from the class the adapter names (``sglang_dit`` in trainer/models/<family>.py)
-through SGLang's own regex mapper, so the trainer's process needs ``sglang==0.5.23`` importable
-(it imports no GPU code). Only packing rules are applied: a rule that only renames does not
-touch our (diffusers) names, which the native modules already use. The mapping is the one an
-unquantized server uses (a quantized server may pack more, and takes no bf16 sync anyway).
+The chain is read from the class the adapter names (``sglang_dit`` in
+trainer/models/<family>.py) through SGLang's own regex mapper, so the trainer's process needs
+``sglang==0.5.23`` importable (it imports no GPU code). It is applied to every sent name, where
+SGLang applies it only to a name its module lacks: for the shipped families the two agree (no
+rule matches a diffusers name the native module holds; tests/test_sglang_wan.py checks the
+chain against the packing-only names of Qwen-Image, SD3 and FLUX.1, and every sync test checks
+the served names on the live module). The mapping is the one an unquantized server uses (a
+quantized server may pack more, and takes no bf16 sync anyway).
 """
 from __future__ import annotations
 
@@ -27,18 +33,29 @@ NameMapper = Callable[[str], tuple[str, Any, Any]]
 
 
 def packing_mapper(dit_class: str) -> NameMapper:
-    """SGLang's name mapper over the packing table of ``dit_class`` (``module.Class``)."""
+    """SGLang's name mapping of ``dit_class`` (``module.Class``): (served name, section index,
+    sections), the index and count None for a tensor that is not packed."""
     module_name, _, class_name = dit_class.rpartition(".")
     try:
         from sglang.multimodal_gen.runtime.loader.utils import get_param_names_mapping
-        table = getattr(importlib.import_module(module_name), class_name).param_names_mapping
+        cls = getattr(importlib.import_module(module_name), class_name)
+        tables = [getattr(cls, "lora_param_names_mapping", None), cls.param_names_mapping]
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"cannot read SGLang's packing table from {dit_class!r} ({exc}): the "
                          "trainer names the server's packed parameters from it; install "
                          "sglang==0.5.23 next to the trainer (tests/requirements-sglang.txt, "
                          "then pip install --no-deps sglang==0.5.23)") from None
-    packing = {pattern: rule for pattern, rule in table.items() if isinstance(rule, tuple)}
-    return get_param_names_mapping(packing)
+    mappers = [get_param_names_mapping(table) for table in tables if table]
+
+    def chained(name: str) -> tuple[str, Any, Any]:
+        index = sections = None
+        for mapper in mappers:  # as SGLang's updater chains them: the last packing rule wins
+            name, i, n = mapper(name)
+            if i is not None:
+                index, sections = i, n
+        return name, index, sections
+
+    return chained
 
 
 class ServedLayout:
@@ -54,8 +71,11 @@ class ServedLayout:
         if self._mapper is None:
             return name, None, None
         served, index, sections = self._mapper(name)
+        if not served:
+            raise ValueError(f"{name!r}: SGLang's name mapping of {self.dit_class} drops it "
+                             "(the server would not take it)")
         if index is None:
-            return name, None, None
+            return served, None, None
         return served, int(index), int(sections)
 
     def packer(self) -> "Packer":

@@ -83,25 +83,35 @@ def receiver_dir(port: int | str) -> Path:
 
 
 def packing_rules(module: nn.Module) -> list[list[Any]]:
-    """[pattern, replacement, section, sections] of the module's packing rules: the rules of
-    its ``param_names_mapping`` whose replacement is a (target, section, sections) tuple. As
-    SGLang's loader does, the trainer applies one only where the target is a held parameter."""
+    """[pattern, replacement, section, sections] of the module's name rules, in the order
+    SGLang's updater applies them (its ``lora_param_names_mapping``, then its
+    ``param_names_mapping``): a packing rule's (target, section, sections) tuple, or a rename
+    (Wan's ``attn1.to_q`` -> ``to_q``) with section and sections None. As SGLang's loader does,
+    the trainer applies one only to a name the module lacks, where the target is held."""
     rules = []
-    for pattern, rule in dict(getattr(module, "param_names_mapping", None) or {}).items():
-        if isinstance(rule, tuple) and len(rule) == 3:
-            rules.append([pattern, rule[0], int(rule[1]), int(rule[2])])
+    for table in (getattr(module, "lora_param_names_mapping", None),
+                  getattr(module, "param_names_mapping", None)):
+        for pattern, rule in dict(table or {}).items():
+            if isinstance(rule, tuple) and len(rule) == 3:
+                rules.append([pattern, rule[0], int(rule[1]), int(rule[2])])
+            elif isinstance(rule, str) and rule:
+                rules.append([pattern, rule, None, None])
     return rules
 
 
 class PackingTable:
     """Where a tensor sent under our name lands in the native DiT: (served name, section,
-    sections) from the module's packing rules (``packing_rules``), or (name, None, None)."""
+    sections) from the module's name rules (``packing_rules``), (renamed, None, None) for a
+    rename, or (name, None, None)."""
 
     def __init__(self, rules: Iterable[list[Any]], served_names: Iterable[str]) -> None:
-        self.rules = [(re.compile(p), target, int(k), int(n)) for p, target, k, n in rules]
+        self.rules = [(re.compile(p), target, None if k is None else int(k),
+                       None if n is None else int(n)) for p, target, k, n in rules]
         self.served = set(served_names)
 
     def place(self, name: str) -> tuple[str, int | None, int | None]:
+        if name in self.served:  # SGLang maps only a name its module lacks
+            return name, None, None
         for pattern, target, section, sections in self.rules:
             if pattern.match(name) is None:
                 continue

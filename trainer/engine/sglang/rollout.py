@@ -19,6 +19,7 @@ this module is written against:
   0 on ODE steps), ``dit_trajectory.latents`` is [T+1, *latent] (x at every step, then the final
   latent), ``timesteps`` [T+1], ``sigmas`` [T+1]; ``denoising_env`` holds ``image_kwargs``,
   ``pos_cond_kwargs``, ``neg_cond_kwargs``, ``guidance``; ``generated_output`` is float in [0, 1].
+  A video (``num_frames`` sent: Wan) comes back as float [3, F, H, W].
   ``height``, ``width``, ``sample_ids``, ``sde_indices`` and any weight version are not echoed:
   ``to_schema_response`` copies them from the request, so the adapter's echo checks do not test
   the server; what is checked here instead is the number of outputs and their seeds.
@@ -145,6 +146,8 @@ def to_sglang_requests(request: Mapping[str, Any], *, extension: bool = False
         "rollout_return_dit_trajectory": True, "rollout_return_denoising_env": True,
         "rollout_debug_mode": False, "suppress_logs": True,
     }
+    if request.get("num_frames") is not None:  # video; an image request stays as it was
+        common["num_frames"] = int(request["num_frames"])
     seed = int(request["seed"])
     bodies = [dict(common, prompt=prompt, seed=sample_seed(seed, sid))
               for prompt, sid in zip(request["prompt"], extra["sample_ids"])]
@@ -169,9 +172,21 @@ def decode_tensors(obj: Any) -> Any:
     return obj
 
 
-def _images_uint8(images: torch.Tensor, height: int, width: int) -> torch.Tensor:
+def _video_uint8(video: torch.Tensor, height: int, width: int, frames: int) -> torch.Tensor:
+    """SGLang's per-output video (float [0, 1], [3, F, H, W]) -> [F, H, W, 3] uint8."""
+    if tuple(video.shape) != (3, frames, height, width):
+        raise SGLangResponseError(f"generated_output has shape {list(video.shape)}, expected a "
+                                  f"video [3, {frames}, {height}, {width}]")
+    pixels = (video.float().clamp(0, 1) * 255).round().to(torch.uint8)
+    return pixels.permute(1, 2, 3, 0).contiguous()  # channels last
+
+
+def _images_uint8(images: torch.Tensor, height: int, width: int, frames: int | None = None
+                  ) -> torch.Tensor:
     """SGLang's per-output image (float [0, 1], channels first, maybe a frame axis) ->
-    [H, W, 3] uint8."""
+    [H, W, 3] uint8; with ``frames`` (a video request) -> [F, H, W, 3]."""
+    if frames is not None:
+        return _video_uint8(images, height, width, frames)
     x = images
     if x.dim() == 4 and x.shape[1] == 1:  # [C, F=1, H, W]
         x = x[:, 0]
@@ -243,7 +258,7 @@ def _one_output(entry: Mapping[str, Any], sent: Mapping[str, Any], indices: list
     if len(problems) > before:
         return None
     try:
-        image = _images_uint8(image, sent["height"], sent["width"])
+        image = _images_uint8(image, sent["height"], sent["width"], sent.get("num_frames"))
     except SGLangResponseError as exc:
         problems.append(f"{where}: {exc}")
         return None
@@ -285,7 +300,10 @@ def to_schema_response(answers: Sequence[Any], sent: Sequence[Mapping[str, Any]]
                                   f"({len(problems)} problems):\n  - " + "\n  - ".join(problems))
     if any(not torch.equal(r["sigmas"], rows[0]["sigmas"]) for r in rows):
         raise SGLangResponseError("the outputs of one batch used different sigma schedules")
+    video = ({"num_frames": int(request["num_frames"])} if request.get("num_frames") is not None
+             else {})
     return {
+        **video,
         "prompt": list(request["prompt"]), "seed": int(request["seed"]),
         "sample_ids": list(extra["sample_ids"]), "height": int(request["height"]),
         "width": int(request["width"]), "sde_indices": indices,

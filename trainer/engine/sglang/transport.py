@@ -14,10 +14,10 @@ the CPU), a checksum computed by the copy and re-read by the receiver, commit or
 refuses to generate until a sync of the same version succeeds).
 
 Names: the payload comes in our (diffusers) names; a parameter the server packs is sent as the
-concatenation of its sections along dim 0, in section order, under the served name, from the
-packing rules the worker read off its own module (trainer/engine/sglang/receiver.py). The
-concatenation is lazy (``ipc.LazyTensor``): produced when its bucket is written, so a sharded
-model is still gathered one bucket at a time.
+concatenation of its sections along dim 0, in section order, under the served name, and one it
+renames (Wan's) under that name, from the name rules the worker read off its own module
+(trainer/engine/sglang/receiver.py). The concatenation is lazy (``ipc.LazyTensor``): produced
+when its bucket is written, so a sharded model is still gathered one bucket at a time.
 
 LoRA adapter sync mode (``lora_scaling`` given): the payload's ``lora_A`` / ``lora_B`` pairs go
 over a second channel to the worker's adapter receiver (trainer/engine/sglang/lora_receiver.py),
@@ -95,7 +95,8 @@ def pick_receiver(receivers: list[dict[str, Any]], device: torch.device) -> dict
 
 
 class Packing(PackingTable):
-    """Where each sent tensor lands: (served name, section, sections), from a worker's rules."""
+    """Where each sent tensor lands: (served name, section, sections), from a worker's rules
+    (section and sections None for a tensor served whole, under its name or a renamed one)."""
 
     def payload(self, named: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """The payload under the served names; a packed parameter becomes one lazy
@@ -107,7 +108,7 @@ class Packing(PackingTable):
         for name, t in named:
             served, section, sections = self.place(name)
             if section is None:
-                yield name, t
+                yield served, t
                 continue
             parts = pending.setdefault(served, {})
             counts[served] = sections
