@@ -270,6 +270,30 @@ def test_adapter_syncs_into_sd3_and_flux_native_dits(tiny_model_dir, family):
             t.close()
 
 
+
+def test_adapter_syncs_into_wans_renamed_native_dit(tmp_path):
+    """Wan 2.1's native DiT renames most parameters (``attn1.to_q`` -> ``to_q``): the adapter
+    channel places each pair by the same name rules as the full channel, so the served weights
+    are the actor's merge bit for bit under SGLang's names, then replaced."""
+    from wan_models import build_tiny_wan_dir
+
+    built = build_tiny_wan_dir("wan2.1", tmp_path / "wan2.1")
+    with serve_sglang(built.rename(built.parent / "wan"), extension=True) as srv:
+        adapter = srv.adapter
+        t = SGLangTransport.connect(srv.url, "cpu", lora_scaling=SCALING, bucket_bytes=BUCKET)
+        try:
+            first, second = _peft(adapter, 1), _peft(adapter, 2)
+            t.sync(0, _payload(adapter, first, first=True))
+            expected = _expected(adapter, first)
+            assert any(".attn1." not in n and ".to_q." in n for n in expected)  # renamed
+            assert _differ(srv.served_tensors(), expected) == []
+            t.sync(1, _payload(adapter, second, first=False), mode="adapter")
+            served = srv.served_tensors()
+            assert _differ(served, _expected(adapter, second)) == []
+            assert _differ(served, expected) != []
+        finally:
+            t.close()
+
 # ---- the worker in this process: rollback of a merge that fails, refusals ----------------------
 class _Attention(torch.nn.Module):
     def __init__(self) -> None:
