@@ -113,6 +113,12 @@ class GenerativeModelAdapter(abc.ABC):
                 problems.append(f"candidate {row} has no reference image; {self.family!r} edits one")
         return problems
 
+    def require_condition_images(self, images: Sequence[Sequence[Any]] | None) -> None:
+        """Raises one ValueError naming every ``condition_image_problems`` of ``images``."""
+        problems = self.condition_image_problems(images)
+        if problems:
+            raise ValueError(f"{type(self).__name__}: " + "; ".join(problems))
+
     @abc.abstractmethod
     def latent_shape(self, geometry: Geometry) -> tuple[int, ...]:
         """Per-sample latent shape as the transformer takes it."""

@@ -69,9 +69,7 @@ class FluxKontextAdapter(FluxAdapter):
     def encode_conditions(self, frozen: dict[str, Any], prompts: list[str],
                           images: Sequence[Sequence[Any]] | None,
                           geometry: Geometry) -> dict[str, torch.Tensor]:
-        problems = self.condition_image_problems(images)
-        if problems:
-            raise ValueError(f"{type(self).__name__}: " + "; ".join(problems))
+        self.require_condition_images(images)
         cond = super().encode_prompts(frozen, list(prompts))
         cond["image_latents"] = torch.cat([self.reference_latents(frozen, refs[0], geometry)
                                            for refs in images])

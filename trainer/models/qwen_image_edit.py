@@ -98,9 +98,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
     def encode_conditions(self, frozen: dict[str, Any], prompts: list[str],
                           images: Sequence[Sequence[Any]] | None,
                           geometry: Geometry) -> dict[str, torch.Tensor]:
-        problems = self.condition_image_problems(images)
-        if problems:
-            raise ValueError(f"{type(self).__name__}: " + "; ".join(problems))
+        self.require_condition_images(images)
         rows = [self._encode_one(frozen, prompt, refs, geometry) for prompt, refs in zip(prompts, images)]
         # text lengths differ between prompts: right-padded, the padding masked (mask 0)
         return {"prompt_embeds": pad_and_cat([r[0] for r in rows]),

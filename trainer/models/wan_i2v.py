@@ -179,9 +179,7 @@ class WanI2VAdapter(WanAdapter):
     def encode_conditions(self, frozen: dict[str, Any], prompts: list[str],
                           images: Sequence[Sequence[Any]] | None,
                           geometry: Geometry) -> dict[str, torch.Tensor]:
-        problems = self.condition_image_problems(images)
-        if problems:
-            raise ValueError(f"{type(self).__name__}: " + "; ".join(problems))
+        self.require_condition_images(images)
         cond = super().encode_prompts(frozen, list(prompts))
         frames = [refs[0] for refs in images]
         encoded = {ref: self.first_frame_conditions(frozen, ref, geometry) for ref in dict.fromkeys(frames)}
