@@ -30,7 +30,10 @@ Design choices:
   different lengths are not one tensor); the data keeps a run to one count.
 - The CFG negative is the empty prompt with the same references (as the pipelines encode
   their negative prompt with the image).
-- SGLang does not serve these families (no ``sglang_dit``): the embedded engine does.
+- SGLang 0.5.23 has native Edit and Edit-Plus pipelines that take the references by path
+  (``RolloutRequest.image_path``), but its rollout answer leaves out what the replay needs
+  (``sglang_refusal`` says what), so these families name no ``sglang_dit`` and preflight
+  refuses ``rollout.engine = "sglang"`` with that reason; the embedded engine rolls them out.
 """
 from __future__ import annotations
 
@@ -72,6 +75,15 @@ class QwenImageEditAdapter(QwenImageAdapter):
     sglang_dit = None
     sglang_conditions = None
     sglang_implied_masks = None
+    sglang_refusal = ("SGLang 0.5.23's native QwenImageEditPipeline takes the reference "
+                      "(RolloutRequest.image_path), but its rollout answer leaves out the "
+                      "reference's VAE latents that its denoising stage appends to the noisy "
+                      "latents (batch.image_latent: the denoising_env it returns holds only "
+                      "image_kwargs, pos_cond_kwargs, neg_cond_kwargs and guidance), and it "
+                      "encodes the reference at about 1024x1024 pixels where this adapter "
+                      "encodes it at the output geometry, so the trainer cannot replay what "
+                      "SGLang's DiT saw; neither our client nor our SGLang extension carries "
+                      "those latents")
 
     # ---- engine side ----------------------------------------------------------------------
     def load_frozen(self, *, device: str | torch.device, dtype: torch.dtype) -> dict[str, Any]:
@@ -175,6 +187,15 @@ class QwenImageEditPlusAdapter(QwenImageEditAdapter):
     display_name = "Qwen-Image-Edit-Plus"
     pipeline_class = staticmethod(_edit_plus_pipeline_cls)
     extra_options = {**QwenImageEditAdapter.extra_options, "condition_image_area": 384 * 384}
+    sglang_refusal = ("SGLang 0.5.23's native QwenImageEditPlusPipeline takes the references "
+                      "(RolloutRequest.image_path), but its rollout answer leaves out the "
+                      "references' VAE latents that its denoising stage appends to the noisy "
+                      "latents (batch.image_latent: the denoising_env it returns holds only "
+                      "image_kwargs, pos_cond_kwargs, neg_cond_kwargs and guidance), and it "
+                      "encodes each reference at about 1024x1024 pixels where this adapter "
+                      "encodes them at the output geometry, so the trainer cannot replay what "
+                      "SGLang's DiT saw; neither our client nor our SGLang extension carries "
+                      "those latents")
 
     def __init__(self, model_path: str, **options: Any) -> None:
         super().__init__(model_path, **options)

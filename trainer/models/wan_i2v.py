@@ -34,11 +34,11 @@ Design choices:
 - LoRA targets: text-to-video's, plus the image cross-attention's key and value projections
   (``add_k_proj`` / ``add_v_proj``, diffusers' names for Wan's ``k_img`` / ``v_img``) where the
   model has them (Wan 2.1).
-- SGLang 0.5.23 ships a native Wan image-to-video pipeline, but our SGLang client sends no
-  first frame with its rollout requests and maps no image-to-video denoising env (image
-  embeddings, condition latents) back into the conditions the replay needs, so this family
-  names no SGLang DiT and preflight refuses ``rollout.engine = "sglang"`` for it; the embedded
-  engine rolls it out.
+- SGLang 0.5.23 ships a native Wan image-to-video pipeline that takes the first frame by path
+  (``RolloutRequest.image_path``), but its rollout answer leaves out the first frame's
+  condition latents the replay needs (``sglang_refusal`` says what), so this family names no
+  SGLang DiT and preflight refuses ``rollout.engine = "sglang"`` with that reason; the
+  embedded engine rolls it out.
 - The MFU of Wan 2.1 I2V is not logged: the FLOP count (``trainer.compute.flops``) does not
   count the image cross-attention.
 """
@@ -77,6 +77,15 @@ class WanI2VAdapter(WanAdapter):
     sglang_dit = None
     sglang_conditions = None
     sglang_implied_masks = None
+    sglang_refusal = ("SGLang 0.5.23's native WanImageToVideoPipeline takes the first frame "
+                      "(RolloutRequest.image_path) and returns its CLIP image embeddings "
+                      "(denoising_env.image_kwargs.encoder_hidden_states_image), but not the "
+                      "first frame's condition latents (its VAE latents with the frame mask) "
+                      "that its denoising stage concatenates to the noisy latents on the channel "
+                      "axis (batch.image_latent: the denoising_env it returns holds only "
+                      "image_kwargs, pos_cond_kwargs, neg_cond_kwargs and guidance), so the "
+                      "trainer cannot replay what SGLang's DiT saw; neither our client nor our "
+                      "SGLang extension carries those latents")
 
     def __init__(self, model_path: str, **options: Any) -> None:
         super().__init__(model_path, **options)

@@ -383,7 +383,9 @@ class SGLangWeightSync:
 # ---- the trainer's hooks ---------------------------------------------------------------------
 def _family_problems(adapter_path: str) -> list[str]:
     """The model family must be one whose adapter says where SGLang keeps its conditions
-    (``sglang_conditions``) and which native DiT serves it (``sglang_dit``)."""
+    (``sglang_conditions``) and which native DiT serves it (``sglang_dit``). A shipped family
+    that SGLang cannot roll out says why in its adapter's ``sglang_refusal``, and that reason
+    is the refusal; a family with neither (a user's own adapter) gets the generic one."""
     from trainer.models import adapter_class
 
     try:
@@ -393,6 +395,11 @@ def _family_problems(adapter_path: str) -> list[str]:
     family = getattr(cls, "family", None)
     if family_tables(family) is not None and getattr(cls, "sglang_dit", None):
         return []
+    reason = getattr(cls, "sglang_refusal", None)
+    if reason:
+        return [f"model family {family!r} cannot roll out on rollout.engine='sglang': {reason} "
+                "(use rollout.engine='embedded'; trainer/engine/README.md says per family what "
+                "SGLang serves)"]
     return [f"model family {family!r}: the SGLang client maps the denoising env of "
             f"{sglang_families()} only: its adapter names no SGLang rollout mapping "
             "(sglang_conditions, sglang_dit); trainer/engine/README.md says per family what "
