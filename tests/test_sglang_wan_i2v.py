@@ -84,7 +84,7 @@ def _tensor_shapes(obj) -> list[tuple[int, ...]]:
 
 def test_sglang_takes_the_first_frame_by_path_and_returns_no_condition_latents(server, frames):
     """SGLang's native pipeline reads the first frame from ``image_path`` (its CLIP embeddings
-    differ between two frames) and returns a video rollout, but none of the tensors of its
+    differ between two frames, and equal our adapter's) and returns a video rollout, but none of the tensors of its
     denoising env has the shape of the first-frame condition latents our adapter computes for
     the same frame (mask + VAE latents, what Wan's DiT is given beside the noise): that is the
     refusal's reason, shown on SGLang's own pipeline."""
@@ -101,6 +101,13 @@ def test_sglang_takes_the_first_frame_by_path_and_returns_no_condition_latents(s
     frozen = adapter.load_frozen(device="cpu", dtype=torch.float32)
     ours = adapter.encode_conditions(frozen, ["a red panda walks"], [(ImageRef(frames["red"]),)],
                                      Geometry(H, W, F))
+    # what SGLang does return is what our adapter encodes: the CLIP embeddings bit for bit, the
+    # prompt embeddings to fp32 rounding (two T5 implementations)
+    assert torch.equal(clip[0], ours["image_embeds"][0])
+    prompt = red["denoising_env"]["pos_cond_kwargs"]["encoder_hidden_states"]
+    prompt = prompt[0] if isinstance(prompt, list) else prompt
+    assert prompt.shape == ours["prompt_embeds"][0].shape
+    assert float((prompt - ours["prompt_embeds"][0]).abs().max()) < 1e-5
     condition = tuple(ours["condition_latents"].shape)
     shapes = _tensor_shapes(red["denoising_env"])
     assert condition not in shapes and condition[1:] not in shapes, (condition, shapes)
