@@ -22,8 +22,8 @@ from sglang_fixtures import _process_state_kept, require_sglang
 
 CONDITIONED = [("qwen-image-edit-lora", "qwen_image_edit"),
                ("qwen-image-edit-plus-lora", "qwen_image_edit_plus"),
-               ("flux-kontext-lora", "flux_kontext"),
-               ("wan2.1-i2v", "wan_i2v"), ("wan2.2-i2v", "wan_i2v")]
+               ("flux-kontext-lora", "flux_kontext")]
+IMAGE_TO_VIDEO = [("wan2.1-i2v", "wan_i2v"), ("wan2.2-i2v", "wan_i2v")]
 
 
 def _family_refusals(recipe: str, extension: bool) -> list[str]:
@@ -52,10 +52,24 @@ def test_preflight_refuses_each_conditioned_family_on_sglang_with_its_own_reason
     assert "the SGLang client maps the denoising env" not in refusals[0]  # not the generic one
 
 
+@pytest.mark.parametrize("recipe, family", IMAGE_TO_VIDEO)
+def test_image_to_video_is_refused_on_stock_sglang_only(recipe, family):
+    """Wan image-to-video rolls out through the extension (tests/test_sglang_wan_i2v.py); stock
+    SGLang is refused with the reason (its answer lacks the first frame's latents)."""
+    from trainer.models import adapter_class
+
+    reason = adapter_class(family).sglang_stock_refusal
+    refusals = _family_refusals(recipe, extension=False)
+    assert len(refusals) == 1 and reason in refusals[0], refusals
+    assert "rollout.sglang_extension=true" in refusals[0]
+    assert _family_refusals(recipe, extension=True) == []
+
+
 def test_each_refusal_names_what_sglang_lacks_for_that_family():
     from trainer.models import adapter_class
 
     reasons = {f: adapter_class(f).sglang_refusal for _, f in CONDITIONED}
+    reasons["wan_i2v"] = adapter_class("wan_i2v").sglang_stock_refusal
     assert "no native FLUX.1 Kontext pipeline" in reasons["flux_kontext"]
     assert "QwenImageEditPipeline" in reasons["qwen_image_edit"]
     assert "QwenImageEditPlusPipeline" in reasons["qwen_image_edit_plus"]

@@ -37,7 +37,8 @@ H, W, F = TINY_VIDEO
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    model_dir = build_tiny_wan_i2v_dir("wan2.1-i2v", tmp_path_factory.mktemp("wan_i2v"))
+    model_dir = build_tiny_wan_i2v_dir("wan2.1-i2v", tmp_path_factory.mktemp("wan_i2v"),
+                                       clip_image_size=128)  # 257 CLIP tokens: see ext_server
     with serve_sglang(model_dir) as srv:
         yield srv
 
@@ -111,5 +112,77 @@ def test_sglang_takes_the_first_frame_by_path_and_returns_no_condition_latents(s
     condition = tuple(ours["condition_latents"].shape)
     shapes = _tensor_shapes(red["denoising_env"])
     assert condition not in shapes and condition[1:] not in shapes, (condition, shapes)
-    assert adapter_class("wan_i2v").sglang_refusal.startswith(
-        "SGLang 0.5.23's native WanImageToVideoPipeline")
+    assert "batch.image_latent" in adapter_class("wan_i2v").sglang_stock_refusal
+
+
+# ---- through the trainer's extension -----------------------------------------------------------
+PROMPTS = ["a red panda walks"] * 2 + ["waves on a beach"] * 2
+IDS = ["prompt:1:sample:0", "prompt:1:sample:1", "prompt:2:sample:0", "prompt:2:sample:1"]
+SAMPLING = {"height": H, "width": W, "num_frames": F, "num_inference_steps": 4, "eta": 0.7,
+            "driver_sigmas": False, "driver_xt": False, "guidance_scale": 1.0}
+
+
+@pytest.fixture(scope="module")
+def ext_server(tmp_path_factory):
+    # SGLang's native Wan DiT splits the image context at the published CLIP's 257 tokens:
+    # the tiny tower is built to give as many (tests/wan_i2v_models.py)
+    model_dir = build_tiny_wan_i2v_dir("wan2.1-i2v", tmp_path_factory.mktemp("wan_i2v_ext"),
+                                       clip_image_size=128)
+    with serve_sglang(model_dir, extension=True) as srv:
+        yield srv
+
+
+def _i2v_request(adapter, frames):
+    refs = [(ImageRef(frames["red"]),)] * 2 + [(ImageRef(frames["blue"]),)] * 2
+    return adapter.build_rollout_request(PROMPTS, IDS, SAMPLING, rollout_id=0, seed=7,
+                                         sde_indices=[1, 2], images=refs)
+
+
+def test_extension_rollout_replays_through_our_transformer(ext_server, frames, tmp_path):
+    """With the extension, the client sends each candidate's first frame as a file, the answer
+    carries the first frame's condition latents (``flowgrpo_image_latent``) beside SGLang's own
+    CLIP and prompt embeddings, all equal to what our adapter encodes, and our diffusers
+    transformer replays SGLang's native rollout: the first ratio is 1 up to fp32 rounding. The
+    files are gone once the answers are in."""
+    from trainer.actor.replay import replay_log_probs
+    from trainer.engine.sglang.client import SGLangEngineClient
+
+    adapter = ext_server.adapter
+    request = _i2v_request(adapter, frames)
+    media = tmp_path / "media"
+    media.mkdir()
+    client = SGLangEngineClient(ext_server.url, embedded=False, extension=True,
+                                media_root=str(media))
+    response = client.generate(request)
+    assert list(media.iterdir()) == []
+    batch = adapter.pack_trajectory(response, request)
+    assert batch.images.shape == (4, F, H, W, 3) and batch.images.dtype == torch.uint8
+    frozen = adapter.load_frozen(device="cpu", dtype=torch.float32)
+    for row, name in ((0, "red"), (2, "blue")):
+        ours = adapter.encode_conditions(frozen, [PROMPTS[row]], [(ImageRef(frames[name]),)],
+                                         Geometry(H, W, F))
+        for key in ("condition_latents", "image_embeds"):
+            assert torch.allclose(batch.conditions[key][row], ours[key][0], atol=1e-5,
+                                  rtol=0), key
+    assert not torch.equal(batch.conditions["condition_latents"][0],
+                           batch.conditions["condition_latents"][2])
+    with torch.no_grad():
+        replay = replay_log_probs(adapter, adapter.load_train_model().eval(), batch,
+                                  backend="torch")
+    gap = float((replay - batch.log_probs).abs().max())
+    ratio = float((replay - batch.log_probs).exp().sub(1).abs().max())
+    print(f"wan2.1-i2v native-vs-replay (extension): max |logp gap| {gap:.3g}, "
+          f"max |ratio - 1| {ratio:.3g}")
+    assert gap < 2e-4 and ratio < 2e-4
+
+
+def test_stock_sglang_is_refused_for_first_frames_naming_the_extension(ext_server, frames):
+    """Without the extension the client does not send first frames (the answer would lack the
+    latents the replay needs): one error saying so, before any request."""
+    from trainer.engine.sglang.client import SGLangEngineClient
+
+    client = SGLangEngineClient(ext_server.url, embedded=False)
+    before = len(ext_server.requests)
+    with pytest.raises(ValueError, match="need the trainer's SGLang extension"):
+        client.generate(_i2v_request(ext_server.adapter, frames))
+    assert len(ext_server.requests) == before
