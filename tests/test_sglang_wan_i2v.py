@@ -186,3 +186,75 @@ def test_stock_sglang_is_refused_for_first_frames_naming_the_extension(ext_serve
     with pytest.raises(ValueError, match="need the trainer's SGLang extension"):
         client.generate(_i2v_request(ext_server.adapter, frames))
     assert len(ext_server.requests) == before
+
+
+def test_full_sync_is_verified_by_sglangs_checker_and_serves_the_next_rollout(ext_server, frames):
+    """SGLang's stock weight path (``/update_weights_from_tensor`` + its checker) into the
+    native Wan DiT, image branch included (its image embedder and image cross-attention under
+    SGLang's names): the served tensors are the trainer's, a wrong digest is refused, and the
+    next image-to-video rollout is sampled by the new weights."""
+    from trainer.engine.sglang.client import SGLangEngineClient
+    from trainer.engine.sglang.sync import SGLangSyncError, SGLangWeightSync, tensor_sha256
+    from sglang_fixtures import as_served
+
+    adapter = ext_server.adapter
+    client = SGLangEngineClient(ext_server.url, embedded=False, extension=True)
+    request = _i2v_request(adapter, frames)
+    before = client.generate(request)
+    model = adapter.load_train_model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)
+    sender = SGLangWeightSync(client, served_dit=type(adapter).sglang_dit, bucket_bytes=1 << 16)
+    stats = sender.sync(3, model.named_parameters())
+    assert stats.tensors == len(list(model.parameters())) and client.committed_version == 3
+    served = ext_server.served_tensors()
+    trained = as_served(model.named_parameters(), type(adapter).sglang_dit)
+    assert set(trained) == set(served)
+    assert any("add_k_proj" in n for n in trained) and any("image_embedder" in n for n in trained)
+    assert all(torch.equal(served[n], p) for n, p in trained.items())
+    digests = {n: tensor_sha256(p) for n, p in trained.items()}
+    with pytest.raises(SGLangSyncError, match="checksum mismatch"):
+        sender._check({**digests, next(iter(digests)): "0" * 64}, 4)
+    after = client.generate(request)
+    assert after["policy_version"] == 3
+    assert not torch.equal(after["images"], before["images"])
+
+
+def test_training_run_through_the_extension_samples_from_the_weights_it_synced(ext_server,
+                                                                               frames, tmp_path):
+    """A CPU training run of Wan 2.1 I2V on SGLang with the extension: every prompt's first
+    frame reaches SGLang's native pipeline, each step's weights go through our ipc/ transport
+    into the native DiT (no SGLang weight route is called), the first update's ratio is 1, and
+    the next rollout's log-probs are the new policy's replay, not the old one's."""
+    from sglang_fixtures import assert_served_and_sampled_from, policy_copy, trainer_overrides
+    from trainer.config import load_config
+    from trainer.engine.sglang.transport import SGLangTransport
+    from trainer.loop import Trainer
+    from trainer.preflight import preflight
+
+    server, adapter = ext_server, ext_server.adapter
+    over = trainer_overrides(adapter.model_path, server.url, tmp_path, sampling={
+        "num_frames": F, "sde_indices": [1, 2], "sde_pool": [1, 2, 3]})
+    names = ("red", "blue")
+    (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps(
+        {"prompt": f"a red panda number {i}", "images": [frames[names[i % 2]]],
+         "metadata": {"sample_id": f"p{i:03d}"}}) for i in range(8)))
+    cfg = load_config("tiny", over + ["model.task=i2v", "train.num_rollouts=3", "train.lr=2e-2",
+                                      "rollout.sglang_extension=true"])
+    preflight(cfg, world_size=1, device="cpu")
+    weight_routes = len(server.weight_requests)
+    trainer = Trainer(cfg, rank=0, world=1, device="cpu")
+    try:
+        assert isinstance(trainer.sender, SGLangTransport)
+        for step in range(2):
+            old = policy_copy(trainer, adapter)
+            metrics = trainer.train_step(step)
+            new = policy_copy(trainer, adapter)
+            assert trainer.policy_version == trainer.engine.committed_version == step + 1
+            if step == 0:
+                assert metrics["train/first_update_ratio_mean"] == pytest.approx(1.0, abs=2e-4)
+            assert_served_and_sampled_from(trainer, adapter, server, old, new, step)
+        assert server.weight_requests[weight_routes:] == []
+    finally:
+        trainer.close()
