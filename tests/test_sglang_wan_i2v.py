@@ -243,7 +243,7 @@ def test_training_run_through_the_extension_samples_from_the_weights_it_synced(e
     cfg = load_config("tiny", over + ["model.task=i2v", "train.num_rollouts=3", "train.lr=2e-2",
                                       "rollout.sglang_extension=true"])
     preflight(cfg, world_size=1, device="cpu")
-    weight_routes = len(server.weight_requests)
+    weight_routes, rollouts = len(server.weight_requests), len(server.requests)
     trainer = Trainer(cfg, rank=0, world=1, device="cpu")
     try:
         assert isinstance(trainer.sender, SGLangTransport)
@@ -256,5 +256,8 @@ def test_training_run_through_the_extension_samples_from_the_weights_it_synced(e
                 assert metrics["train/first_update_ratio_mean"] == pytest.approx(1.0, abs=2e-4)
             assert_served_and_sampled_from(trainer, adapter, server, old, new, step)
         assert server.weight_requests[weight_routes:] == []
+        # two training rollouts and two checking ones, 4 candidates each, all sampled by SGLang
+        print(f"SGLang rollout requests of the run: {len(server.requests) - rollouts}")
+        assert len(server.requests) - rollouts == 16
     finally:
         trainer.close()
