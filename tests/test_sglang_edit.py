@@ -1,7 +1,9 @@
 """The conditioned families (image editing, image-to-video) on ``rollout.engine = "sglang"``:
-preflight refuses each with the true reason SGLang 0.5.23 cannot roll it out, and the facts
-those reasons state are checked against SGLang's own code, so a SGLang release that changes
-them fails here instead of leaving a stale refusal.
+preflight refuses each one SGLang 0.5.23 cannot roll out (the edit families and FLUX.1
+Kontext always, Wan image-to-video on stock SGLang: the extension rolls it out,
+tests/test_sglang_wan_i2v.py) with the true reason, and the facts those reasons state are
+checked against SGLang's own code, so a SGLang release that changes them fails here instead of
+leaving a stale refusal.
 
 What SGLang 0.5.23 does (read from its source, checked below where it can be without a GPU):
 its native ``QwenImageEditPipeline``, ``QwenImageEditPlusPipeline`` and
@@ -10,7 +12,9 @@ image VAE stage writes the references' (or the first frame's) latents to ``batch
 which the denoising stage concatenates to the noisy latents, but the rollout answer's
 ``denoising_env`` (``RolloutDenoisingEnv``) holds only ``image_kwargs``, ``pos_cond_kwargs``,
 ``neg_cond_kwargs`` and ``guidance``: the latents the replay must feed the transformer never
-come back. FLUX.1 Kontext has no native pipeline at all.
+come back (the trainer's extension adds them). The Edit pipelines also size each reference at
+about a megapixel, where our edit adapters encode it at the output geometry and tell the
+transformer so. FLUX.1 Kontext has no native pipeline at all.
 """
 from __future__ import annotations
 
@@ -77,6 +81,8 @@ def test_each_refusal_names_what_sglang_lacks_for_that_family():
     for family in ("qwen_image_edit", "qwen_image_edit_plus", "wan_i2v"):
         assert "batch.image_latent" in reasons[family], family
     assert "first frame" in reasons["wan_i2v"]
+    for family in ("qwen_image_edit", "qwen_image_edit_plus"):
+        assert "1024x1024 pixels" in reasons[family] and "output's grid" in reasons[family]
 
 
 def test_a_family_sglang_serves_has_no_refusal_and_no_family_problem():
@@ -107,6 +113,22 @@ def test_sglang_takes_conditioning_images_by_path_and_returns_no_image_latents()
     assert qwen_image.QwenImageEditPipeline.pipeline_name == "QwenImageEditPipeline"
     assert qwen_image.QwenImageEditPlusPipeline.pipeline_name == "QwenImageEditPlusPipeline"
     assert wan_i2v_pipeline.WanImageToVideoPipeline.__name__ == "WanImageToVideoPipeline"
+
+
+def test_sglang_encodes_edit_references_at_about_a_megapixel_whatever_the_output():
+    """The edit refusal's fact: SGLang's Edit and Edit-Plus pipeline configs size a reference
+    for the VAE at about 1024x1024 pixels at its aspect ratio, not at the output's geometry
+    (where our adapters encode it)."""
+    require_sglang()
+    with _process_state_kept():
+        from sglang.multimodal_gen.configs.pipeline_configs.qwen_image import (
+            QwenImageEditPipelineConfig, QwenImageEditPlusPipelineConfig)
+
+    edit = QwenImageEditPipelineConfig().calculate_condition_image_size(None, 40, 48)
+    plus = QwenImageEditPlusPipelineConfig().calculate_vae_image_size(None, 40, 48)
+    for width, height in (edit, plus):
+        assert abs(width * height - 1024 * 1024) < 0.05 * 1024 * 1024, (width, height)
+        assert width < height  # the 40x48 picture's aspect ratio, kept
 
 
 def test_sglang_has_no_native_kontext_pipeline():
