@@ -272,3 +272,43 @@ def test_training_run_through_the_extension_samples_from_the_weights_it_synced(e
         assert len(server.requests) - rollouts == 16
     finally:
         trainer.close()
+
+
+#: Schedules SGLang would not pick; Wan 2.2's keeps steps 1 and 2 above the experts' boundary.
+DRIVER_SIGMAS = {"wan2.1-i2v": [1.0, 0.8, 0.5, 0.2, 0.0],
+                 "wan2.2-i2v": [1.0, 0.97, 0.93, 0.85, 0.7, 0.5, 0.3, 0.1, 0.0]}
+
+
+def test_extension_rollout_with_the_drivers_noise_is_the_embedded_engines_candidate(ext_server,
+                                                                                    frames):
+    """With the driver's sigmas and x_T, SGLang's native image-to-video pipeline steps the sent
+    grid from the driver's x_T with our sampler and noise: each candidate is the one our
+    embedded engine generates for the same request and first frames (latents at every trained
+    step and log-probs up to the two fp32 transformers' gap)."""
+    from trainer.engine import launch_embedded_engine
+    from trainer.engine.sglang.client import SGLangEngineClient
+
+    server, adapter = ext_server, ext_server.adapter
+    refs = [(ImageRef(frames["red"]),)] * 2 + [(ImageRef(frames["blue"]),)] * 2
+    request = adapter.build_rollout_request(
+        PROMPTS, IDS, {**sampling(server.variant), "driver_sigmas": True, "driver_xt": True},
+        rollout_id=0, seed=7, sde_indices=[1, 2], images=refs)
+    request["extra_sampling_params"]["sigmas"] = DRIVER_SIGMAS[server.variant]
+    seen = len(server.requests)
+    served = SGLangEngineClient(server.url, embedded=False, extension=True).generate(request)
+    for stepped in server.requests[seen:]:
+        assert torch.equal(stepped["sigmas"], torch.tensor(DRIVER_SIGMAS[server.variant]))
+    engine = launch_embedded_engine(adapter_path="trainer.models.wan_i2v.WanI2VAdapter",
+                                    model_path=adapter.model_path, adapter_options=None,
+                                    device="cpu", dtype="fp32", lora=None, in_process=True)
+    try:
+        ours = engine.generate(request)
+    finally:
+        engine.close()
+    sglang_batch, our_batch = (adapter.pack_trajectory(r, request) for r in (served, ours))
+    latent_gap = float((sglang_batch.latents - our_batch.latents).abs().max())
+    next_gap = float((sglang_batch.next_latents - our_batch.next_latents).abs().max())
+    logp_gap = float((sglang_batch.log_probs - our_batch.log_probs).abs().max())
+    print(f"{server.variant} SGLang+extension vs embedded: latents {latent_gap:.3g}, "
+          f"next latents {next_gap:.3g}, log-probs {logp_gap:.3g}")
+    assert latent_gap < 1e-4 and next_gap < 1e-4 and logp_gap < 2e-4
