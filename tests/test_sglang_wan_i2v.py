@@ -231,28 +231,34 @@ def test_full_sync_is_verified_by_sglangs_checker_and_serves_the_next_rollout(ex
     assert not torch.equal(after["images"], before["images"])
 
 
-def test_training_run_through_the_extension_samples_from_the_weights_it_synced(ext_server,
-                                                                               frames, tmp_path):
-    """A CPU training run of Wan 2.1 I2V on SGLang with the extension: every prompt's first
-    frame reaches SGLang's native pipeline, each step's weights go through our ipc/ transport
-    into the native DiT (no SGLang weight route is called), the first update's ratio is 1, and
-    the next rollout's log-probs are the new policy's replay, not the old one's."""
-    from sglang_fixtures import assert_served_and_sampled_from, policy_copy, trainer_overrides
-    from trainer.config import load_config
-    from trainer.engine.sglang.transport import SGLangTransport
-    from trainer.loop import Trainer
-    from trainer.preflight import preflight
+def _run_overrides(server, frames, tmp_path) -> list[str]:
+    """A tiny image-to-video run on ``server`` with the extension: prompts with first frames."""
+    from sglang_fixtures import trainer_overrides
 
-    server, adapter = ext_server, ext_server.adapter
-    over = trainer_overrides(adapter.model_path, server.url, tmp_path, sampling={
+    over = trainer_overrides(server.adapter.model_path, server.url, tmp_path, sampling={
         "num_frames": F, "num_inference_steps": STEPS[server.variant], "sde_indices": [1, 2],
         "sde_pool": [1, 2, 3] if server.variant == "wan2.1-i2v" else [1, 2]})
     names = ("red", "blue")
     (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps(
         {"prompt": f"a red panda number {i}", "images": [frames[names[i % 2]]],
          "metadata": {"sample_id": f"p{i:03d}"}}) for i in range(8)))
-    cfg = load_config("tiny", over + ["model.task=i2v", "train.num_rollouts=3", "train.lr=2e-2",
-                                      "rollout.sglang_extension=true"])
+    return over + ["model.task=i2v", "train.num_rollouts=3", "rollout.sglang_extension=true"]
+
+
+def test_training_run_through_the_extension_samples_from_the_weights_it_synced(ext_server,
+                                                                               frames, tmp_path):
+    """A CPU training run of Wan 2.1 I2V on SGLang with the extension: every prompt's first
+    frame reaches SGLang's native pipeline, each step's weights go through our ipc/ transport
+    into the native DiT (no SGLang weight route is called), the first update's ratio is 1, and
+    the next rollout's log-probs are the new policy's replay, not the old one's."""
+    from sglang_fixtures import assert_served_and_sampled_from, policy_copy
+    from trainer.config import load_config
+    from trainer.engine.sglang.transport import SGLangTransport
+    from trainer.loop import Trainer
+    from trainer.preflight import preflight
+
+    server, adapter = ext_server, ext_server.adapter
+    cfg = load_config("tiny", _run_overrides(server, frames, tmp_path) + ["train.lr=2e-2"])
     preflight(cfg, world_size=1, device="cpu")
     weight_routes, rollouts = len(server.weight_requests), len(server.requests)
     trainer = Trainer(cfg, rank=0, world=1, device="cpu")
@@ -312,3 +318,43 @@ def test_extension_rollout_with_the_drivers_noise_is_the_embedded_engines_candid
     print(f"{server.variant} SGLang+extension vs embedded: latents {latent_gap:.3g}, "
           f"next latents {next_gap:.3g}, log-probs {logp_gap:.3g}")
     assert latent_gap < 1e-4 and next_gap < 1e-4 and logp_gap < 2e-4
+
+
+def test_training_in_lora_adapter_mode_through_the_extension(ext_server, frames, tmp_path):
+    """LoRA adapter mode (the I2V recipes' mode; Wan 2.1's image cross-attention projections are
+    LoRA targets too) through the extension's adapter receiver: the served weights are the
+    actor's merge bit for bit under SGLang's names, and the next rollout is sampled by them."""
+    from test_sglang_extension_lora import ADAPTER, SCALING, _differ, _expected
+
+    from trainer.actor.replay import replay_log_probs
+    from trainer.actor.sync import merged_full_tensors
+    from trainer.config import load_config
+    from trainer.engine.sglang.transport import SGLangTransport
+    from trainer.loop import Trainer
+    from trainer.preflight import preflight
+
+    server, adapter = ext_server, ext_server.adapter
+    cfg = load_config("tiny", _run_overrides(server, frames, tmp_path) + ADAPTER)
+    preflight(cfg, world_size=1, device="cpu")
+    routes = len(server.weight_requests)
+    trainer = Trainer(cfg, rank=0, world=1, device="cpu")
+    try:
+        assert isinstance(trainer.sender, SGLangTransport) and trainer.cfg.sync_mode == "adapter"
+        trainer.train_step(0)
+        assert trainer.policy_version == trainer.engine.committed_version == 1
+        expected = _expected(adapter, trainer.model)
+        if server.variant == "wan2.1-i2v":
+            assert any("add_k_proj" in n for n in expected)
+        assert _differ(server.served_tensors(), expected) == []
+        local = adapter.load_train_model().eval()
+        local.load_state_dict(dict(merged_full_tensors(trainer.model, SCALING)))
+        base = adapter.load_train_model().eval()
+        batch = trainer.rollout(1)
+        with torch.no_grad():
+            served_replay = replay_log_probs(adapter, local, batch, backend="torch")
+            base_replay = replay_log_probs(adapter, base, batch, backend="torch")
+        assert torch.allclose(served_replay, batch.log_probs, atol=2e-4, rtol=0)
+        assert float((base_replay - batch.log_probs).abs().max()) > 2e-3
+        assert server.weight_requests[routes:] == []
+    finally:
+        trainer.close()
