@@ -7,7 +7,8 @@ this module is written against:
   ``width``/``height``, ``num_inference_steps``, ``num_outputs_per_prompt``, ``guidance_scale``,
   ``rollout_sde_type`` (``sde`` | ``cps`` | ``ode``), ``rollout_noise_level``,
   ``rollout_sde_step_indices``, ``rollout_return_dit_trajectory``,
-  ``rollout_return_denoising_env``, ``rollout_debug_mode``. ``extra_sampling_params`` is merged
+  ``rollout_return_denoising_env``, ``rollout_debug_mode``, ``image_path`` (conditioning images
+  as files the server reads: ``write_condition_images``). ``extra_sampling_params`` is merged
   into SGLang's ``SamplingParams``, so any key it does not know is an HTTP 400: stock requests
   carry none of ours.
 - Output k of a request is seeded ``seed + k``. We send one output per request (multi-output
