@@ -1,15 +1,20 @@
-"""Wan 2.1 image-to-video served by SGLang's own native ``WanImageToVideoPipeline``
-(sglang==0.5.23), on CPU: what its rollout answer carries, which is why preflight refuses
-``rollout.engine = "sglang"`` for the ``wan_i2v`` family (trainer/models/wan_i2v.py,
-``sglang_refusal``).
+"""Wan 2.1 I2V and Wan 2.2 I2V-A14B served by SGLang's own native ``WanImageToVideoPipeline``
+(sglang==0.5.23), on CPU.
 
-tests/sglang_fixtures.py serves the tiny Wan 2.1 I2V checkpoint (tests/wan_i2v_models.py) as a
-user serves the published one (``--model-id Wan2.1-I2V-14B-480P-Diffusers``): SGLang's native
-Wan DiT, its text and CLIP image encoding, its image VAE stage, latent and timestep preparation,
-the denoising stage with the rollout hooks, decoding; the request is SGLang's own
-``RolloutRequest`` with the first frame as a file in ``image_path``. The answer holds the video,
-the trajectory and the frame's CLIP embeddings, but no first-frame condition latents: the
-replay cannot be given what the DiT saw beside the noise.
+tests/sglang_fixtures.py serves the tiny checkpoints (tests/wan_i2v_models.py) as a user serves
+the published ones (``--model-id Wan2.1-I2V-14B-480P-Diffusers`` / ``Wan2.2-I2V-A14B-Diffusers``):
+SGLang's native Wan DiT, its text and CLIP image encoding, its image VAE stage, latent and
+timestep preparation, the denoising stage with the rollout hooks, decoding; the first frame
+travels as a file in SGLang's ``RolloutRequest.image_path``.
+
+- Stock: the answer holds the video, the trajectory and the frame's CLIP and prompt
+  embeddings (equal to what our adapter encodes), but not the first frame's condition
+  latents, so the replay cannot be given what the DiT saw beside the noise: preflight refuses
+  stock SGLang for ``wan_i2v`` (``sglang_stock_refusal``).
+- With the trainer's extension (which returns those latents): the native rollout replays
+  through our diffusers transformer (first ratio 1), with the driver's sigmas and x_T each
+  candidate is the embedded engine's, a full sync is verified by SGLang's checker, and
+  training runs (full, LoRA adapter mode) sample every rollout from the weights they synced.
 """
 from __future__ import annotations
 
