@@ -144,6 +144,18 @@ def ext_server(request, tmp_path_factory):
         yield srv
 
 
+def _serving_the_checkpoint(server):
+    """A client of ``server`` (extension on) after syncing it the checkpoint's weights, which the
+    replay and the embedded engine load: tests of this module that train sync others."""
+    from trainer.engine.sglang.client import SGLangEngineClient
+    from trainer.engine.sglang.sync import SGLangWeightSync
+
+    client = SGLangEngineClient(server.url, embedded=False, extension=True)
+    SGLangWeightSync(client, served_dit=type(server.adapter).sglang_dit).sync(
+        100, server.adapter.load_train_model().named_parameters())
+    return client
+
+
 def _i2v_request(server, frames):
     refs = [(ImageRef(frames["red"]),)] * 2 + [(ImageRef(frames["blue"]),)] * 2
     return server.adapter.build_rollout_request(PROMPTS, IDS, sampling(server.variant),
@@ -164,8 +176,8 @@ def test_extension_rollout_replays_through_our_transformer(ext_server, frames, t
     request = _i2v_request(ext_server, frames)
     media = tmp_path / "media"
     media.mkdir()
-    client = SGLangEngineClient(ext_server.url, embedded=False, extension=True,
-                                media_root=str(media))
+    client = _serving_the_checkpoint(ext_server)
+    client.media_root = str(media)
     response = client.generate(request)
     assert list(media.iterdir()) == []
     batch = adapter.pack_trajectory(response, request)
@@ -300,13 +312,14 @@ def test_extension_rollout_with_the_drivers_noise_is_the_embedded_engines_candid
     from trainer.engine.sglang.client import SGLangEngineClient
 
     server, adapter = ext_server, ext_server.adapter
+    client = _serving_the_checkpoint(server)
     refs = [(ImageRef(frames["red"]),)] * 2 + [(ImageRef(frames["blue"]),)] * 2
     request = adapter.build_rollout_request(
         PROMPTS, IDS, {**sampling(server.variant), "driver_sigmas": True, "driver_xt": True},
         rollout_id=0, seed=7, sde_indices=[1, 2], images=refs)
     request["extra_sampling_params"]["sigmas"] = DRIVER_SIGMAS[server.variant]
     seen = len(server.requests)
-    served = SGLangEngineClient(server.url, embedded=False, extension=True).generate(request)
+    served = client.generate(request)
     for stepped in server.requests[seen:]:
         assert torch.equal(stepped["sigmas"], torch.tensor(DRIVER_SIGMAS[server.variant]))
     engine = launch_embedded_engine(adapter_path="trainer.models.wan_i2v.WanI2VAdapter",
