@@ -146,3 +146,43 @@ def test_sglang_has_no_native_kontext_pipeline():
              for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)]
     assert {"FluxPipeline", "QwenImageEditPipeline"} <= set(names)  # the scan sees them
     assert not [n for n in names if "kontext" in n.lower()], names
+
+
+# ---- conditioning images on SGLang's wire (no server needed) -----------------------------------
+def test_condition_images_are_written_as_files_in_candidate_order(tmp_path):
+    """Paths and data URIs alike become files under the call's folder, byte for byte, one list
+    per candidate in order (what SGLang's ``image_path`` takes); a request without images
+    writes nothing."""
+    from trainer.engine.sglang.rollout import write_condition_images
+    from trainer.media import inline_entry
+
+    png = tmp_path / "frame.png"
+    png.write_bytes(b"\x89PNG\r\n\x1a\n first frame")
+    inline = b"\x89PNG\r\n\x1a\n inline frame"
+    request = {"extra_sampling_params": {"condition_images": [[str(png)],
+                                                              [inline_entry(inline)]]}}
+    media = tmp_path / "media"
+    media.mkdir()
+    paths = write_condition_images(request, media)
+    assert [len(p) for p in paths] == [1, 1]
+    assert open(paths[0][0], "rb").read() == png.read_bytes()
+    assert open(paths[1][0], "rb").read() == inline
+    assert all(p[0].startswith(str(media)) for p in paths)
+    assert write_condition_images({"extra_sampling_params": {}}, media) is None
+
+
+def test_an_unreadable_first_frame_fails_the_call_naming_it_and_leaves_no_files(tmp_path):
+    """A missing image fails ``generate`` before any request, with the image named, and the
+    call's folder is removed."""
+    from trainer.engine.sglang.client import SGLangEngineClient
+    from trainer.media import MediaError
+
+    media = tmp_path / "media"
+    media.mkdir()
+    client = SGLangEngineClient("http://127.0.0.1:9", embedded=False, extension=True,
+                                media_root=str(media))
+    missing = str(tmp_path / "nowhere.png")
+    request = {"extra_sampling_params": {"condition_images": [[missing]]}}
+    with pytest.raises(MediaError, match="nowhere.png"):
+        client.generate(request)
+    assert list(media.iterdir()) == []
