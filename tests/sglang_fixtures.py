@@ -1,6 +1,7 @@
 """SGLang's own diffusion server (sglang==0.5.23) on loopback, over a tiny Qwen-Image, SD3,
-FLUX.1 or Wan 2.1 / 2.2 (the family's native SGLang pipeline: ``NATIVE_PIPELINES``; a Wan
-checkpoint is served as ``served_model`` says, at the end of this module), on CPU.
+FLUX.1, Wan 2.1 / 2.2 or Wan 2.1 / 2.2 image-to-video (the family's native SGLang pipeline:
+``NATIVE_PIPELINES``; a Wan checkpoint is served as ``served_model`` says, at the end of this
+module), on CPU.
 
     with serve_sglang(model_dir) as server:   # server.url, server.adapter, server.served_tensors()
         ...
@@ -109,8 +110,10 @@ def _attr(dotpath: str):
 
 
 def family_of(model_dir) -> str:
-    """The family of a tiny model directory (tests/tiny_models.py names it after the family)."""
-    return Path(model_dir).name
+    """The family of a tiny model directory (tests/tiny_models.py names it after the family,
+    tests/wan_i2v_models.py after the Wan image-to-video variant: ``WAN_I2V_DIRS``)."""
+    name = Path(model_dir).name
+    return WAN_I2V_DIRS.get(name, name)
 
 
 @contextlib.contextmanager
@@ -537,6 +540,15 @@ NATIVE_PIPELINES["wan"] = (_SG + "runtime.pipelines.wan_pipeline.WanPipeline",
 WAN_MODEL_IDS = {False: "Wan2.1-T2V-1.3B-Diffusers", True: "Wan2.2-T2V-A14B-Diffusers"}
 
 
+# ---- Wan image-to-video ------------------------------------------------------------------------
+NATIVE_PIPELINES["wan_i2v"] = (_SG + "runtime.pipelines.wan_i2v_pipeline.WanImageToVideoPipeline",
+                               _SG + "configs.pipeline_configs.wan.WanI2V480PConfig")
+#: tests/wan_i2v_models.py's directory names -> the family they hold
+WAN_I2V_DIRS = {"wan2.1-i2v": "wan_i2v", "wan2.2-i2v": "wan_i2v"}
+#: The published Wan image-to-video model a tiny one stands for (by its experts' boundary).
+WAN_I2V_MODEL_IDS = {False: "Wan2.1-I2V-14B-480P-Diffusers", True: "Wan2.2-I2V-A14B-Diffusers"}
+
+
 def served_model(model_dir, config: str) -> tuple[str | None, str, dict[str, Any]]:
     """(``--model-id``, pipeline config class, config flags) of the server a user starts for
     ``model_dir``; for the image families (None, ``config``, {}).
@@ -545,17 +557,19 @@ def served_model(model_dir, config: str) -> tuple[str | None, str, dict[str, Any
     (Wan 2.2 T2V-A14B when model_index.json names the experts' boundary, else Wan 2.1 T2V), so
     SGLang's own registry picks that model's pipeline config (Wan 2.2: the boundary) and its
     sampling defaults (Wan 2.2: CFG 4.0 / 3.0, which the client's guidance 1.0 turns off), and
-    ``--flow-shift`` is the checkpoint's scheduler ``flow_shift``: SGLang's Wan configs fix the
+    ``--flow-shift`` is the checkpoint's scheduler ``flow_shift`` (image-to-video the same, with
+    the published I2V model ids: ``WAN_I2V_MODEL_IDS``): SGLang's Wan configs fix the
     shift per model (Wan 2.2 A14B's: 12.0), the trainer's adapter reads the checkpoint's, and a
     schedule that differs moves Wan 2.2's trained steps across the boundary
     (trainer/engine/README.md). Wan's configs also decode in bf16 (``vae_decode_precision``): fp32
     here, as every other component (the module docstring's precision)."""
-    if family_of(model_dir) != "wan":
+    ids = {"wan": WAN_MODEL_IDS, "wan_i2v": WAN_I2V_MODEL_IDS}.get(family_of(model_dir))
+    if ids is None:
         return None, config, {}
     from sglang.multimodal_gen.registry import get_model_info
 
     index = json.loads((Path(model_dir) / "model_index.json").read_text())
-    model_id = WAN_MODEL_IDS[index.get("boundary_ratio") is not None]
+    model_id = ids[index.get("boundary_ratio") is not None]
     info = get_model_info(str(model_dir), model_id=model_id)
     scheduler = json.loads((Path(model_dir) / "scheduler" / "scheduler_config.json").read_text())
     cls = info.pipeline_config_cls

@@ -277,15 +277,16 @@ def test_bad_models_options_and_image_counts_are_refused_naming_each_problem(mod
 
 
 def test_preflight_refuses_sglang_rollouts_of_image_to_video_with_the_reason(model_dir):
-    """SGLang 0.5.23 has a native Wan image-to-video pipeline, but our client sends it no first
-    frame and maps none of its conditions back (trainer/models/wan_i2v.py)."""
+    """SGLang 0.5.23 has a native Wan image-to-video pipeline, but its stock rollout answer
+    leaves out the first frame's condition latents the replay needs (trainer/models/wan_i2v.py;
+    the trainer's SGLang extension returns them)."""
     from trainer.config import load_config
     from trainer.config.sections import ConfigError
     from trainer.preflight import preflight
 
     cfg = load_config("wan2.1-i2v", [f"model.model_path={model_dir['wan2.1-i2v']}", "rollout.engine=sglang",
                                      'rollout.sglang_urls=["http://127.0.0.1:30000"]'])
-    with pytest.raises(ConfigError, match=r"model family 'wan_i2v': the SGLang client maps the denoising env"):
+    with pytest.raises(ConfigError, match=r"model family 'wan_i2v' cannot roll out on stock SGLang: stock SGLang 0.5.23's WanImageToVideoPipeline"):
         preflight(cfg, world_size=8, check_paths=False)
 
 

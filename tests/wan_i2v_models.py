@@ -49,21 +49,25 @@ def tiny_wan_i2v_transformer(seed: int = 0, *, image_conditioned: bool = True):
             added_kv_proj_dim=heads * head_dim if image_conditioned else None)
 
 
-def tiny_clip_vision():
+def tiny_clip_vision(image_size: int = 32):
     """(CLIPVisionModel, CLIPImageProcessor): 2 layers, so that the pipeline's
-    ``hidden_states[-2]`` is a layer's output, as in the published 32-layer tower."""
+    ``hidden_states[-2]`` is a layer's output, as in the published 32-layer tower; 8-pixel
+    patches, so ``image_size`` 128 gives the published tower's 257 tokens (which SGLang's
+    native Wan DiT assumes)."""
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
     model = CLIPVisionModel(CLIPVisionConfig(hidden_size=IMAGE_DIM, intermediate_size=16, num_hidden_layers=2,
-                                             num_attention_heads=2, image_size=32, patch_size=8,
+                                             num_attention_heads=2, image_size=image_size, patch_size=8,
                                              projection_dim=IMAGE_DIM))
-    return model, CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    return model, CLIPImageProcessor(size={"shortest_edge": image_size},
+                                     crop_size={"height": image_size, "width": image_size})
 
 
 def build_tiny_wan_i2v_dir(variant: str, root: Path | str, *, seed: int = 0,
-                           boundary_ratio: float = WAN22_I2V_BOUNDARY) -> Path:
+                           boundary_ratio: float = WAN22_I2V_BOUNDARY, clip_image_size: int = 32) -> Path:
     """Build, save and return ``root/<variant>``: a tiny random Wan image-to-video ``variant``
-    (``boundary_ratio``: Wan 2.2's expert boundary, the published one unless a test moves it)."""
+    (``boundary_ratio``: Wan 2.2's expert boundary, the published one unless a test moves it;
+    ``clip_image_size``: Wan 2.1's CLIP input side, ``tiny_clip_vision``)."""
     from diffusers import UniPCMultistepScheduler, WanImageToVideoPipeline
     from transformers import AutoTokenizer
 
@@ -75,7 +79,7 @@ def build_tiny_wan_i2v_dir(variant: str, root: Path | str, *, seed: int = 0,
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         vocab = write_umt5_tokenizer(out / "_t5_src")
-        image_encoder, image_processor = (None, None) if two else tiny_clip_vision()
+        image_encoder, image_processor = (None, None) if two else tiny_clip_vision(clip_image_size)
         # the published I2V schedulers: UniPC on flow sigmas (480p: shift 3.0 for 2.1, 5.0 for 2.2)
         scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                             flow_shift=5.0 if two else 3.0, num_train_timesteps=1000)

@@ -56,10 +56,15 @@ class FluxKontextAdapter(FluxAdapter):
     max_condition_images = 1
     display_name = "FLUX.1 Kontext"
     pipeline_class = staticmethod(_kontext_pipeline_cls)
-    # no native SGLang serving (module docstring): preflight refuses the sglang engine
+    # no native SGLang serving (module docstring): preflight refuses the sglang engine with
+    # ``sglang_refusal`` (trainer/engine/sglang/sync.py)
     sglang_dit = None
     sglang_conditions = None
     sglang_implied_masks = None
+    sglang_refusal = ("SGLang 0.5.23 has no native FLUX.1 Kontext pipeline (its multimodal_gen "
+                      "package serves FLUX.1 text-to-image only; its ComfyUI FLUX executor "
+                      "refuses Kontext reference latents), so no SGLang server rolls this "
+                      "family out")
 
     def encode_prompts(self, frozen: dict[str, Any], prompts: list[str]) -> dict[str, torch.Tensor]:
         raise ValueError(f"{type(self).__name__} edits reference images: its conditions come from "

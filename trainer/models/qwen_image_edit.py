@@ -30,7 +30,11 @@ Design choices:
   different lengths are not one tensor); the data keeps a run to one count.
 - The CFG negative is the empty prompt with the same references (as the pipelines encode
   their negative prompt with the image).
-- SGLang does not serve these families (no ``sglang_dit``): the embedded engine does.
+- SGLang 0.5.23 has native Edit and Edit-Plus pipelines that take the references by path
+  (``RolloutRequest.image_path``), but they encode references at another size than this
+  adapter, whose replay could not feed the transformer what SGLang's DiT saw
+  (``sglang_refusal`` says what), so these families name no ``sglang_dit`` and preflight
+  refuses ``rollout.engine = "sglang"`` with that reason; the embedded engine rolls them out.
 """
 from __future__ import annotations
 
@@ -72,6 +76,14 @@ class QwenImageEditAdapter(QwenImageAdapter):
     sglang_dit = None
     sglang_conditions = None
     sglang_implied_masks = None
+    sglang_refusal = ("SGLang 0.5.23's native QwenImageEditPipeline takes the reference "
+                      "(RolloutRequest.image_path), but it encodes the reference at about "
+                      "1024x1024 pixels (its pipeline config's condition size) where this "
+                      "adapter encodes it at the output geometry, and this adapter's forward "
+                      "tells the transformer that every reference has the output's grid: the "
+                      "trainer cannot replay what SGLang's DiT saw. Stock SGLang also returns "
+                      "none of the reference's VAE latents (batch.image_latent; the trainer's "
+                      "SGLang extension adds them, as for Wan image-to-video)")
 
     # ---- engine side ----------------------------------------------------------------------
     def load_frozen(self, *, device: str | torch.device, dtype: torch.dtype) -> dict[str, Any]:
@@ -173,6 +185,14 @@ class QwenImageEditPlusAdapter(QwenImageEditAdapter):
     display_name = "Qwen-Image-Edit-Plus"
     pipeline_class = staticmethod(_edit_plus_pipeline_cls)
     extra_options = {**QwenImageEditAdapter.extra_options, "condition_image_area": 384 * 384}
+    sglang_refusal = ("SGLang 0.5.23's native QwenImageEditPlusPipeline takes the references "
+                      "(RolloutRequest.image_path), but it encodes each reference at about "
+                      "1024x1024 pixels (its pipeline config's condition size) where this "
+                      "adapter encodes them at the output geometry, and this adapter's forward "
+                      "tells the transformer that every reference has the output's grid: the "
+                      "trainer cannot replay what SGLang's DiT saw. Stock SGLang also returns "
+                      "none of the references' VAE latents (batch.image_latent; the trainer's "
+                      "SGLang extension adds them, as for Wan image-to-video)")
 
     def __init__(self, model_path: str, **options: Any) -> None:
         super().__init__(model_path, **options)

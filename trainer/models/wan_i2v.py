@@ -34,11 +34,11 @@ Design choices:
 - LoRA targets: text-to-video's, plus the image cross-attention's key and value projections
   (``add_k_proj`` / ``add_v_proj``, diffusers' names for Wan's ``k_img`` / ``v_img``) where the
   model has them (Wan 2.1).
-- SGLang 0.5.23 ships a native Wan image-to-video pipeline, but our SGLang client sends no
-  first frame with its rollout requests and maps no image-to-video denoising env (image
-  embeddings, condition latents) back into the conditions the replay needs, so this family
-  names no SGLang DiT and preflight refuses ``rollout.engine = "sglang"`` for it; the embedded
-  engine rolls it out.
+- SGLang 0.5.23 ships a native Wan image-to-video pipeline that takes the first frame by path
+  (``RolloutRequest.image_path``; our client writes it to a file per call), but its stock
+  rollout answer leaves out the first frame's condition latents the replay needs
+  (``sglang_stock_refusal`` says what): preflight refuses stock SGLang with that reason, and
+  the trainer's SGLang extension returns them (trainer/engine/sglang/extension.py).
 - The MFU of Wan 2.1 I2V is not logged: the FLOP count (``trainer.compute.flops``) does not
   count the image cross-attention.
 """
@@ -73,10 +73,21 @@ class WanI2VAdapter(WanAdapter):
     condition_keys = ("prompt_embeds", "image_embeds", "condition_latents")
     max_condition_images = 1
     lora_targets = WanAdapter.lora_targets + IMAGE_ATTENTION_TARGETS
-    # no rollout mapping for SGLang (module docstring): preflight refuses the sglang engine
-    sglang_dit = None
-    sglang_conditions = None
-    sglang_implied_masks = None
+    # SGLang's native serving (its WanImageToVideoPipeline, the Wan DiT), read by
+    # trainer/engine/sglang/: the first frame's condition latents come back only through the
+    # trainer's extension (module docstring), so stock SGLang is refused with the reason
+    sglang_dit = WanAdapter.sglang_dit
+    sglang_conditions = {"prompt_embeds": ("pos_cond_kwargs", "encoder_hidden_states"),
+                         "image_embeds": ("image_kwargs", "encoder_hidden_states_image"),
+                         "condition_latents": ("pos_cond_kwargs", "flowgrpo_image_latent")}
+    sglang_optional_conditions = ("image_embeds",)  # Wan 2.2 I2V has no CLIP image encoder
+    sglang_stock_refusal = ("stock SGLang 0.5.23's WanImageToVideoPipeline returns the first "
+                            "frame's CLIP embeddings but not its condition latents (its VAE "
+                            "latents with the frame mask) that its denoising stage concatenates "
+                            "to the noisy latents (batch.image_latent: the denoising_env it "
+                            "returns holds only image_kwargs, pos_cond_kwargs, neg_cond_kwargs "
+                            "and guidance), so the trainer cannot replay what its DiT saw; the "
+                            "trainer's SGLang extension returns them")
 
     def __init__(self, model_path: str, **options: Any) -> None:
         super().__init__(model_path, **options)

@@ -19,6 +19,7 @@ change, and hashing them costs more than the DiT).
 from __future__ import annotations
 
 import json
+import tempfile
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +27,8 @@ from typing import Any
 
 from trainer.engine.embedded.client import EngineError
 from trainer.engine.embedded.core import EngineStateError
-from trainer.engine.sglang.rollout import decode_tensors, to_schema_response, to_sglang_requests
+from trainer.engine.sglang.rollout import (decode_tensors, to_schema_response, to_sglang_requests,
+                                           write_condition_images)
 from trainer.models.wire import ROLLOUT_PATH, from_wire
 
 
@@ -47,11 +49,15 @@ class SGLangEngineClient:
     candidate) in flight at once. ``extension``: the server loads
     ``trainer.engine.sglang.extension`` (driver sigmas, x_T and step noise, ``dance``).
     ``timeout_s`` bounds each call. ``committed_version`` is the weight version the trainer's
-    sync last verified on this server (None: never synced).
+    sync last verified on this server (None: never synced). ``media_root``: where a rollout's
+    conditioning images are written for the server to read (a folder per call, removed when
+    its answers are in; None: the system's temporary folder; the server must see the same
+    filesystem, as a colocated one does).
     """
 
     def __init__(self, base_url: str, *, timeout_s: float = 600.0, embedded: bool | None = None,
-                 concurrency: int = 8, extension: bool = False) -> None:
+                 concurrency: int = 8, extension: bool = False,
+                 media_root: str | None = None) -> None:
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must be an http(s) URL, got {base_url!r}")
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
@@ -61,6 +67,7 @@ class SGLangEngineClient:
         self.embedded = embedded
         self.concurrency = concurrency
         self.extension = extension
+        self.media_root = media_root
         self.http_url = self.base_url
         self.committed_version: int | None = None
 
@@ -110,9 +117,16 @@ class SGLangEngineClient:
     def generate(self, request: dict[str, Any]) -> dict[str, Any]:
         if self._is_embedded():
             return self._call("POST", ROLLOUT_PATH, request)
-        bodies = to_sglang_requests(request, extension=self.extension)
-        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(bodies))) as pool:
-            answers = list(pool.map(lambda body: self._call("POST", ROLLOUT_PATH, body), bodies))
+        # conditioning images go to SGLang as files it reads (its request takes paths): one
+        # private folder per call, removed once every answer is in, whatever happened
+        with tempfile.TemporaryDirectory(prefix="flowgrpo-sglang-media-",
+                                         dir=self.media_root) as media_dir:
+            image_paths = write_condition_images(request, media_dir)
+            bodies = to_sglang_requests(request, extension=self.extension,
+                                        image_paths=image_paths)
+            with ThreadPoolExecutor(max_workers=min(self.concurrency, len(bodies))) as pool:
+                answers = list(pool.map(lambda body: self._call("POST", ROLLOUT_PATH, body),
+                                        bodies))
         response = to_schema_response(answers, bodies, request)
         if self.committed_version is not None:
             response["policy_version"] = self.committed_version

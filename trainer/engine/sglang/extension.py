@@ -29,6 +29,10 @@ a request without the block, so ordinary serving is unchanged):
 - ``FlowRolloutController.flow_sde_sampling`` (driver noise): every step is ``kernels.sde_step``
   (SDE at the requested steps with the recipe's noise for (seed, sample id, step), Euler
   elsewhere), so the recorded log-prob is our replay's function.
+- ``denoising.finalize_rollout_if_enabled`` (conditioning images): adds the latents SGLang's
+  image VAE stage gave the DiT beside the noise (``batch.image_latent``; Wan image-to-video:
+  the first frame's, with its mask) to the answer's ``denoising_env.pos_cond_kwargs`` as
+  ``flowgrpo_image_latent``; stock SGLang returns no such latents, and the replay needs them.
 
 Weights (trainer/engine/sglang/receiver.py): ``pipelines_core.build_pipeline`` installs our
 ipc ``WeightReceiver`` on the native DiT of each worker, with the LoRA adapter channel beside it
@@ -59,6 +63,8 @@ from trainer.engine.sglang import receiver
 from trainer.models import noise
 
 EXTRA_KEY = "flowgrpo"
+#: where the answer's ``denoising_env.pos_cond_kwargs`` carries ``batch.image_latent``
+IMAGE_LATENT_KEY = "flowgrpo_image_latent"
 ROLLOUT_API = "sglang.multimodal_gen.runtime.entrypoints.post_training.rollout_api"
 TIMESTEP_STAGE = ("sglang.multimodal_gen.runtime.pipelines_core.stages.timestep_preparation."
                   "TimestepPreparationStage")
@@ -92,6 +98,8 @@ def register() -> None:
     HookRegistry.register(f"{DENOISING}.prepare_rollout_if_enabled", driver_initial_latents,
                           HookType.AROUND)
     HookRegistry.register(f"{CONTROLLER}.flow_sde_sampling", sde_step_sampling, HookType.AROUND)
+    HookRegistry.register(f"{DENOISING}.finalize_rollout_if_enabled", return_image_latent,
+                          HookType.AROUND)
     HookRegistry.register(BUILD_PIPELINE, install_weight_receiver, HookType.AROUND)
     HookRegistry.register(CREATE_APP, add_receiver_route, HookType.AROUND)
     HookRegistry.register(DENOISING_FORWARD, refuse_dirty_weights, HookType.AROUND)
@@ -289,6 +297,22 @@ def driver_initial_latents(original, *args, **kwargs):
                              f"driver's x_T is {list(x_t.shape)}")
         batch.latents = x_t.to(device=batch.latents.device, dtype=batch.latents.dtype)
     return original(*args, **kwargs)
+
+
+def return_image_latent(original, *args, **kwargs):
+    """After SGLang has put the denoising env in the rollout answer, add the latents its image
+    VAE stage gave the DiT beside the noise (``batch.image_latent``: Wan image-to-video's first
+    frame with its mask), which stock SGLang leaves out, as ``pos_cond_kwargs``'s
+    ``IMAGE_LATENT_KEY``; only for a request that carries our block."""
+    out = original(*args, **kwargs)
+    batch = kwargs.get("batch", args[0] if args else None)
+    data = getattr(batch, "rollout_trajectory_data", None)
+    env = getattr(data, "denoising_env", None)
+    latent = getattr(batch, "image_latent", None)
+    if _block(batch) is not None and env is not None and isinstance(latent, torch.Tensor):
+        env.pos_cond_kwargs = dict(env.pos_cond_kwargs or {})
+        env.pos_cond_kwargs[IMAGE_LATENT_KEY] = latent.detach().cpu()
+    return out
 
 
 def sde_step_sampling(original, controller, *args, **kwargs):

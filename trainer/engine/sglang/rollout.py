@@ -7,7 +7,8 @@ this module is written against:
   ``width``/``height``, ``num_inference_steps``, ``num_outputs_per_prompt``, ``guidance_scale``,
   ``rollout_sde_type`` (``sde`` | ``cps`` | ``ode``), ``rollout_noise_level``,
   ``rollout_sde_step_indices``, ``rollout_return_dit_trajectory``,
-  ``rollout_return_denoising_env``, ``rollout_debug_mode``. ``extra_sampling_params`` is merged
+  ``rollout_return_denoising_env``, ``rollout_debug_mode``, ``image_path`` (conditioning images
+  as files the server reads: ``write_condition_images``). ``extra_sampling_params`` is merged
   into SGLang's ``SamplingParams``, so any key it does not know is an HTTP 400: stock requests
   carry none of ours.
 - Output k of a request is seeded ``seed + k``. We send one output per request (multi-output
@@ -27,6 +28,8 @@ this module is written against:
 from __future__ import annotations
 
 import hashlib
+import os
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -120,11 +123,39 @@ def extension_block(request: Mapping[str, Any], position: int) -> dict[str, Any]
     return block
 
 
-def to_sglang_requests(request: Mapping[str, Any], *, extension: bool = False
-                       ) -> list[dict[str, Any]]:
+def write_condition_images(request: Mapping[str, Any], media_dir: str | os.PathLike
+                           ) -> list[list[str]] | None:
+    """Each candidate's conditioning images (``condition_images`` entries: paths or data URIs)
+    written as files under ``media_dir``, which SGLang reads them from (its request takes them
+    as ``image_path``); None for a request without images. Every entry is written, a path too:
+    the server then reads exactly the bytes the trainer validated, from one place the caller
+    removes when the answers are in."""
+    from trainer.media import ImageRef
+    from trainer.models.wire.request import CONDITION_IMAGES_KEY
+
+    rows = request["extra_sampling_params"].get(CONDITION_IMAGES_KEY)
+    if rows is None:
+        return None
+    paths = []
+    for b, refs in enumerate(rows):
+        paths.append([])
+        for k, entry in enumerate(refs):
+            path = Path(media_dir) / f"candidate{b}_image{k}"
+            path.write_bytes(ImageRef(entry).read_bytes())  # MediaError names a bad entry
+            paths[-1].append(str(path))
+    return paths
+
+
+def to_sglang_requests(request: Mapping[str, Any], *, extension: bool = False,
+                       image_paths: list[list[str]] | None = None) -> list[dict[str, Any]]:
     """One SGLang ``RolloutRequest`` body per candidate of our batched ``request``; with
-    ``extension`` and the driver's sigmas or x_T on, each carries the extension's block."""
+    ``extension`` and the driver's sigmas or x_T on, or conditioning images, each carries the
+    extension's block. ``image_paths``: each candidate's conditioning images as files the
+    server reads (``write_condition_images``), sent as ``image_path``."""
     extra = request["extra_sampling_params"]
+    if image_paths is not None and not extension:
+        raise ValueError("conditioning images need the trainer's SGLang extension: stock SGLang "
+                         "returns no latents of them, which the replay needs")
     ours = [k for k in ("sigmas", "noise_recipe", "initial_noise_seed") if k in extra]
     if ours and not extension:
         raise ValueError(f"the request carries {ours}, which stock SGLang rejects (HTTP 400): "
@@ -151,9 +182,11 @@ def to_sglang_requests(request: Mapping[str, Any], *, extension: bool = False
     seed = int(request["seed"])
     bodies = [dict(common, prompt=prompt, seed=sample_seed(seed, sid))
               for prompt, sid in zip(request["prompt"], extra["sample_ids"])]
-    if ours:
+    if ours or image_paths is not None:
         for b, body in enumerate(bodies):
             body["extra_sampling_params"] = {"flowgrpo": extension_block(request, b)}
+    for body, paths in zip(bodies, image_paths or ()):
+        body["image_path"] = list(paths)
     return bodies
 
 
@@ -222,10 +255,14 @@ def _conditions(env: Any, family: str, where: str, problems: list[str]) -> dict[
                         f"(known: {sglang_families()})")
         return {}
     mapping, implied = tables
+    from trainer.models import adapter_class
+
+    # a condition a variant of the family does not have (Wan 2.2 I2V: no CLIP image embeddings)
+    optional = set(getattr(adapter_class(family), "sglang_optional_conditions", ()) or ())
     out = {}
     for ours, (section, name) in mapping.items():
         value = (env.get(section) or {}).get(name) if isinstance(env, dict) else None
-        if value is None and ours in implied:
+        if value is None and (ours in implied or ours in optional):
             continue
         value = _one_tensor(value, f"{where}: denoising_env.{section}.{name}", problems)
         if value is not None:

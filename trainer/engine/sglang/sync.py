@@ -381,9 +381,13 @@ class SGLangWeightSync:
 
 
 # ---- the trainer's hooks ---------------------------------------------------------------------
-def _family_problems(adapter_path: str) -> list[str]:
+def _family_problems(adapter_path: str, extension: bool) -> list[str]:
     """The model family must be one whose adapter says where SGLang keeps its conditions
-    (``sglang_conditions``) and which native DiT serves it (``sglang_dit``)."""
+    (``sglang_conditions``) and which native DiT serves it (``sglang_dit``). A shipped family
+    that SGLang cannot roll out says why in its adapter's ``sglang_refusal``, and that reason
+    is the refusal; one that rolls out only with the extension (``extension``) says why stock
+    SGLang cannot in ``sglang_stock_refusal``; a family with none of these (a user's own
+    adapter) gets the generic one."""
     from trainer.models import adapter_class
 
     try:
@@ -391,8 +395,18 @@ def _family_problems(adapter_path: str) -> list[str]:
     except ValueError:
         return []  # the adapter path's own problem is reported by preflight's model checks
     family = getattr(cls, "family", None)
+    stock_reason = getattr(cls, "sglang_stock_refusal", None)
     if family_tables(family) is not None and getattr(cls, "sglang_dit", None):
+        if stock_reason and not extension:
+            return [f"model family {family!r} cannot roll out on stock SGLang: {stock_reason} "
+                    "(set rollout.sglang_extension=true with the extension loaded in the "
+                    "server, see trainer/engine/README.md, or use rollout.engine='embedded')"]
         return []
+    reason = getattr(cls, "sglang_refusal", None)
+    if reason:
+        return [f"model family {family!r} cannot roll out on rollout.engine='sglang': {reason} "
+                "(use rollout.engine='embedded'; trainer/engine/README.md says per family what "
+                "SGLang serves)"]
     return [f"model family {family!r}: the SGLang client maps the denoising env of "
             f"{sglang_families()} only: its adapter names no SGLang rollout mapping "
             "(sglang_conditions, sglang_dit); trainer/engine/README.md says per family what "
@@ -405,7 +419,7 @@ def sglang_config_problems(model: Any, rollout: Any, lora: Any) -> list[str]:
     r, sync_mode = rollout, lora_sync_mode(lora)
     problems = [f"rollout.sampling: {p}" for p in
                 stock_problems(r.sampling.to_dict(), extension=bool(r.sglang_extension))]
-    problems += _family_problems(model.adapter_path)
+    problems += _family_problems(model.adapter_path, bool(r.sglang_extension))
     if r.sglang_weight_sync not in ("tensor", "disk"):
         problems.append(f"rollout.sglang_weight_sync must be 'tensor' or 'disk', "
                         f"got {r.sglang_weight_sync!r}")
