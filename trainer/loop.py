@@ -33,6 +33,7 @@ from trainer.checkpoint.layout import ADAPTER_CONTRACT, WEIGHT_SYNC_MANIFEST
 from trainer.checkpoint.save import checkpoint_root
 from trainer.algorithms import algorithm_noise_steps, training_sampling
 from trainer.actor.update import train_on
+from trainer.models.lora import lora_scaling
 from trainer.algorithms.nft_step import OldPolicyPart, nft_train_on
 from trainer.checkpoint.trained import worth_saving
 from trainer.config import Config, write_resolved
@@ -322,7 +323,7 @@ class Trainer(TrainerState):
         version advances only on success). The first sync is full, whatever the mode."""
         cfg = self.cfg
         mode = cfg.sync_mode if not first or cfg.sync_mode != "adapter" else "full"
-        scaling = (cfg.lora.alpha or cfg.lora.rank) / max(1, cfg.lora.rank)
+        scaling = lora_scaling(cfg.lora.rank, cfg.lora.alpha)
         return self.rollouts.push(
             0 if first else self.policy_version + 1,
             lambda: sync_payload(self.actor.model, mode, scaling=scaling, first=first,

@@ -26,6 +26,12 @@ def apply_lora(model: nn.Module, *, rank: int, alpha: float, target_modules: Seq
     return get_peft_model(model, config)
 
 
+def lora_scaling(rank: int, alpha: float | None) -> float:
+    """The factor a LoRA pair's product is added with: alpha / rank (alpha unset: 1), as
+    peft's layers scale it and as every merge of the trainer's adapters must."""
+    return (alpha or rank) / max(1, rank)
+
+
 def merged_lora_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                        scaling: float) -> torch.Tensor:
     """``W + scaling * B @ A``: the delta in fp32, added to W in fp32, rounded once into W's

@@ -60,6 +60,17 @@ def _edit_plus_pipeline_cls():
     return QwenImageEditPlusPipeline
 
 
+def _sglang_refusal(pipeline: str) -> str:
+    """Why SGLang 0.5.23's native ``pipeline`` cannot roll out for this adapter's replay."""
+    return (f"SGLang 0.5.23's native {pipeline} takes the references (RolloutRequest.image_path), "
+            "but it encodes each reference at about 1024x1024 pixels (its pipeline config's "
+            "condition size) where this adapter encodes them at the output geometry, and this "
+            "adapter's forward tells the transformer that every reference has the output's "
+            "grid: the trainer cannot replay what SGLang's DiT saw. Stock SGLang also returns "
+            "none of the references' VAE latents (batch.image_latent; the trainer's SGLang "
+            "extension adds them, as for Wan image-to-video)")
+
+
 class QwenImageEditAdapter(QwenImageAdapter):
     """Adapter of Qwen-Image-Edit (dotpath ``trainer.models.qwen_image_edit.QwenImageEditAdapter``):
     one reference image per candidate.
@@ -76,14 +87,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
     sglang_dit = None
     sglang_conditions = None
     sglang_implied_masks = None
-    sglang_refusal = ("SGLang 0.5.23's native QwenImageEditPipeline takes the reference "
-                      "(RolloutRequest.image_path), but it encodes the reference at about "
-                      "1024x1024 pixels (its pipeline config's condition size) where this "
-                      "adapter encodes it at the output geometry, and this adapter's forward "
-                      "tells the transformer that every reference has the output's grid: the "
-                      "trainer cannot replay what SGLang's DiT saw. Stock SGLang also returns "
-                      "none of the reference's VAE latents (batch.image_latent; the trainer's "
-                      "SGLang extension adds them, as for Wan image-to-video)")
+    sglang_refusal = _sglang_refusal("QwenImageEditPipeline")
 
     # ---- engine side ----------------------------------------------------------------------
     def load_frozen(self, *, device: str | torch.device, dtype: torch.dtype) -> dict[str, Any]:
@@ -185,14 +189,7 @@ class QwenImageEditPlusAdapter(QwenImageEditAdapter):
     display_name = "Qwen-Image-Edit-Plus"
     pipeline_class = staticmethod(_edit_plus_pipeline_cls)
     extra_options = {**QwenImageEditAdapter.extra_options, "condition_image_area": 384 * 384}
-    sglang_refusal = ("SGLang 0.5.23's native QwenImageEditPlusPipeline takes the references "
-                      "(RolloutRequest.image_path), but it encodes each reference at about "
-                      "1024x1024 pixels (its pipeline config's condition size) where this "
-                      "adapter encodes them at the output geometry, and this adapter's forward "
-                      "tells the transformer that every reference has the output's grid: the "
-                      "trainer cannot replay what SGLang's DiT saw. Stock SGLang also returns "
-                      "none of the references' VAE latents (batch.image_latent; the trainer's "
-                      "SGLang extension adds them, as for Wan image-to-video)")
+    sglang_refusal = _sglang_refusal("QwenImageEditPlusPipeline")
 
     def __init__(self, model_path: str, **options: Any) -> None:
         super().__init__(model_path, **options)

@@ -489,6 +489,7 @@ def _extension_transport(sync_mode: str, lora: Any, weight_sync: Any,
 
     from trainer.engine.sglang.transport import (ReceiversOff, SGLangTransport, fetch_receivers,
                                                  pick_receiver)
+    from trainer.models.lora import lora_scaling
 
     try:
         receivers = fetch_receivers(url)
@@ -499,7 +500,7 @@ def _extension_transport(sync_mode: str, lora: Any, weight_sync: Any,
         return None
     scaling = None
     if sync_mode == "adapter":
-        scaling = (lora.alpha or lora.rank) / max(1, lora.rank)
+        scaling = lora_scaling(lora.rank, lora.alpha)
     return SGLangTransport(pick_receiver(receivers, _trainer_device()), client=client,
                            bucket_bytes=weight_sync.bucket_size_mb << 20,
                            timeout_s=weight_sync.timeout_s, lora_scaling=scaling)
