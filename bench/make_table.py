@@ -3,11 +3,13 @@
     python bench/make_table.py            # rewrite the generated tables in place
     python bench/make_table.py --check    # exit 1 if a generated table is out of date
 
-Two tables, each between marker comments that nothing else writes inside:
+The tables, each between marker comments that nothing else writes inside:
 - bench/README.md: every current figure (the last row of each bench, case, metric and
   device), one table per bench;
 - README.md: the headline figures named in ``HEADLINES`` below, each line from the latest run
   that measured all of its figures, with the device and date.
+- README.md, a second table: the algorithms' time to reward on the toy task, three seeds each
+  (bench/time_to_reward.py says which rows it reads).
 A headline whose figure is missing from results.csv is an error naming it, so a renamed case
 cannot silently drop a figure from the README.
 """
@@ -21,6 +23,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.results import DEFAULT_PATH, REPO, current, read_rows  # noqa: E402
+from bench.time_to_reward import BEGIN as TTR_BEGIN, END as TTR_END  # noqa: E402
+from bench.time_to_reward import time_to_reward_table  # noqa: E402
 
 BEGIN, END = "<!-- results-table:begin (bench/make_table.py) -->", "<!-- results-table:end -->"
 BENCH_README = REPO / "bench" / "README.md"
@@ -217,22 +221,26 @@ def full_table(rows: list[dict[str, str]]) -> str:
     return "\n".join(parts).rstrip()
 
 
-def replace_between_markers(text: str, table: str, where: Path) -> str:
-    if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
-        raise ValueError(f"{where}: needs exactly one {BEGIN!r} followed by one {END!r}")
-    head, rest = text.split(BEGIN)
-    _, tail = rest.split(END)
-    return f"{head}{BEGIN}\n{table}\n{END}{tail}"
+def replace_between_markers(text: str, table: str, where: Path,
+                            begin: str = BEGIN, end: str = END) -> str:
+    if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
+        raise ValueError(f"{where}: needs exactly one {begin!r} followed by one {end!r}")
+    head, rest = text.split(begin)
+    _, tail = rest.split(end)
+    return f"{head}{begin}\n{table}\n{end}{tail}"
 
 
 def rendered(results: Path = DEFAULT_PATH, bench_readme: Path = BENCH_README,
              main_readme: Path = MAIN_README) -> dict[Path, str]:
     """The two READMEs as they should read, from the results file."""
     rows = read_rows(results)
+    main = replace_between_markers(main_readme.read_text(encoding="utf-8"), headline_table(rows),
+                                   main_readme)
+    main = replace_between_markers(main, time_to_reward_table(rows, fmt), main_readme,
+                                   TTR_BEGIN, TTR_END)
     return {bench_readme: replace_between_markers(bench_readme.read_text(encoding="utf-8"),
                                                   full_table(rows), bench_readme),
-            main_readme: replace_between_markers(main_readme.read_text(encoding="utf-8"),
-                                                 headline_table(rows), main_readme)}
+            main_readme: main}
 
 
 def main(argv: list[str] | None = None) -> int:

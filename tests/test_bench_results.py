@@ -157,6 +157,50 @@ def test_a_headline_missing_from_the_results_is_named(tmp_path):
         make_table.rendered(results=copy)
 
 
+def _toy_seed_rows(algo: str, seed: int, *, reached: int | None, parallel: int = 1,
+                   commit: str = "abc") -> list[dict[str, str]]:
+    """The rows bench_toy_learning writes for one variant (``reached``: rollouts to +0.10,
+    None where the run never gained it)."""
+    run = results.Recorder("bench_toy_learning", device="cpu", torch="2.14.1", commit=commit,
+                           date="2027-01-02", command=(
+                               "python bench/bench_toy_learning.py --rollouts 100 --eval-every 10 "
+                               f"--stop-after-gain 0.10 --device cpu --parallel {parallel}"))
+    case = f"toy-{algo}_s{seed}"
+    run.add(case, "s_per_rollout", 4.0 + seed, "s")
+    if reached is not None:
+        run.add(case, "rollouts_to_gain_0.1", reached, "rollouts")
+        run.add(case, "wall_s_to_gain_0.1", 10.0 * reached, "s")
+        run.add(case, "train_s_to_gain_0.1", 5.0 * reached, "s")
+        for component, change in (("color", 0.2), ("count", -0.01 * seed), ("position", 0.05)):
+            run.add(case, f"eval_{component}_change_at_gain_0.1", change, "reward")
+    return run.rows
+
+
+def test_the_time_to_reward_table_reads_each_seeds_latest_run_at_the_shared_footing():
+    from bench.time_to_reward import ALGORITHMS, time_to_reward_table
+
+    rows = []
+    for algo, _ in ALGORITHMS:
+        for seed in range(3):
+            rows += _toy_seed_rows(algo, seed, reached=None if (algo, seed) == ("mixgrpo", 2)
+                                   else 40 + 10 * seed)
+    # a faster figure from another footing (6 variants at once) is not read
+    rows += _toy_seed_rows("flowgrpo", 0, reached=10, parallel=6, commit="zzz")
+    table = time_to_reward_table(rows, make_table.fmt)
+    line = {cells.split(" | ")[0]: cells for cells in
+            (line.strip("| ") for line in table.splitlines()[2:])}
+    assert line["Flow-GRPO"].startswith(
+        "Flow-GRPO | 3 of 3 | 50 [40, 60] | 500 [400, 600] |")
+    assert "zzz" not in table
+    # a seed that never gained 0.10 counts against its algorithm, not in its spread
+    assert "| 2 of 3 | 45 [40, 50] |" in line["MixGRPO"]
+    assert line["DiffusionNFT"].endswith("| 5 [4, 6] | 0.2 / -0.01 / 0.05 | abc")
+
+    without = [r for r in rows if r["case"] != "toy-flowgrpo_fast_s1"]
+    with pytest.raises(KeyError, match="toy-flowgrpo_fast_s1"):
+        time_to_reward_table(without, make_table.fmt)
+
+
 def test_every_bench_script_writes_rows_through_the_harness():
     scripts = sorted(REPO.glob("bench/bench_*.py")) + [REPO / "bench" / "peer_step.py"]
     silent = [p.name for p in scripts

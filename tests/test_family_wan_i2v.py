@@ -166,6 +166,33 @@ def _replayed_log_probs(adapter, batch, dtype):
     return torch.stack(steps, dim=1)
 
 
+def test_cfg_encodes_each_first_frame_once_and_its_negative_is_the_empty_prompt_with_that_frame(
+        model_dir, refs, monkeypatch):
+    """Under CFG the engine's negative takes the first frame's conditions from the positive
+    (``negative_conditions``) instead of running the CLIP tower and the VAE again: one encode
+    per distinct frame and request, and the negative equals encoding the empty prompt with the
+    same frames (what the engine did before)."""
+    cls = adapter_class(FAMILY)
+    encodes = []
+    original = cls.first_frame_conditions
+    monkeypatch.setattr(cls, "first_frame_conditions",
+                        lambda self, frozen, ref, geometry: encodes.append(ref) or original(self, frozen, ref, geometry))
+    engine = _engine(model_dir, "wan2.1-i2v")
+    images = [(refs["red"],)] * 2 + [(refs["blue"],)] * 2
+    try:
+        adapter = cls(str(model_dir["wan2.1-i2v"]))
+        request = adapter.build_rollout_request(PROMPTS, IDS, sampling(guidance_scale=3.0), rollout_id=1,
+                                                seed=9, sde_indices=[1, 2], images=images)
+        batch = adapter.pack_trajectory(engine.generate(request), request)
+    finally:
+        engine.close()
+    assert sorted(r.entry for r in encodes) == sorted([refs["red"].entry, refs["blue"].entry])
+    frozen = adapter.load_frozen(device="cpu", dtype=torch.float32)
+    encoded_again = adapter.encode_conditions(frozen, [""] * 4, images, GEOMETRY)
+    for key, value in encoded_again.items():
+        torch.testing.assert_close(batch.conditions["neg:" + key], value, rtol=0, atol=0)
+
+
 # Wan 2.2 I2V at 8 steps under shift 5: steps 0-2 are above its expert boundary (sigma >= 0.9)
 @pytest.mark.parametrize("variant, dtype, indices, sde_type, steps, guidance", [
     ("wan2.1-i2v", "fp32", [1, 2], "sde", 4, 1.0), ("wan2.1-i2v", "bf16", [0, 2], "dance", 4, 1.0),

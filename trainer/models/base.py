@@ -98,6 +98,15 @@ class GenerativeModelAdapter(abc.ABC):
             raise ValueError(f"{type(self).__name__} ({self.family!r}) takes no reference images")
         return self.encode_prompts(frozen, prompts)
 
+    def negative_conditions(self, frozen: dict[str, Any], positive: dict[str, torch.Tensor],
+                            geometry: Geometry) -> dict[str, torch.Tensor] | None:
+        """The CFG negative of the B candidates whose conditions are ``positive``, where part
+        of it can be taken from ``positive`` rather than encoded again; None (the default): the
+        engine encodes the empty prompt with the same reference images (``encode_conditions``).
+        A family overrides this when its reference encoders (a VAE, a CLIP tower) see the
+        references alone, so the negative's image conditions are the positive's."""
+        return None
+
     def condition_image_problems(self, images: Sequence[Sequence[Any]] | None) -> list[str]:
         """Why these per-candidate reference images cannot condition this family ([] when
         they can): more images than ``max_condition_images``, or none where it needs some."""

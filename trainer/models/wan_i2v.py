@@ -30,7 +30,9 @@ Design choices:
   shares the image embeddings and the condition).
 - Each distinct first frame of a call is encoded alone (CLIP and VAE), so a candidate's
   conditions do not depend on what else is in the batch; the engine already encodes a group's
-  shared prompt and frame once.
+  shared prompt and frame once. The CFG negative takes the first frame's conditions from the
+  positive (``negative_conditions``): the CLIP tower and the VAE see the frame alone, so only
+  the empty prompt is encoded again.
 - LoRA targets: text-to-video's, plus the image cross-attention's key and value projections
   (``add_k_proj`` / ``add_v_proj``, diffusers' names for Wan's ``k_img`` / ``v_img``) where the
   model has them (Wan 2.1).
@@ -197,6 +199,16 @@ class WanI2VAdapter(WanAdapter):
         for key in encoded[frames[0]]:
             cond[key] = torch.cat([encoded[ref][key] for ref in frames])
         return cond
+
+    @torch.no_grad()
+    def negative_conditions(self, frozen: dict[str, Any], positive: dict[str, torch.Tensor],
+                            geometry: Geometry) -> dict[str, torch.Tensor]:
+        """The empty prompt, with the positive's first-frame conditions (the pipeline's negative
+        shares its condition latents and image embeddings)."""
+        rows = positive["prompt_embeds"].shape[0]
+        empty = super().encode_prompts(frozen, [""])
+        out = {key: value.repeat(rows, *[1] * (value.dim() - 1)) for key, value in empty.items()}
+        return {**out, **{key: positive[key] for key in positive if key not in out}}
 
     def first_frame_conditions(self, frozen: dict[str, Any], ref: Any,
                                geometry: Geometry) -> dict[str, torch.Tensor]:

@@ -276,6 +276,16 @@ class EngineCore:
             out[key] = value.index_select(0, idx)
         return out
 
+    def _negative_conditions(self, positive: dict[str, torch.Tensor], images: list[tuple] | None,
+                             geometry: Geometry) -> dict[str, torch.Tensor]:
+        """CFG's negative: the empty prompt, with the same reference images (an edit's
+        negative), its image part taken from ``positive`` where the adapter can."""
+        with nvtx_range("rollout/encode_prompts"), self.meter.region("text_encoder", self.device):
+            negative = self.adapter.negative_conditions(self.frozen, positive, geometry)
+        if negative is not None:
+            return negative
+        return self._conditions([""] * next(iter(positive.values())).shape[0], images, geometry)
+
     def _noise(self, spec: GenerateSpec):
         """x_T [B, *latent] fp32 on the device, and the step-noise function of the sampler."""
         adapter, geometry, ids = self.adapter, spec.geometry, spec.sample_ids
@@ -330,11 +340,10 @@ class EngineCore:
             self._serve_merged()
             geometry, images = spec.geometry, spec.condition_images
             with torch.no_grad(), nvtx_range("rollout/generate"):
-                # CFG: the empty prompt, with the same reference images (an edit's negative)
-                negative = (self._conditions([""] * len(spec.prompts), images, geometry)
+                positive = self._conditions(spec.prompts, images, geometry)
+                negative = (self._negative_conditions(positive, images, geometry)
                             if spec.guidance_scale != 1.0 else {})
-                conditions = with_negative(self._conditions(spec.prompts, images, geometry),
-                                           negative, spec.guidance_scale)
+                conditions = with_negative(positive, negative, spec.guidance_scale)
                 x_t, noise_fn = self._noise(spec)
 
                 def velocity(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
