@@ -126,9 +126,12 @@ def _backward_op(ctx, grad_out: torch.Tensor, *args, query: torch.Tensor | None 
     """Gradients of query, key and value (B, S, H, D) through torch's CPU flash backward. The
     ring passes each call's key/value chunk and the merged output and log-sum-exp (the whole
     softmax's normaliser); unpassed tensors are the saved ones."""
-    saved = dict(zip(("query", "key", "value", "out", "lse"), ctx.saved_tensors))
-    given = {"query": query, "key": key, "value": value, "out": out, "lse": lse}
-    t = {name: saved[name] if given[name] is None else given[name] for name in saved}
+    t = {"query": query, "key": key, "value": value, "out": out, "lse": lse}
+    if any(tensor is None for tensor in t.values()):
+        # read only when needed: the ring passes all five and has read the saved tensors
+        # itself, and under activation checkpointing they may be unpacked only once
+        saved = dict(zip(t, ctx.saved_tensors))
+        t = {name: saved[name] if tensor is None else tensor for name, tensor in t.items()}
     config = getattr(ctx, "_parallel_config", None)
     mask = (_call_mask(ctx, None, t["key"], False, config, "backward_calls")
             if _ring(config) else ctx.attn_mask)
