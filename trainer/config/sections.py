@@ -304,11 +304,11 @@ class FSDPConfig:
         "off: everything is copied back before training starts.")
     sequence_parallel: int = _f(
         1, "--fsdp-sequence-parallel",
-        "Ranks that split one transformer forward's sequence between them (Ulysses, through "
-        "diffusers' context parallelism; FSDP2 then shards over data x sequence). Each rank "
-        "rolls out its own groups; the ranks of a group then train on all their slices. "
-        "1 = off. Wan and Qwen-Image only; must divide the world size and the transformer's "
-        "attention heads. See docs/fsdp2.md.")
+        "Ranks that split one transformer forward's sequence between them (diffusers' context "
+        "parallelism: Ulysses where it divides the transformer's attention heads, ring "
+        "attention otherwise; FSDP2 then shards over data x sequence). Each rank rolls out its "
+        "own groups; the ranks of a group then train on all their slices. 1 = off. Wan and "
+        "Qwen-Image only; must divide the world size. See docs/fsdp2.md.")
     debug_fingerprint: bool = _f(False, "--fsdp-debug-fingerprint",
                                  "Log weight fingerprints around each optimizer step.")
 

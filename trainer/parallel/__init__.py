@@ -3,6 +3,8 @@ transformer's sequence split over a group of ranks (``fsdp.sequence_parallel``),
 each sequence group trains on.
 
 ``rules`` is torch-free (preflight imports it); ``sequence`` sets the split up with diffusers'
-context parallelism and composes it with FSDP2; ``group_batch`` joins the rollout slices of a
-sequence group's ranks so that each of them replays the same samples.
+context parallelism (Ulysses, or ring where the degree does not divide the heads) and composes
+it with FSDP2; ``cpu_flash_attention`` is the attention backend ring runs with on the CPU;
+``group_batch`` joins the rollout slices of a sequence group's ranks so that each of them
+replays the same samples.
 """

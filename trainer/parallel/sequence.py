@@ -1,12 +1,15 @@
 """Sequence parallelism for the actor's transformer, composed with FSDP2.
 
 The ranks form a (data x sequence) mesh. The ranks of one sequence group hold the same samples;
-each runs the transformer on a slice of the image/video tokens, and around every attention an
-all-to-all swaps the token split for a head split (Ulysses), so attention sees the whole
-sequence. The split, the all-to-alls and the gather of the output are diffusers' context
-parallelism (``enable_parallelism`` with the family's ``_cp_plan``): we write none of it by
-hand. The output is gathered whole on every rank of the group, so the log-prob and loss are
-computed as without the split.
+each runs the transformer on a slice of the image/video tokens, and every attention sees the
+whole sequence: where the degree divides the heads, an all-to-all around it swaps the token
+split for a head split (Ulysses); where it does not, each rank's keys and values go round the
+group and the partial results are merged by their log-sum-exp (ring, through an attention
+backend that returns one: ``rules.RING_BACKENDS``). The split, the collectives and the gather
+of the output are diffusers' context parallelism (``enable_parallelism`` with the family's
+``_cp_plan``); of ring, only the CPU backend's op pair is ours (``cpu_flash_attention``). The
+output is gathered whole on every rank of the group, so the log-prob and loss are computed as
+without the split.
 
 Gradients: the gather's backward hands each rank only its own slice, so a parameter's gradient
 on one rank is its share of the whole; the full gradient is the sum over the sequence group.
@@ -15,7 +18,8 @@ dp x cp mesh) and divides the reduced gradient by the data degree alone: a sum o
 group and the usual mean over the data groups.
 
 On a host without an accelerator diffusers' setup needs ``patches.diffusers_cpu_context_parallel``
-(it divides by the accelerator count); gloo carries the all-to-alls on CPU.
+(it divides by the accelerator count); gloo carries the all-to-alls and the ring's all-gathers
+on CPU.
 """
 from __future__ import annotations
 
@@ -33,9 +37,12 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from trainer.patches import diffusers_qwen_fast_paths as qwen_fast_paths
 from trainer.patches.diffusers_cpu_context_parallel import cpu_device_count
-from trainer.parallel.rules import FAMILIES, family_problems, model_problems, world_problems
+from trainer.parallel import cpu_flash_attention
+from trainer.parallel.rules import (FAMILIES, RING_BACKENDS, family_problems, model_problems,
+                                    ring_problems, uses_ring, world_problems)
 
-# diffusers reads the context-parallel mesh by these two names; ring stays size 1 (see rules.py)
+# diffusers reads the context-parallel mesh by the last two names; the sequence degree sits on
+# "ulysses" (ring 1), and a ring split gets a mesh of its own with it on "ring" (context_mesh)
 _DIMS = ("data", "ring", "ulysses")
 
 
@@ -53,6 +60,15 @@ class ParallelMesh:
     def sequence_group(self) -> dist.ProcessGroup:
         """This rank's sequence group: the ranks that replay the same samples."""
         return self.mesh["ulysses"].get_group()
+
+    def context_mesh(self, ring: bool) -> DeviceMesh:
+        """The mesh diffusers' context parallelism reads: ``mesh`` for Ulysses; for ring a new
+        mesh (a collective call) with the sequence degree on "ring", whose ring groups are the
+        same neighbouring ranks as the sequence groups."""
+        if not ring:
+            return self.mesh
+        return init_device_mesh(self.mesh.device_type, (self.data_degree, self.sequence_degree, 1),
+                                mesh_dim_names=_DIMS)
 
 
 def build_mesh(sequence_degree: int, device_type: str | None = None) -> ParallelMesh:
@@ -127,7 +143,6 @@ def _prepare_forward(degree: int):
         if family_class(module) == "QwenImageTransformer2DModel":
             kwargs = pad_text_to_degree(kwargs, degree)
         problems = model_problems(degree, model=family_class(module),
-                                  heads=attention_heads(module),
                                   sequences=split_lengths(module, args, kwargs))
         if problems:
             raise ValueError("this forward cannot be split over the sequence group: "
@@ -159,18 +174,47 @@ def through_checkpoint_wrappers(transformer: nn.Module, plan: dict) -> dict:
     return out
 
 
+def use_attention_backend(transformer: nn.Module, backend: str) -> None:
+    """Every attention processor of ``transformer`` on diffusers' backend ``backend``. Not
+    diffusers' ``set_attention_backend``, which also makes it the process-wide default, and
+    so the backend of every other model of the process (the one-rank model a test compares
+    with, an in-process engine)."""
+    from diffusers.models.attention_dispatch import AttentionBackendName
+
+    name = AttentionBackendName(backend)
+    for module in transformer.modules():
+        processor = getattr(module, "processor", None)
+        if processor is not None and hasattr(processor, "_attention_backend"):
+            processor._attention_backend = name
+
+
+def _context_parallel_config(transformer: nn.Module, pm: ParallelMesh) -> ContextParallelConfig:
+    """Ulysses where the degree divides the heads; otherwise ring, with the transformer's
+    attention on the device's ring backend (registering ours on the CPU)."""
+    degree = pm.sequence_degree
+    if not uses_ring(degree, attention_heads(transformer)):
+        return ContextParallelConfig(ulysses_degree=degree, mesh=pm.context_mesh(False))
+    if pm.mesh.device_type == "cpu":
+        cpu_flash_attention.register()
+    use_attention_backend(transformer, RING_BACKENDS[pm.mesh.device_type])
+    return ContextParallelConfig(ring_degree=degree, mesh=pm.context_mesh(True))
+
+
 def apply_sequence_parallel(transformer: nn.Module, pm: ParallelMesh) -> nn.Module:
-    """Split ``transformer``'s sequence over ``pm``'s sequence groups (diffusers' Ulysses).
-    Refuses, naming every problem, a family outside ``rules.FAMILIES`` and a head count the
-    degree does not divide; each forward pads Qwen-Image's text to the degree
+    """Split ``transformer``'s sequence over ``pm``'s sequence groups: diffusers' Ulysses
+    where the degree divides the heads, its ring attention otherwise (``rules.uses_ring``).
+    Refuses, naming every problem, a family outside ``rules.FAMILIES`` and a ring the device
+    cannot run (``rules.ring_problems``); each forward pads Qwen-Image's text to the degree
     (``pad_text_to_degree``) and checks its sequence lengths the same way before anything is
     split. Degree 1 changes nothing."""
     degree = pm.sequence_degree
     if degree == 1:  # off: the transformer stays exactly as it was
         return transformer
-    problems = family_problems(degree, family_class(transformer))
-    problems += model_problems(degree, model=family_class(transformer),
-                               heads=attention_heads(transformer), sequences={})
+    name = family_class(transformer)
+    problems = family_problems(degree, name)
+    if uses_ring(degree, attention_heads(transformer)):
+        problems += ring_problems(degree, model=name, transformer_class=name,
+                                  device_type=pm.mesh.device_type)
     if getattr(transformer, "_cp_plan", None) is None:
         problems.append(f"{type(transformer).__name__} has no context-parallel plan in diffusers")
     if problems:
@@ -178,9 +222,9 @@ def apply_sequence_parallel(transformer: nn.Module, pm: ParallelMesh) -> nn.Modu
     plan = through_checkpoint_wrappers(transformer, transformer._cp_plan)
     if family_class(transformer) == "QwenImageTransformer2DModel":
         plan = qwen_fast_paths.context_parallel_plan(plan)
+    config = _context_parallel_config(transformer, pm)
     with cpu_device_count():
-        transformer.enable_parallelism(
-            config=ContextParallelConfig(ulysses_degree=degree, mesh=pm.mesh), cp_plan=plan)
+        transformer.enable_parallelism(config=config, cp_plan=plan)
     transformer.register_forward_pre_hook(_prepare_forward(degree), with_kwargs=True,
                                           prepend=True)
     return transformer

@@ -56,7 +56,7 @@ from typing import Any, Callable
 from trainer.config import Config, ConfigError
 from trainer.config.hub import download_hint
 from trainer.config.sampling import KL_FORMS, SamplingConfig, fraction_window  # noqa: F401 (re-exported)
-from trainer.parallel.rules import KEY, family_problems, model_problems, world_problems
+from trainer.parallel.rules import KEY, family_problems, ring_problems, uses_ring, world_problems
 from trainer.preflight.algorithm_rules import check_algorithm, check_reference_options
 from trainer.preflight.checker import Checker, check_finite_numbers, flagged
 from trainer.preflight.data_rules import (EVAL_MODES, check_data, check_logging,  # noqa: F401 (re-export)
@@ -189,19 +189,22 @@ def _transformer_config(c: Checker) -> dict | None:
 
 def _check_sequence_parallel(c: Checker) -> None:
     """The sequence split's rules (trainer.parallel.rules): the degree divides the world, and,
-    where the transformer's config can be read, its family is one whose split is tested and
-    the degree divides its attention heads. The loop gives a sequence group's ranks the same
-    samples (trainer.parallel.group_batch); the split lengths of each forward are checked by
-    the actor, since they depend on the batch."""
+    where the transformer's config can be read, its family is one whose split is tested and,
+    where the degree does not divide its heads (ring attention), the launch device can run
+    it. The loop gives a sequence group's ranks the same samples (trainer.parallel.group_batch);
+    the split lengths of each forward are checked by the actor, since they depend on the
+    batch."""
     degree = c.cfg.fsdp.sequence_parallel
     problems = world_problems(degree, c.world_size if c.world_size is not None else degree)
     config = _transformer_config(c) if not problems and degree > 1 else None
     if config is not None:
         problems += family_problems(degree, str(config.get("_class_name")))
         heads = config.get("num_attention_heads")
-        if is_int(heads):
-            problems += model_problems(degree, model="the transformer at model.model_path",
-                                       heads=heads, sequences={})
+        if is_int(heads) and uses_ring(degree, heads) and c.device in ("cpu", "cuda"):
+            problems += ring_problems(degree, model="the transformer at model.model_path",
+                                      transformer_class=str(config.get("_class_name")),
+                                      device_type=c.device,
+                                      compute_dtype=c.cfg.fsdp.param_dtype)
     for problem in problems:
         c.error(problem.replace(KEY, flagged(KEY), 1))
 
