@@ -7,8 +7,8 @@ from the outside, its held-out eval read from the run's metrics.jsonl.
 Rows (bench ``toy_main_job``, case ``toy-seeds-T-R-G``): the eval reward at rollout 0 and at
 the last rollout, the gain, each component's change, and the whole run's wall time (process
 start to exit: model load, every eval and the final checkpoint included). ``--footing`` names
-what else shared the machine; it is part of the recorded command, so a figure measured alone is
-never read as one measured beside other work.
+what else shared the machine; it is part of the recorded command, and the wall time of a run
+that was not alone is recorded as ``wall_s_shared``, never as the main job's ``wall_s``.
 """
 from __future__ import annotations
 
@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
                         metavar=("TRAIN", "ROLLOUT", "GENERATION"))
     parser.add_argument("--footing", default="alone", help="what else shared the machine")
     parser.add_argument("--run-dir", type=Path, default=None)
+    parser.add_argument("--set", action="append", default=[], dest="overrides",
+                        help="a further config override (part of the recorded command)")
     args = parser.parse_args(argv)
     train, rollout, generation = args.seeds
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="toy_main_"))
@@ -50,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     if tuple(args.seeds) != (0, 42, 1234):
         launch += ["--set", f"train.seed={train}", "--set", f"rollout.rollout_seed={rollout}",
                    "--set", f"rollout.generation_seed={generation}"]
+    for override in args.overrides:
+        launch += ["--set", override]
     t0 = time.perf_counter()
     code = subprocess.call([sys.executable, *launch[1:]])
     wall = time.perf_counter() - t0
@@ -68,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     for component in COMPONENTS:
         key = f"eval/{component}_mean"
         rec.add(case, f"eval_{component}_change", end[key] - start[key], "reward")
-    rec.add(case, "wall_s", wall, "s")
+    # only a run alone on its machine gives the main job's wall time; others keep theirs apart
+    rec.add(case, "wall_s" if args.footing == "alone" else "wall_s_shared", wall, "s")
     rec.write()
     for row in rec.rows:
         print(f"{row['case']} {row['metric']} {row['value']} {row['unit']}")
