@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         return code
     points = eval_points(run_dir / "metrics.jsonl")
     start, end = points[0], points[max(points)]
-    command = " ".join(launch[:5] + launch[7:]) + f" ({args.footing})"
+    command = " ".join(launch[:6] + launch[8:]) + f" ({args.footing})"
     rec = Recorder("toy_main_job", device="cpu", command=command)
     case = f"toy-seeds-{train}-{rollout}-{generation}"
     last = max(points)

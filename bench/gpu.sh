@@ -198,6 +198,8 @@ purpose_gpu-tests() {
     --diffusers --peer --micro-batch 4 --out "$LOGS/smoke_step.json"
   step smoke_multigpu 150 python3 bench/bench_multi_gpu.py --tiny --gpus 1 --modes lora \
     --rollouts 2 --out "$LOGS/smoke_multi.json"
+  step smoke_main_job 120 python3 bench/bench_main_job.py --footing smoke \
+    --set train.num_rollouts=1 --set data.eval_max_prompts=4 --set logging.tensorboard=false
   step smoke_toy 120 python3 bench/bench_toy_learning.py --rollouts 1 --eval-every 1 \
     --eval-prompts 4 --eval-samples 1 --device cuda --out "$LOGS/smoke_toy.json"
 }

@@ -23,7 +23,8 @@ BASE = ["train.num_rollouts=8", "rollout.rollout_batch_size=4",
 CASES = {
     "diffusionnft": ["train.algorithm=diffusionnft", "train.lr=3e-5", "data.eval_mode=ode",
                      'rollout.sampling=' + json.dumps({"sde_resample_per_rollout": False,
-                                                       "timestep_fraction": 0.3})],
+                                                       "timestep_fraction": 0.3,
+                                                       "init_same_noise": False})],
     "flowgrpo_fast": ["train.algorithm=flowgrpo_fast", "train.lr=1e-4", "data.eval_mode=ode",
                       "train.fast_branch_range=[1,5]", "train.fast_branch_steps=2",
                       'rollout.sampling=' + json.dumps({"init_same_noise": True,
@@ -31,11 +32,15 @@ CASES = {
                                                         "sde_pool": [1, 2, 3, 4]})],
     # a three-step window from step 0 (clamp_to_next, the toy's) that moves once, to 1-3
     "mixgrpo": ["train.algorithm=mixgrpo", "train.lr=1e-4", "data.eval_mode=ode",
-                "train.mix_window_size=3", "train.mix_shift_interval=4"],
-    # test_train_learns.py's Flow-GRPO settings with the guard's re-centred, scaled ratio
-    "grpo_guard": ["train.grpo_guard=true", "train.lr=1e-4", "data.eval_mode=sde",
+                "train.mix_window_size=3", "train.mix_shift_interval=4",
+                'rollout.sampling=' + json.dumps({"init_same_noise": False})],
+    # test_train_learns.py's Flow-GRPO settings with the guard's re-centred, scaled ratio (each
+# case names its algorithm and x_T sharing: the toy recipe's own are Flow-GRPO-Fast's)
+    "grpo_guard": ["train.algorithm=flowgrpo", "train.grpo_guard=true", "train.lr=1e-4",
+                   "data.eval_mode=sde",
                    'rollout.sampling=' + json.dumps({"sde_pool": [1, 2, 3, 4], "num_sde_steps": 2,
-                                                     "sigma_one": "refuse"})],
+                                                     "sigma_one": "refuse",
+                                                     "init_same_noise": False})],
 }
 
 

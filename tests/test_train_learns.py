@@ -34,11 +34,12 @@ def test_a_learnable_reward_rises_beyond_its_noise(tmp_path):
         "reward.required_components=[]", "reward.component_weights={}",
         "data.eval_max_prompts=32", f"logging.run_dir={tmp_path / 'run'}",
         "logging.progress=false", "logging.tensorboard=false",
-        # full fine-tuning at two of the early steps, no KL, the SDE eval: this test's own
-        # recipe, apart from the toy recipe's LoRA + KL settings
+        # Flow-GRPO with full fine-tuning at two of the early steps, no KL, the SDE eval: this
+        # test's own recipe, apart from the toy recipe's Fast branch, LoRA and KL settings
+        "train.algorithm=flowgrpo",
         "fsdp.trainable_mode=full", "lora.rank=0", "lora.alpha=0", "train.kl_coef=0",
         'rollout.sampling={"sde_pool": [1, 2, 3, 4], "num_sde_steps": 2, '
-        '"sigma_one": "refuse"}', "data.eval_mode=sde"])
+        '"sigma_one": "refuse", "init_same_noise": false}', "data.eval_mode=sde"])
 
     def check_step(rollout_id: int, metrics: dict) -> None:
         assert metrics["train/first_update_ratio_mean"] == 1.0
