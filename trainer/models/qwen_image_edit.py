@@ -77,15 +77,44 @@ def _edit_plus_pipeline_cls():
     return QwenImageEditPlusPipeline
 
 
-def _sglang_refusal(pipeline: str) -> str:
-    """Why SGLang 0.5.23's native ``pipeline`` cannot roll out for this adapter's replay."""
-    return (f"SGLang 0.5.23's native {pipeline} takes the references (RolloutRequest.image_path), "
-            "but it encodes each reference at about 1024x1024 pixels (its pipeline config's "
-            "condition size) where this adapter encodes them at the output geometry, and this "
-            "adapter's forward tells the transformer that every reference has the output's "
-            "grid: the trainer cannot replay what SGLang's DiT saw. Stock SGLang also returns "
-            "none of the references' VAE latents (batch.image_latent; the trainer's SGLang "
-            "extension adds them, as for Wan image-to-video)")
+#: The area SGLang 0.5.23's Edit pipeline configs size a reference at (their hard-coded
+#: 1024 * 1024), used where SGLang does not import to read it (trainer/engine/sglang/sync.py).
+SGLANG_REFERENCE_AREA = 1024 * 1024
+_SGLANG_CONFIGS = "sglang.multimodal_gen.configs.pipeline_configs.qwen_image."
+
+
+def reference_dimensions(area: int, width: int, height: int) -> tuple[int, int]:
+    """(width, height) of a ``width`` x ``height`` picture resized to about ``area`` pixels at
+    its aspect ratio: diffusers' edit pipelines' ``calculate_dimensions``."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+
+    new_width, new_height, _ = calculate_dimensions(area, width / height)
+    return new_width, new_height
+
+
+def grids_from_img_shapes(img_shapes: Any) -> torch.Tensor:
+    """SGLang's ``img_shapes`` of one rollout output (``[[(1, h, w) of the output, (1, h, w) of
+    each reference]]``, tuples as lists after msgpack) -> the references' packed grids [K, 2]
+    (int64), what this adapter's ``reference_grids`` condition holds."""
+    if (not isinstance(img_shapes, (list, tuple)) or len(img_shapes) != 1
+            or not isinstance(img_shapes[0], (list, tuple)) or len(img_shapes[0]) < 2):
+        raise ValueError(f"expected [[output grid, reference grids...]], got {img_shapes!r}")
+    grids = []
+    for entry in img_shapes[0][1:]:
+        if (not isinstance(entry, (list, tuple)) or len(entry) != 3 or entry[0] != 1
+                or not all(isinstance(v, int) and v > 0 for v in entry)):
+            raise ValueError(f"a reference grid must be (1, rows, columns), got {entry!r}")
+        grids.append([entry[1], entry[2]])
+    return torch.tensor(grids, dtype=torch.long)
+
+
+def _sglang_stock_refusal(pipeline: str) -> str:
+    """Why stock SGLang 0.5.23's native ``pipeline`` cannot roll out for this adapter's replay."""
+    return (f"stock SGLang 0.5.23's native {pipeline} returns the prompt embeddings and each "
+            "reference's grid (img_shapes) but not the references' VAE latents that its denoising "
+            "stage concatenates to the noisy latents (batch.image_latent: the denoising_env it "
+            "returns holds only image_kwargs, pos_cond_kwargs, neg_cond_kwargs and guidance), so "
+            "the trainer cannot replay what its DiT saw; the trainer's SGLang extension returns them")
 
 
 class QwenImageEditAdapter(QwenImageAdapter):
@@ -104,10 +133,20 @@ class QwenImageEditAdapter(QwenImageAdapter):
     max_condition_images = 1
     display_name = "Qwen-Image-Edit"
     pipeline_class = staticmethod(_edit_pipeline_cls)
-    sglang_dit = None
-    sglang_conditions = None
-    sglang_implied_masks = None
-    sglang_refusal = _sglang_refusal("QwenImageEditPipeline")
+    # SGLang's native serving (its QwenImageEditPipeline, Qwen-Image's DiT), read by
+    # trainer/engine/sglang/: the references' latents come back only through the trainer's
+    # extension, their grids in SGLang's own img_shapes (module docstring)
+    sglang_dit = QwenImageAdapter.sglang_dit
+    sglang_conditions = {**QwenImageAdapter.sglang_conditions,
+                         "image_latents": ("pos_cond_kwargs", "flowgrpo_image_latent"),
+                         "reference_grids": ("pos_cond_kwargs", "img_shapes")}
+    sglang_implied_masks = QwenImageAdapter.sglang_implied_masks
+    sglang_readers = {"reference_grids": grids_from_img_shapes}  # not a tensor on the wire
+    sglang_stock_refusal = _sglang_stock_refusal("QwenImageEditPipeline")
+    # where SGLang sizes a reference for the VAE: (pipeline config class, its method taking
+    # (image, width, height) and answering (width, height)); preflight probes it
+    sglang_reference_sizing = (_SGLANG_CONFIGS + "QwenImageEditPipelineConfig",
+                               "calculate_condition_image_size")
     extra_options = {**QwenImageAdapter.extra_options, "reference_area": None}
 
     def __init__(self, model_path: str, **options: Any) -> None:
@@ -182,9 +221,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
         ``calculate_dimensions`` (each side rounded to a multiple of 32)."""
         if self.reference_area is None:
             return geometry.height, geometry.width
-        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
-
-        width, height, _ = calculate_dimensions(self.reference_area, picture.width / picture.height)
+        width, height = reference_dimensions(self.reference_area, picture.width, picture.height)
         if width < REFERENCE_GRID_PIXELS or height < REFERENCE_GRID_PIXELS:
             raise ValueError(f"reference {ref if ref is not None else picture!r} ({picture.width}x"
                              f"{picture.height}) rounds to {width}x{height} pixels at reference_area="
@@ -284,7 +321,9 @@ class QwenImageEditPlusAdapter(QwenImageEditAdapter):
     display_name = "Qwen-Image-Edit-Plus"
     pipeline_class = staticmethod(_edit_plus_pipeline_cls)
     extra_options = {**QwenImageEditAdapter.extra_options, "condition_image_area": 384 * 384}
-    sglang_refusal = _sglang_refusal("QwenImageEditPlusPipeline")
+    sglang_stock_refusal = _sglang_stock_refusal("QwenImageEditPlusPipeline")
+    sglang_reference_sizing = (_SGLANG_CONFIGS + "QwenImageEditPlusPipelineConfig",
+                               "calculate_vae_image_size")
 
     def __init__(self, model_path: str, **options: Any) -> None:
         super().__init__(model_path, **options)
