@@ -151,9 +151,10 @@ def _serving_the_checkpoint(server):
 
 def test_extension_rollout_replays_through_our_transformer(server, pictures, tmp_path):
     """With the extension, each candidate's references reach SGLang as files, the answer
-    carries their latents (``flowgrpo_image_latent``) and SGLang's grids, candidates of two
-    reference aspect ratios in one batch, and our diffusers transformer replays SGLang's native
-    rollout with those grids: the first ratio is 1 up to fp32 rounding."""
+    carries their latents (``flowgrpo_image_latent``, equal to our adapter's at the same area up
+    to fp32 rounding) and SGLang's grids, candidates of two reference aspect ratios in one
+    batch, and our diffusers transformer replays SGLang's native rollout with those grids: the
+    first ratio is 1 up to fp32 rounding."""
     from trainer.actor.replay import replay_log_probs
 
     adapter = server.adapter
@@ -175,6 +176,7 @@ def test_extension_rollout_replays_through_our_transformer(server, pictures, tmp
         length = ours["image_latents"].shape[1]
         gap = float((batch.conditions["image_latents"][row, :length] - ours["image_latents"][0]).abs().max())
         print(f"{server.family} {name}: SGLang's reference latents vs our adapter's: {gap:.3g}")
+        assert gap < 1e-5  # two resizing and VAE implementations, one picture at one size
     assert not torch.equal(grids[0], grids[2])
     with torch.no_grad():
         replay = replay_log_probs(adapter, adapter.load_train_model().eval(), batch, backend="torch")
