@@ -44,9 +44,11 @@ Design choices:
   their negative prompt with the image).
 - SGLang 0.5.23 has native Edit and Edit-Plus pipelines that take the references by path
   (``RolloutRequest.image_path``) and size each one at its pipeline config's area (1024 * 1024)
-  at its own aspect ratio; trainer/engine/sglang/ reads that area from SGLang's config, and
-  preflight allows ``rollout.engine = "sglang"`` only when ``reference_area`` equals it
-  (``sglang_area_problems``). Stock SGLang returns none of the references' VAE latents
+  at its own aspect ratio; preflight probes that sizing in SGLang's own config code
+  (``sglang_reference_sizing``; trainer/engine/sglang/sync.py) and allows
+  ``rollout.engine = "sglang"`` only when ``reference_area`` sizes every probe the same way.
+  SGLang's answer carries each reference's grid (``img_shapes``, read by
+  ``grids_from_img_shapes``) but, stock, none of the references' VAE latents
   (``sglang_stock_refusal``), so these families roll out on SGLang with the trainer's
   extension only (trainer/engine/sglang/extension.py returns them).
 """
