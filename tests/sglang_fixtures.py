@@ -55,6 +55,14 @@ What stands in, and why (nothing else does):
    the ratio from SGLang's own ``get_vae_scale_factor`` of the checkpoint's config, as a real
    SD3 server's config ends up.
 
+7. With ``reference_area`` (Qwen-Image-Edit / Edit-Plus), the one number SGLang's Edit pipeline
+   configs size a reference at: they pass 1024 * 1024 to their module's ``_calculate_dimensions``
+   (Edit's condition size and image grid, Plus's ``VAE_IMAGE_SIZE``), and a megapixel reference
+   on this CPU costs minutes per candidate, a stand-in for GPU speed.
+   ``shrink_edit_reference_area`` passes the given area instead of that number only, in both
+   processes (so preflight, which reads SGLang's sizing, sees it too); every other area (Plus's
+   384 * 384 for the vision-language encoder) and everything else is SGLang's.
+
 Precision: fp32 everywhere (``dit_precision``, ``vae_precision``, ``text_encoder_precisions``),
 so the engine-vs-replay gap measured against the trainer's diffusers transformer is the gap
 between the two implementations, not a dtype's rounding.
@@ -212,10 +220,32 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+#: The area SGLang 0.5.23's Edit pipeline configs hard-code (item 7 of the module docstring).
+SGLANG_EDIT_AREA = 1024 * 1024
+
+
+def shrink_edit_reference_area(area: int):
+    """Item 7 of the module docstring: SGLang's Edit configs size references at ``area`` where
+    they pass ``SGLANG_EDIT_AREA``; returns the function that undoes it."""
+    from sglang.multimodal_gen.configs.pipeline_configs import qwen_image
+
+    original = qwen_image._calculate_dimensions
+
+    def calculate_dimensions(target_area, ratio):
+        return original(area if target_area == SGLANG_EDIT_AREA else target_area, ratio)
+
+    qwen_image._calculate_dimensions = calculate_dimensions
+
+    def undo() -> None:
+        qwen_image._calculate_dimensions = original
+    return undo
+
+
 class _Worker:
     """The worker side: SGLang's pipeline and its post-training mixins (module docstring)."""
 
-    def __init__(self, model_dir: str, extension: bool, port: int) -> None:
+    def __init__(self, model_dir: str, extension: bool, port: int,
+                 reference_area: int | None = None) -> None:
         from sglang.multimodal_gen.runtime.distributed import parallel_state
         from sglang.multimodal_gen.runtime.entrypoints.post_training import io_struct
         from sglang.multimodal_gen.runtime.pipelines_core.schedule_batch import Req
@@ -224,6 +254,8 @@ class _Worker:
         from sglang.multimodal_gen.runtime.server_args import set_global_server_args
 
         _cpu_kernels()
+        if reference_area is not None:  # item 7
+            shrink_edit_reference_area(reference_area)
         if extension:
             _load_extension()
         self.server_args = server_args(model_dir)
@@ -296,12 +328,13 @@ def _load_extension() -> None:
     HookRegistry.apply_hooks()
 
 
-def _worker_main(conn, model_dir: str, extension: bool, port: int) -> None:
+def _worker_main(conn, model_dir: str, extension: bool, port: int,
+                 reference_area: int | None = None) -> None:
     torch.set_num_threads(1)  # tiny model: intra-op threads only spin (tests/conftest.py)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            worker = _Worker(model_dir, extension, port)
+            worker = _Worker(model_dir, extension, port, reference_area)
         conn.send_bytes(pickle.dumps(("ready", None)))
     except BaseException:
         conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
@@ -323,12 +356,14 @@ def _worker_main(conn, model_dir: str, extension: bool, port: int) -> None:
 class WorkerProcess:
     """The spawned worker and the one pipe to it; every call has a deadline."""
 
-    def __init__(self, model_dir, *, extension: bool = False, port: int = 0) -> None:
+    def __init__(self, model_dir, *, extension: bool = False, port: int = 0,
+                 reference_area: int | None = None) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.lock = threading.Lock()
         self.process = ctx.Process(target=_worker_main,
-                                   args=(child, str(model_dir), extension, port), daemon=True)
+                                   args=(child, str(model_dir), extension, port, reference_area),
+                                   daemon=True)
         self.process.start()
         child.close()
         self._reply("starting SGLang's pipeline", 600.0)
@@ -412,10 +447,12 @@ def build_app(server: SGLangServer, *, weights_api: bool = True, args=None):
 
 
 @contextlib.contextmanager
-def serve_sglang(model_dir, *, weights_api: bool = True, extension: bool = False):
+def serve_sglang(model_dir, *, weights_api: bool = True, extension: bool = False,
+                 reference_area: int | None = None):
     """Start SGLang's worker process and its HTTP layer on a free loopback port; yields an
     SGLangServer. ``extension``: load ``trainer.engine.sglang.extension`` in both processes,
-    as ``SGLANG_PLUGINS=flowgrpo`` does."""
+    as ``SGLANG_PLUGINS=flowgrpo`` does. ``reference_area``: item 7 of the module docstring
+    (the server's adapter gets the same option)."""
     import uvicorn
 
     from trainer.models import adapter_class
@@ -431,18 +468,25 @@ def serve_sglang(model_dir, *, weights_api: bool = True, extension: bool = False
     if extension:
         with _process_state_kept():
             _load_extension()
+    undo_area = None
+    if reference_area is not None:  # item 7, in this process too (preflight reads it)
+        undo_area = shrink_edit_reference_area(reference_area)
     strategy = torch.multiprocessing.get_sharing_strategy()
     # CPU tensors travel SGLang's payload through torch's reductions in shared-memory files
     torch.multiprocessing.set_sharing_strategy("file_system")
     server = None
     try:
-        worker = WorkerProcess(model_dir, extension=extension, port=args.port)
+        worker = WorkerProcess(model_dir, extension=extension, port=args.port,
+                               reference_area=reference_area)
     except BaseException:
         sock.close()
+        if undo_area is not None:
+            undo_area()
         raise
+    options = {} if reference_area is None else {"reference_area": reference_area}
     try:
         sglang = SGLangServer(f"http://127.0.0.1:{args.port}", worker,
-                              adapter_class(family_of(model_dir))(str(model_dir)))
+                              adapter_class(family_of(model_dir))(str(model_dir), **options))
         app = build_app(sglang, weights_api=weights_api, args=args if extension else None)
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -465,6 +509,8 @@ def serve_sglang(model_dir, *, weights_api: bool = True, extension: bool = False
             client.forward = previous
         restore_torch_reductions()
         torch.multiprocessing.set_sharing_strategy(strategy)
+        if undo_area is not None:
+            undo_area()
 
 
 def trainer_overrides(model_dir, url: str, tmp_path, sampling: dict | None = None) -> list[str]:
@@ -575,3 +621,12 @@ def served_model(model_dir, config: str) -> tuple[str | None, str, dict[str, Any
     cls = info.pipeline_config_cls
     return model_id, f"{cls.__module__}.{cls.__qualname__}", {
         "flow_shift": scheduler["flow_shift"], "vae_decode_precision": "fp32"}
+
+
+# ---- Qwen-Image-Edit and Edit-Plus -------------------------------------------------------------
+NATIVE_PIPELINES["qwen_image_edit"] = (
+    _SG + "runtime.pipelines.qwen_image.QwenImageEditPipeline",
+    _SG + "configs.pipeline_configs.qwen_image.QwenImageEditPipelineConfig")
+NATIVE_PIPELINES["qwen_image_edit_plus"] = (
+    _SG + "runtime.pipelines.qwen_image.QwenImageEditPlusPipeline",
+    _SG + "configs.pipeline_configs.qwen_image.QwenImageEditPlusPipelineConfig")

@@ -250,7 +250,8 @@ def test_preflight_names_what_stock_sglang_cannot_do():
                      "sglang_concurrency must be a positive integer"):
         assert fragment in text, fragment
     assert ("model family 'toy': the SGLang client maps the denoising env of "
-            "['flux', 'qwen_image', 'sd3', 'wan', 'wan_i2v']") in text  # the tiny recipe's toy adapter
+            "['flux', 'qwen_image', 'qwen_image_edit', 'qwen_image_edit_plus', 'sd3', 'wan', "
+            "'wan_i2v']") in text  # the tiny recipe's toy adapter
     qwen = "model.adapter_path=trainer.models.qwen_image.QwenImageAdapter"
     ok = load_config("tiny", ["rollout.engine=sglang", 'rollout.sglang_urls=["http://127.0.0.1:9"]',
                               'rollout.sampling={"driver_sigmas": false, "driver_xt": false}', qwen])

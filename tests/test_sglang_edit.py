@@ -1,6 +1,7 @@
 """The conditioned families (image editing, image-to-video) on ``rollout.engine = "sglang"``:
-preflight refuses each one SGLang 0.5.23 cannot roll out (the edit families and FLUX.1
-Kontext always, Wan image-to-video on stock SGLang: the extension rolls it out,
+preflight refuses each one SGLang 0.5.23 cannot roll out (FLUX.1 Kontext always; the edit
+families and Wan image-to-video on stock SGLang, the edit families also at a reference area
+other than SGLang's: the extension rolls them out, tests/test_sglang_edit_native.py and
 tests/test_sglang_wan_i2v.py) with the true reason, and the facts those reasons state are
 checked against SGLang's own code, so a SGLang release that changes them fails here instead of
 leaving a stale refusal.
@@ -13,8 +14,9 @@ which the denoising stage concatenates to the noisy latents, but the rollout ans
 ``denoising_env`` (``RolloutDenoisingEnv``) holds only ``image_kwargs``, ``pos_cond_kwargs``,
 ``neg_cond_kwargs`` and ``guidance``: the latents the replay must feed the transformer never
 come back (the trainer's extension adds them). The Edit pipelines also size each reference at
-about a megapixel, where our edit adapters encode it at the output geometry and tell the
-transformer so. FLUX.1 Kontext has no native pipeline at all.
+about a megapixel at its aspect ratio: our edit adapters do the same only with
+``reference_area`` at that area, which preflight requires. FLUX.1 Kontext has no native
+pipeline at all.
 """
 from __future__ import annotations
 
@@ -24,22 +26,23 @@ import pytest
 
 from sglang_fixtures import _process_state_kept, require_sglang
 
-CONDITIONED = [("qwen-image-edit-lora", "qwen_image_edit"),
-               ("qwen-image-edit-plus-lora", "qwen_image_edit_plus"),
-               ("flux-kontext-lora", "flux_kontext")]
+CONDITIONED = [("flux-kontext-lora", "flux_kontext")]
+EDIT = [("qwen-image-edit-lora", "qwen_image_edit"),
+        ("qwen-image-edit-plus-lora", "qwen_image_edit_plus")]
 IMAGE_TO_VIDEO = [("wan2.1-i2v", "wan_i2v"), ("wan2.2-i2v", "wan_i2v")]
 
 
-def _family_refusals(recipe: str, extension: bool) -> list[str]:
+def _family_refusals(recipe: str, extension: bool, extra: tuple = ()) -> list[str]:
     from trainer.config import load_config
     from trainer.engine.sglang.sync import sglang_config_problems
 
     cfg = load_config(recipe, ["rollout.engine=sglang", "rollout.sampling.driver_xt=false",
                                "rollout.sampling.driver_sigmas=false",
                                'rollout.sglang_urls=["http://127.0.0.1:30000"]',
-                               f"rollout.sglang_extension={str(extension).lower()}"])
-    return [p for p in sglang_config_problems(cfg.model, cfg.rollout, cfg.lora)
-            if p.startswith("model family")]
+                               f"rollout.sglang_extension={str(extension).lower()}", *extra])
+    with _process_state_kept():  # preflight reads the edit families' sizing from SGLang
+        problems = sglang_config_problems(cfg.model, cfg.rollout, cfg.lora)
+    return [p for p in problems if p.startswith("model family")]
 
 
 @pytest.mark.parametrize("extension", [False, True], ids=["stock", "extension"])
@@ -54,6 +57,29 @@ def test_preflight_refuses_each_conditioned_family_on_sglang_with_its_own_reason
     assert f"model family {family!r} cannot roll out on rollout.engine='sglang'" in refusals[0]
     assert reason in refusals[0]
     assert "the SGLang client maps the denoising env" not in refusals[0]  # not the generic one
+
+
+@pytest.mark.parametrize("recipe, family", EDIT)
+def test_edit_families_roll_out_with_the_extension_at_sglangs_reference_area_only(recipe, family):
+    """Stock SGLang is refused with the stock reason (no reference latents in its answer); with
+    the extension, references at the output geometry (no ``reference_area``) or at another area
+    are refused naming SGLang's area and ours, and the recipe's, the pipelines' area
+    (1024 * 1024, what SGLang 0.5.23's config code sizes at), passes."""
+    from trainer.models import adapter_class
+
+    area = 'model.adapter_options={"reference_area": 1048576}'
+    stock = _family_refusals(recipe, extension=False, extra=(area,))
+    assert len(stock) == 1 and adapter_class(family).sglang_stock_refusal in stock[0], stock
+    assert "rollout.sglang_extension=true" in stock[0]
+    unset = _family_refusals(recipe, extension=True, extra=("model.adapter_options={}",))
+    assert len(unset) == 1, unset
+    assert "SGLang sizes each reference at about 1048576 pixels" in unset[0]
+    assert "reference_area is unset" in unset[0]
+    other = _family_refusals(recipe, extension=True,
+                             extra=('model.adapter_options={"reference_area": 262144}',))
+    assert len(other) == 1 and "reference_area is 262144 pixels" in other[0], other
+    assert _family_refusals(recipe, extension=True, extra=(area,)) == []
+    assert _family_refusals(recipe, extension=True) == []  # the recipe's own area
 
 
 @pytest.mark.parametrize("recipe, family", IMAGE_TO_VIDEO)
@@ -73,7 +99,8 @@ def test_each_refusal_names_what_sglang_lacks_for_that_family():
     from trainer.models import adapter_class
 
     reasons = {f: adapter_class(f).sglang_refusal for _, f in CONDITIONED}
-    reasons["wan_i2v"] = adapter_class("wan_i2v").sglang_stock_refusal
+    for family in ("qwen_image_edit", "qwen_image_edit_plus", "wan_i2v"):
+        reasons[family] = adapter_class(family).sglang_stock_refusal
     assert "no native FLUX.1 Kontext pipeline" in reasons["flux_kontext"]
     assert "QwenImageEditPipeline" in reasons["qwen_image_edit"]
     assert "QwenImageEditPlusPipeline" in reasons["qwen_image_edit_plus"]
@@ -81,14 +108,12 @@ def test_each_refusal_names_what_sglang_lacks_for_that_family():
     for family in ("qwen_image_edit", "qwen_image_edit_plus", "wan_i2v"):
         assert "batch.image_latent" in reasons[family], family
     assert "first frame" in reasons["wan_i2v"]
-    for family in ("qwen_image_edit", "qwen_image_edit_plus"):
-        assert "1024x1024 pixels" in reasons[family] and "output's grid" in reasons[family]
 
 
 def test_a_family_sglang_serves_has_no_refusal_and_no_family_problem():
     from trainer.models import adapter_class
 
-    for family in ("qwen_image", "sd3", "flux", "wan"):
+    for family in ("qwen_image", "sd3", "flux", "wan", "qwen_image_edit", "qwen_image_edit_plus"):
         assert getattr(adapter_class(family), "sglang_refusal", None) is None, family
     assert _family_refusals("qwen-image-t2i-lora", False) == []
 

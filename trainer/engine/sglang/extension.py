@@ -31,7 +31,8 @@ a request without the block, so ordinary serving is unchanged):
   elsewhere), so the recorded log-prob is our replay's function.
 - ``denoising.finalize_rollout_if_enabled`` (conditioning images): adds the latents SGLang's
   image VAE stage gave the DiT beside the noise (``batch.image_latent``; Wan image-to-video:
-  the first frame's, with its mask) to the answer's ``denoising_env.pos_cond_kwargs`` as
+  the first frame's, with its mask; Qwen-Image-Edit(-Plus): the references' packed latents,
+  in order) to the answer's ``denoising_env.pos_cond_kwargs`` as
   ``flowgrpo_image_latent``; stock SGLang returns no such latents, and the replay needs them.
 
 Weights (trainer/engine/sglang/receiver.py): ``pipelines_core.build_pipeline`` installs our
@@ -302,7 +303,8 @@ def driver_initial_latents(original, *args, **kwargs):
 def return_image_latent(original, *args, **kwargs):
     """After SGLang has put the denoising env in the rollout answer, add the latents its image
     VAE stage gave the DiT beside the noise (``batch.image_latent``: Wan image-to-video's first
-    frame with its mask), which stock SGLang leaves out, as ``pos_cond_kwargs``'s
+    frame with its mask, Qwen-Image-Edit's references), which stock SGLang leaves out, as
+    ``pos_cond_kwargs``'s
     ``IMAGE_LATENT_KEY``; only for a request that carries our block."""
     out = original(*args, **kwargs)
     batch = kwargs.get("batch", args[0] if args else None)

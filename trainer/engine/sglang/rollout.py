@@ -258,11 +258,21 @@ def _conditions(env: Any, family: str, where: str, problems: list[str]) -> dict[
     from trainer.models import adapter_class
 
     # a condition a variant of the family does not have (Wan 2.2 I2V: no CLIP image embeddings)
-    optional = set(getattr(adapter_class(family), "sglang_optional_conditions", ()) or ())
+    cls = adapter_class(family)
+    optional = set(getattr(cls, "sglang_optional_conditions", ()) or ())
+    # a condition SGLang keeps as plain data, not a tensor (Qwen-Image-Edit's img_shapes): the
+    # adapter's reader turns it into ours
+    readers = getattr(cls, "sglang_readers", None) or {}
     out = {}
     for ours, (section, name) in mapping.items():
         value = (env.get(section) or {}).get(name) if isinstance(env, dict) else None
         if value is None and (ours in implied or ours in optional):
+            continue
+        if ours in readers and value is not None:
+            try:
+                out[ours] = readers[ours](value)
+            except (TypeError, ValueError) as exc:
+                problems.append(f"{where}: denoising_env.{section}.{name}: {exc}")
             continue
         value = _one_tensor(value, f"{where}: denoising_env.{section}.{name}", problems)
         if value is not None:

@@ -413,6 +413,61 @@ def _family_problems(adapter_path: str, extension: bool) -> list[str]:
             "SGLang serves"]
 
 
+#: Reference sizes (width, height) preflight probes SGLang's sizing with: square, landscape,
+#: portrait, wide, and a small picture (rounding decides its size).
+PROBE_SIZES = ((1024, 1024), (1200, 900), (900, 1200), (1920, 1080), (40, 24))
+
+
+def _sglang_reference_sizes(config_path: str, method: str) -> dict[tuple[int, int], tuple[int, int]] | None:
+    """What SGLang's pipeline config sizes each probe reference at for the VAE; None when
+    SGLang does not import here (a trainer environment without it)."""
+    import importlib
+
+    module, _, name = config_path.rpartition(".")
+    try:
+        config_cls = getattr(importlib.import_module(module), name)
+    except ImportError:
+        return None
+    sizing = getattr(config_cls(), method)
+    return {probe: tuple(int(v) for v in sizing(None, *probe)) for probe in PROBE_SIZES}
+
+
+def _reference_area_problems(model: Any) -> list[str]:
+    """A family whose SGLang pipeline sizes references itself (``sglang_reference_sizing``:
+    Qwen-Image-Edit, Edit-Plus) rolls out on SGLang only when the adapter's
+    ``reference_area`` sizes every reference as SGLang does, else the replay would feed the
+    transformer another reference grid than SGLang's DiT saw. SGLang's sizing is read from its
+    own config code (so a server patched to another area is what this sees); where SGLang does
+    not import, from the area SGLang 0.5.23 hard-codes."""
+    from trainer.models import adapter_class
+
+    try:
+        cls = adapter_class(model.adapter_path)
+    except ValueError:
+        return []  # the adapter path's own problem is reported by preflight's model checks
+    sizing = getattr(cls, "sglang_reference_sizing", None)
+    if sizing is None:
+        return []
+    from trainer.models.qwen_image_edit import SGLANG_REFERENCE_AREA, reference_dimensions
+
+    ours = (model.adapter_options or {}).get("reference_area")
+    served = _sglang_reference_sizes(*sizing)
+    if served is None:
+        served = {probe: reference_dimensions(SGLANG_REFERENCE_AREA, *probe) for probe in PROBE_SIZES}
+    square = served[PROBE_SIZES[0]]
+    area = square[0] * square[1]
+    if ours is not None and all(reference_dimensions(ours, *probe) == size
+                                for probe, size in served.items()):
+        return []
+    setting = ("unset (each reference at the output geometry)" if ours is None
+               else f"{ours} pixels")
+    return [f"model family {cls.family!r} on SGLang: SGLang sizes each reference at about {area} "
+            f"pixels at its aspect ratio (a square one at {square[0]}x{square[1]}: "
+            f"{sizing[0].rpartition('.')[2]}.{sizing[1]}), but model.adapter_options.reference_area "
+            f"is {setting}, so the replay would not see the reference grid SGLang's DiT saw: set "
+            f"model.adapter_options.reference_area={area}"]
+
+
 def sglang_config_problems(model: Any, rollout: Any, lora: Any) -> list[str]:
     """Preflight: why a run with these ``[model]``, ``[rollout]`` and ``[lora]`` sections
     cannot train on its SGLang servers ([] when it can)."""
@@ -420,6 +475,7 @@ def sglang_config_problems(model: Any, rollout: Any, lora: Any) -> list[str]:
     problems = [f"rollout.sampling: {p}" for p in
                 stock_problems(r.sampling.to_dict(), extension=bool(r.sglang_extension))]
     problems += _family_problems(model.adapter_path, bool(r.sglang_extension))
+    problems += _reference_area_problems(model)
     if r.sglang_weight_sync not in ("tensor", "disk"):
         problems.append(f"rollout.sglang_weight_sync must be 'tensor' or 'disk', "
                         f"got {r.sglang_weight_sync!r}")
