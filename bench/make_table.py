@@ -55,10 +55,9 @@ HEADLINES = (
              (("toy_main_job", "toy-seeds-0-42-1234", "eval_color_change"),
               ("toy_main_job", "toy-seeds-0-42-1234", "eval_count_change"),
               ("toy_main_job", "toy-seeds-0-42-1234", "eval_position_change")), device="cpu"),
-    Headline("same, default seeds: wall time of the whole run, alone on 2 CPU cores",
-             (("toy_main_job", "toy-seeds-0-42-1234", "wall_s"),),
-             "stale: measured with Flow-GRPO, before the recipe took Flow-GRPO-Fast (its time "
-             "to +0.10: the Algorithms table)", device="cpu"),
+    Headline("same, default seeds: wall time of the whole run",
+             (("toy_main_job", "toy-seeds-0-42-1234", "wall_s"),), "alone on 2 CPU cores",
+             device="cpu"),
     Headline("one training step, 8-layer Qwen-Image-shaped model, 8 x 384², LoRA / full, "
              "recipe defaults",
              (("bench_step", "qwen8l-lora", "step_s"), ("bench_step", "qwen8l-full", "step_s"))),
