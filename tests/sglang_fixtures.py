@@ -513,6 +513,40 @@ def serve_sglang(model_dir, *, weights_api: bool = True, extension: bool = False
             undo_area()
 
 
+def stock_rollout(url: str, **fields: Any) -> dict:
+    """One rollout request in SGLang's own schema, without the trainer's extension block (stock
+    behaviour): a 4-step SDE rollout of one output with the trajectory and the denoising env
+    returned; ``fields`` adds the family's (prompt, geometry, ``image_path``) or overrides."""
+    import urllib.request
+
+    import msgspec
+
+    from trainer.engine.sglang.rollout import decode_tensors
+
+    body = {"seed": 5, "num_inference_steps": 4, "num_outputs_per_prompt": 1,
+            "guidance_scale": 1.0, "rollout": True, "rollout_sde_type": "sde",
+            "rollout_noise_level": 0.7, "rollout_sde_step_indices": [1, 2],
+            "rollout_return_dit_trajectory": True, "rollout_return_denoising_env": True,
+            "rollout_debug_mode": False, "suppress_logs": True, **fields}
+    request = urllib.request.Request(url + "/rollout/generate", data=json.dumps(body).encode(),
+                                     method="POST", headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as reply:
+        answer = decode_tensors(msgspec.msgpack.decode(reply.read()))
+    assert isinstance(answer, list) and len(answer) == 1
+    return answer[0]
+
+
+def tensor_shapes(obj: Any) -> list[tuple[int, ...]]:
+    """The shape of every tensor in a nested answer (dicts, lists, tuples)."""
+    if isinstance(obj, torch.Tensor):
+        return [tuple(obj.shape)]
+    if isinstance(obj, dict):
+        return [s for v in obj.values() for s in tensor_shapes(v)]
+    if isinstance(obj, (list, tuple)):
+        return [s for v in obj for s in tensor_shapes(v)]
+    return []
+
+
 def trainer_overrides(model_dir, url: str, tmp_path, sampling: dict | None = None) -> list[str]:
     """Config overrides of a tiny run of ``model_dir``'s family against the SGLang server at
     ``url``."""

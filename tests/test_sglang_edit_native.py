@@ -22,16 +22,14 @@ CPU is minutes per candidate); the adapter is configured with the same area, as 
 from __future__ import annotations
 
 import json
-import urllib.request
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from sglang_fixtures import require_sglang, serve_sglang
+from sglang_fixtures import require_sglang, serve_sglang, stock_rollout, tensor_shapes
 
-from trainer.engine.sglang.rollout import decode_tensors
 from trainer.media import ImageRef
 from trainer.models.geometry import Geometry
 
@@ -73,30 +71,8 @@ def references(server, pictures, first: str) -> tuple:
 
 def _raw_rollout(url: str, paths: list[str]) -> dict:
     """One SGLang rollout request in its own schema (no extension block: stock behaviour)."""
-    import msgspec
-
-    body = {"prompt": "make it blue", "seed": 5, "width": W, "height": H,
-            "num_inference_steps": 4, "num_outputs_per_prompt": 1, "guidance_scale": 1.0,
-            "true_cfg_scale": 1.0, "rollout": True, "rollout_sde_type": "sde",
-            "rollout_noise_level": 0.7, "rollout_sde_step_indices": [1, 2],
-            "rollout_return_dit_trajectory": True, "rollout_return_denoising_env": True,
-            "rollout_debug_mode": False, "suppress_logs": True, "image_path": paths}
-    request = urllib.request.Request(url + "/rollout/generate", data=json.dumps(body).encode(),
-                                     method="POST", headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=300) as reply:
-        answer = decode_tensors(msgspec.msgpack.decode(reply.read()))
-    assert isinstance(answer, list) and len(answer) == 1
-    return answer[0]
-
-
-def _tensor_shapes(obj) -> list[tuple[int, ...]]:
-    if isinstance(obj, torch.Tensor):
-        return [tuple(obj.shape)]
-    if isinstance(obj, dict):
-        return [s for v in obj.values() for s in _tensor_shapes(v)]
-    if isinstance(obj, (list, tuple)):
-        return [s for v in obj for s in _tensor_shapes(v)]
-    return []
+    return stock_rollout(url, prompt="make it blue", width=W, height=H, true_cfg_scale=1.0,
+                         image_path=paths)
 
 
 def test_stock_answer_has_the_reference_grids_but_not_their_latents(server, pictures):
@@ -117,7 +93,7 @@ def test_stock_answer_has_the_reference_grids_but_not_their_latents(server, pict
     assert torch.equal(grids, ours["reference_grids"][0])
     output_grid = [H // adapter.vae_scale_factor // 2, W // adapter.vae_scale_factor // 2]
     assert grids[0].tolist() != output_grid
-    shapes = _tensor_shapes(env)
+    shapes = tensor_shapes(env)
     latents = tuple(ours["image_latents"].shape)
     assert latents not in shapes and latents[1:] not in shapes, (latents, shapes)
     assert "batch.image_latent" in type(adapter).sglang_stock_refusal

@@ -19,16 +19,14 @@ travels as a file in SGLang's ``RolloutRequest.image_path``.
 from __future__ import annotations
 
 import json
-import urllib.request
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from sglang_fixtures import require_sglang, serve_sglang
+from sglang_fixtures import require_sglang, serve_sglang, stock_rollout, tensor_shapes
 
-from trainer.engine.sglang.rollout import decode_tensors
 from trainer.media import ImageRef
 from trainer.models.geometry import Geometry
 from wan_i2v_models import build_tiny_wan_i2v_dir
@@ -62,30 +60,8 @@ def frames(tmp_path_factory):
 
 def _rollout(url: str, frame: str) -> dict:
     """One SGLang rollout request (its own schema) with ``frame`` as the first frame."""
-    import msgspec
-
-    body = {"prompt": "a red panda walks", "seed": 5, "width": W, "height": H, "num_frames": F,
-            "num_inference_steps": 4, "num_outputs_per_prompt": 1, "guidance_scale": 1.0,
-            "rollout": True, "rollout_sde_type": "sde", "rollout_noise_level": 0.7,
-            "rollout_sde_step_indices": [1, 2], "rollout_return_dit_trajectory": True,
-            "rollout_return_denoising_env": True, "rollout_debug_mode": False,
-            "suppress_logs": True, "image_path": [frame]}
-    request = urllib.request.Request(url + "/rollout/generate", data=json.dumps(body).encode(),
-                                     method="POST", headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=300) as reply:
-        answer = decode_tensors(msgspec.msgpack.decode(reply.read()))
-    assert isinstance(answer, list) and len(answer) == 1
-    return answer[0]
-
-
-def _tensor_shapes(obj) -> list[tuple[int, ...]]:
-    if isinstance(obj, torch.Tensor):
-        return [tuple(obj.shape)]
-    if isinstance(obj, dict):
-        return [s for v in obj.values() for s in _tensor_shapes(v)]
-    if isinstance(obj, (list, tuple)):
-        return [s for v in obj for s in _tensor_shapes(v)]
-    return []
+    return stock_rollout(url, prompt="a red panda walks", width=W, height=H, num_frames=F,
+                         image_path=[frame])
 
 
 def test_sglang_takes_the_first_frame_by_path_and_returns_no_condition_latents(server, frames):
@@ -115,7 +91,7 @@ def test_sglang_takes_the_first_frame_by_path_and_returns_no_condition_latents(s
     assert prompt.shape == ours["prompt_embeds"][0].shape
     assert float((prompt - ours["prompt_embeds"][0]).abs().max()) < 1e-5
     condition = tuple(ours["condition_latents"].shape)
-    shapes = _tensor_shapes(red["denoising_env"])
+    shapes = tensor_shapes(red["denoising_env"])
     assert condition not in shapes and condition[1:] not in shapes, (condition, shapes)
     assert "batch.image_latent" in adapter_class("wan_i2v").sglang_stock_refusal
 
