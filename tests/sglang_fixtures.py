@@ -600,6 +600,35 @@ def assert_served_and_sampled_from(trainer, adapter, server, old, new, step: int
     assert float((old_replay - batch.log_probs).abs().max()) > 2e-3
 
 
+def train_through_extension(cfg, server, adapter, steps: int = 2) -> int:
+    """Train ``steps`` steps of ``cfg`` with SGLang and the trainer's extension, checking each:
+    the weights go through our ipc/ transport (no SGLang weight route is called), the policy
+    version is committed on the server, the first update's ratio is 1, and the next rollout is
+    sampled by the new weights (``assert_served_and_sampled_from``). Returns the rollout
+    requests SGLang served during the run."""
+    from trainer.engine.sglang.transport import SGLangTransport
+    from trainer.loop import Trainer
+    from trainer.preflight import preflight
+
+    preflight(cfg, world_size=1, device="cpu")
+    weight_routes, rollouts = len(server.weight_requests), len(server.requests)
+    trainer = Trainer(cfg, rank=0, world=1, device="cpu")
+    try:
+        assert isinstance(trainer.sender, SGLangTransport)
+        for step in range(steps):
+            old = policy_copy(trainer, adapter)
+            metrics = trainer.train_step(step)
+            new = policy_copy(trainer, adapter)
+            assert trainer.policy_version == trainer.engine.committed_version == step + 1
+            if step == 0:
+                assert abs(metrics["train/first_update_ratio_mean"] - 1.0) <= 2e-4
+            assert_served_and_sampled_from(trainer, adapter, server, old, new, step)
+        assert server.weight_requests[weight_routes:] == []
+    finally:
+        trainer.close()
+    return len(server.requests) - rollouts
+
+
 def policy_copy(trainer, adapter):
     """Our diffusers transformer holding the trainer's current weights (a replay model)."""
     names = trainer._engine_names()

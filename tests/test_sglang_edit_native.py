@@ -240,29 +240,10 @@ def test_training_run_through_the_extension_samples_from_the_weights_it_synced(s
     references reach SGLang's native pipeline, each step's weights go through our ipc/
     transport into the native DiT, the first update's ratio is 1, and the next rollout's
     log-probs are the new policy's replay, not the old one's."""
-    from sglang_fixtures import assert_served_and_sampled_from, policy_copy
+    from sglang_fixtures import train_through_extension
 
     from trainer.config import load_config
-    from trainer.engine.sglang.transport import SGLangTransport
-    from trainer.loop import Trainer
-    from trainer.preflight import preflight
 
-    adapter = server.adapter
     cfg = load_config("tiny", _run_overrides(server, pictures, tmp_path) + ["train.lr=2e-2"])
-    preflight(cfg, world_size=1, device="cpu")
-    weight_routes, rollouts = len(server.weight_requests), len(server.requests)
-    trainer = Trainer(cfg, rank=0, world=1, device="cpu")
-    try:
-        assert isinstance(trainer.sender, SGLangTransport)
-        for step in range(2):
-            old = policy_copy(trainer, adapter)
-            metrics = trainer.train_step(step)
-            new = policy_copy(trainer, adapter)
-            assert trainer.policy_version == trainer.engine.committed_version == step + 1
-            if step == 0:
-                assert metrics["train/first_update_ratio_mean"] == pytest.approx(1.0, abs=2e-4)
-            assert_served_and_sampled_from(trainer, adapter, server, old, new, step)
-        assert server.weight_requests[weight_routes:] == []
-        assert len(server.requests) - rollouts == 16
-    finally:
-        trainer.close()
+    # two training rollouts and two checking ones, 4 candidates each, all sampled by SGLang
+    assert train_through_extension(cfg, server, server.adapter) == 16
